@@ -1,0 +1,146 @@
+// flashattn public API: the entry points.
+//
+// All tensors are caller-allocated views (tensor.hpp). All tensors of one call
+// live on one device; the backend follows from it (CPU tensors run on the CPU
+// backend, CUDA tensors on the best CUDA path built for that GPU). CUDA calls
+// are ordered on `Options::stream` and return without synchronising.
+//
+// Shapes (b = batch, s = sequence length, h = heads, d = head dim):
+//   q   [b, s_q, h_q, d]      k, v [b, s_k, h_k, d]       out [b, s_q, h_q, d]
+//   lse [b, h_q, s_q] fp32, natural log of the softmax denominator
+// The semantics (visibility, order of operations, empty rows, dropout) are in
+// semantics.hpp and docs/semantics.md; every backend computes that function.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "flashattn/error.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn {
+
+enum class Backend : std::uint8_t {
+  kAuto,  // from the tensors' device
+  kCPU,
+  kCUDA,
+};
+
+struct Options {
+  // Scale applied to q·k. NaN (the default) means 1/sqrt(d).
+  float softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  // Causal masking, aligned to the bottom-right corner: the same as window (-1, 0).
+  bool causal = false;
+  // Sliding window (left, right); -1 is unbounded. Query i sees key j when
+  //   i + s_k - s_q - left <= j <= i + s_k - s_q + right.
+  int window_left = -1;
+  int window_right = -1;
+  // scores become softcap * tanh(scores / softcap); 0 turns it off.
+  float softcap = 0.0f;
+  // fp32 ALiBi slopes, [h_q] or [b, h_q]; undefined = none.
+  // The bias added to score (i, j) is -slope * |i + s_k - s_q - j|.
+  Tensor alibi_slopes;
+  // Dropout on the attention probabilities, with a counter-based Philox RNG:
+  // the kept set is a pure function of (seed, offset, batch, head, i, j).
+  float dropout_p = 0.0f;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  // Make the backward bit-identical across runs and thread counts.
+  bool deterministic = false;
+  Backend backend = Backend::kAuto;
+  // cudaStream_t for CUDA calls (nullptr = the legacy default stream).
+  void* stream = nullptr;
+  // CPU backend threads; 0 = the OpenMP default.
+  int num_threads = 0;
+  // Debug output for small problems: fp32 [b, h_q, s_q, s_k] (varlen: [h_q, total_q,
+  // max_seqlen_k]), written with the attention probabilities after dropout and before
+  // the 1/(1-p) scaling: a dropped element is 0, a kept one is P(i, j). Undefined = off.
+  Tensor return_probs;
+};
+
+// Optional caller-provided scratch memory on the call's device. When absent
+// (size 0) and the call needs scratch, the library allocates it stream-ordered.
+struct Workspace {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+
+// ---------------------------------------------------------------- dense batch
+
+// out = softmax(mask(alibi(softcap(scale * q k^T)))) v, with dropout; lse optional.
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+             const Tensor& lse, const Options& opts = {});
+
+// Gradients of forward. `out` and `lse` are forward's outputs for the same
+// arguments. dk and dv are summed over the query heads of each GQA group.
+void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+              const Tensor& out, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+              const Tensor& dv, const Options& opts = {}, Workspace workspace = {});
+
+// Bytes of scratch backward wants (fp32 accumulators); 0 if none.
+std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Options& opts = {});
+
+// ------------------------------------------------------- variable length (packed)
+
+// q [total_q, h_q, d], k/v [total_k, h_k, d], out [total_q, h_q, d], lse [h_q, total_q].
+// cu_seqlens_q/_k: int32 [b + 1], non-decreasing, starting at 0, ending at most at the
+// tensor's first dimension. seqused_k (optional, int32 [b]): keys used per sequence
+// (the first seqused_k[i] keys of sequence i), at most its length.
+struct VarlenArgs {
+  Tensor q, k, v;
+  Tensor cu_seqlens_q, cu_seqlens_k;
+  Tensor seqused_k;
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;
+};
+
+void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse,
+                    const Options& opts = {});
+
+void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& out,
+                     const Tensor& lse, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                     const Options& opts = {}, Workspace workspace = {});
+
+std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options& opts = {});
+
+// ------------------------------------------------------------------ KV cache
+
+// Inference against a KV cache.
+//   q [b, s_q, h_q, d]
+//   dense cache:  k_cache, v_cache [b_cache, s_cache, h_k, d]
+//   paged cache:  k_cache, v_cache [num_blocks, block_size, h_k, d] and
+//                 block_table int32 [b, max_blocks_per_seq]; key t of sequence i lives in
+//                 block block_table[i][t / block_size], row t % block_size.
+//   cache_seqlens int32 [b]: keys already in the cache for each sequence.
+//   cache_batch_idx int32 [b] (optional, dense caches only): cache row of each sequence.
+//   k_new, v_new [b, s_new, h_k, d] (optional): written into the cache in place at
+//                 positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1 before attending.
+// Sequence i then attends to s_k = cache_seqlens[i] + s_new keys. cache_seqlens is not
+// updated: the caller advances it. num_splits splits the keys for split-KV decoding
+// (1 = no split, 0 = heuristic); partial results are merged by their log-sum-exp.
+struct KVCacheArgs {
+  Tensor q;
+  Tensor k_cache, v_cache;
+  Tensor cache_seqlens;
+  Tensor block_table;
+  Tensor cache_batch_idx;
+  Tensor k_new, v_new;
+  int num_splits = 0;
+};
+
+void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
+                     const Options& opts = {}, Workspace workspace = {});
+
+std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts = {});
+
+// ------------------------------------------------------------------ utilities
+
+// True when this build has the CUDA backend and a CUDA device is visible.
+bool cuda_available() noexcept;
+
+// Library version, e.g. "0.1.0".
+const char* version() noexcept;
+
+}  // namespace flashattn

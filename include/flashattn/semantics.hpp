@@ -1,0 +1,211 @@
+// flashattn semantics: the function every backend computes, compiled for host and device.
+//
+// This header is the single definition of the rules that must agree bit for bit
+// between the CPU backend, the CUDA kernels and the test oracle:
+//   - which keys a query sees (the visibility rule, bottom-right aligned),
+//   - the order of score operations (scale, softcap, ALiBi, mask, softmax),
+//   - which probabilities dropout keeps (Philox4x32-10, a pure function of
+//     (seed, offset, batch, head, i, j)),
+//   - what a row that sees no key produces (out 0, lse -inf, gradients 0),
+//   - how partial results over key splits merge (by log-sum-exp).
+// docs/semantics.md states the same in prose. Nothing here allocates or throws.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define FA_HD __host__ __device__ __forceinline__
+#else
+#define FA_HD inline
+#endif
+
+namespace flashattn::semantics {
+
+// ------------------------------------------------------------------ visibility
+
+// A resolved mask: window (left, right), -1 = unbounded on that side.
+// causal means right = 0 (with any left).
+struct Mask {
+  int left = -1;
+  int right = -1;
+
+  FA_HD static Mask make(bool causal, int window_left, int window_right) {
+    Mask m;
+    m.left = window_left < 0 ? -1 : window_left;
+    m.right = causal ? 0 : (window_right < 0 ? -1 : window_right);
+    return m;
+  }
+  FA_HD bool unbounded() const { return left < 0 && right < 0; }
+};
+
+// Query i of a sequence with s_q queries and s_k keys sees key j when
+//   i + s_k - s_q - left <= j <= i + s_k - s_q + right   and 0 <= j < s_k.
+FA_HD bool key_visible(std::int64_t i, std::int64_t j, std::int64_t s_q, std::int64_t s_k,
+                       Mask m) {
+  if (j < 0 || j >= s_k) return false;
+  const std::int64_t diag = i + s_k - s_q;
+  if (m.left >= 0 && j < diag - m.left) return false;
+  if (m.right >= 0 && j > diag + m.right) return false;
+  return true;
+}
+
+// The visible keys of query i form one interval [begin, end); empty when begin >= end.
+struct KeyRange {
+  std::int64_t begin;
+  std::int64_t end;
+  FA_HD bool empty() const { return begin >= end; }
+};
+
+FA_HD KeyRange visible_keys(std::int64_t i, std::int64_t s_q, std::int64_t s_k, Mask m) {
+  const std::int64_t diag = i + s_k - s_q;
+  std::int64_t b = m.left >= 0 ? diag - m.left : 0;
+  std::int64_t e = m.right >= 0 ? diag + m.right + 1 : s_k;
+  if (b < 0) b = 0;
+  if (e > s_k) e = s_k;
+  return {b, e};
+}
+
+// The keys visible to any query of rows [i0, i1): the union of their intervals.
+FA_HD KeyRange visible_keys_of_rows(std::int64_t i0, std::int64_t i1, std::int64_t s_q,
+                                    std::int64_t s_k, Mask m) {
+  KeyRange first = visible_keys(i0, s_q, s_k, m);
+  KeyRange last = visible_keys(i1 - 1, s_q, s_k, m);
+  KeyRange r{first.begin, last.end};
+  if (r.begin < 0) r.begin = 0;
+  if (r.end > s_k) r.end = s_k;
+  return r;
+}
+
+// ------------------------------------------------------------------ scores
+
+// The score of (i, j) from the raw dot product q_i . k_j, before masking:
+//   scale, then softcap (softcap * tanh(x / softcap), off when softcap == 0),
+//   then ALiBi (-slope * |i + s_k - s_q - j|, off when slope == 0).
+FA_HD float alibi_bias(float slope, std::int64_t i, std::int64_t j, std::int64_t s_q,
+                       std::int64_t s_k) {
+  std::int64_t dist = i + s_k - s_q - j;
+  if (dist < 0) dist = -dist;
+  return -slope * static_cast<float>(dist);
+}
+
+template <typename T>
+FA_HD T score(T dot, T scale, T softcap, T slope, std::int64_t i, std::int64_t j,
+              std::int64_t s_q, std::int64_t s_k) {
+  T x = dot * scale;
+  if (softcap > T(0)) x = softcap * std::tanh(x / softcap);
+  if (slope != T(0)) {
+    std::int64_t dist = i + s_k - s_q - j;
+    if (dist < 0) dist = -dist;
+    x -= slope * static_cast<T>(dist);
+  }
+  return x;
+}
+
+// d score / d (scale * dot) for the softcap: 1 - tanh^2, written through the capped
+// score itself (x_capped = softcap * tanh(.)), so the backward needs no second tanh.
+template <typename T>
+FA_HD T softcap_grad(T capped_without_bias, T softcap) {
+  if (!(softcap > T(0))) return T(1);
+  const T t = capped_without_bias / softcap;
+  return T(1) - t * t;
+}
+
+// ------------------------------------------------------------------ empty rows
+
+// A row that sees no key: output 0, lse -inf, and zero gradients. Never NaN.
+FA_HD float empty_row_lse() { return -INFINITY; }
+
+// ------------------------------------------------------------------ dropout
+
+// Philox4x32-10 (Salmon et al., SC'11).
+struct Philox4 {
+  std::uint32_t x[4];
+};
+
+FA_HD std::uint32_t mulhi32(std::uint32_t a, std::uint32_t b) {
+  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(a) * b) >> 32);
+}
+
+FA_HD Philox4 philox4x32_10(std::uint32_t c0, std::uint32_t c1, std::uint32_t c2,
+                            std::uint32_t c3, std::uint32_t k0, std::uint32_t k1) {
+  constexpr std::uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
+  constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    const std::uint32_t hi0 = mulhi32(kM0, c0), lo0 = kM0 * c0;
+    const std::uint32_t hi1 = mulhi32(kM1, c2), lo1 = kM1 * c2;
+    const std::uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return {{c0, c1, c2, c3}};
+}
+
+// Dropout keeps an element when its 32-bit random word r satisfies r >= threshold,
+// threshold = floor(p * 2^32): probability 1 - p up to 2^-32. Kept values are scaled
+// by 1 / (1 - p).
+FA_HD std::uint32_t dropout_threshold(float p) {
+  if (!(p > 0.0f)) return 0u;
+  const double t = static_cast<double>(p) * 4294967296.0;
+  return t >= 4294967295.0 ? 4294967295u : static_cast<std::uint32_t>(t);
+}
+
+// One Philox call yields the random words of four elements:
+//   rows i and i ^ 8 (same i >> 4 and i & 7), columns j and j ^ 1 (same j >> 1).
+// This is the set one thread holds in an m16n8 tensor-core accumulator, so a
+// kernel makes one call per four probabilities. The counter is
+//   (j >> 1, (i >> 4) << 3 | (i & 7), batch * h_q + head, offset low word)
+// and the key (seed low word, seed high word ^ offset high word).
+struct DropoutRng {
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  std::uint32_t threshold = 0;  // dropout_threshold(p); 0 = no dropout
+
+  FA_HD Philox4 block(std::uint32_t bh, std::int64_t i, std::int64_t j) const {
+    const std::uint32_t c0 = static_cast<std::uint32_t>(j >> 1);
+    const std::uint32_t c1 = static_cast<std::uint32_t>(((i >> 4) << 3) | (i & 7));
+    const std::uint32_t k0 = static_cast<std::uint32_t>(seed);
+    const std::uint32_t k1 =
+        static_cast<std::uint32_t>(seed >> 32) ^ static_cast<std::uint32_t>(offset >> 32);
+    return philox4x32_10(c0, c1, bh, static_cast<std::uint32_t>(offset), k0, k1);
+  }
+  // Which of block()'s four words belongs to (i, j).
+  FA_HD static int word(std::int64_t i, std::int64_t j) {
+    return static_cast<int>(((i >> 3) & 1) * 2 + (j & 1));
+  }
+  // The keep decision for element (batch, head, i, j) with bh = batch * h_q + head.
+  FA_HD bool keep(std::uint32_t bh, std::int64_t i, std::int64_t j) const {
+    if (threshold == 0u) return true;
+    return block(bh, i, j).x[word(i, j)] >= threshold;
+  }
+};
+
+// ------------------------------------------------------------------ split merge
+
+// Partial results over disjoint key splits s = 0..n-1, each (o_s, lse_s) normalised
+// over its own keys, merge exactly:
+//   lse = log(sum_s exp(lse_s)),   o = sum_s exp(lse_s - lse) * o_s.
+// A split that saw no key has lse_s = -inf and weight 0; if all did, lse = -inf, o = 0.
+template <typename T>
+FA_HD T merged_lse(const T* lse, int n, std::int64_t stride) {
+  T m = -INFINITY;
+  for (int s = 0; s < n; ++s) m = lse[s * stride] > m ? lse[s * stride] : m;
+  if (m == -INFINITY) return -INFINITY;
+  T sum = 0;
+  for (int s = 0; s < n; ++s) sum += std::exp(lse[s * stride] - m);
+  return m + std::log(sum);
+}
+
+template <typename T>
+FA_HD T merge_weight(T lse_s, T lse) {
+  return lse_s == -INFINITY ? T(0) : std::exp(lse_s - lse);
+}
+
+}  // namespace flashattn::semantics

@@ -1,0 +1,188 @@
+// Internal: the normalised problem description that argument checking builds and
+// every backend consumes. One struct covers dense batches, variable-length packing
+// and KV caches (dense or paged), so a backend has one forward and one backward.
+//
+// It is trivially copyable: CUDA kernels take it by value. Pointers are on the
+// call's device. All strides are in elements.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashattn/semantics.hpp"
+#include "flashattn/tensor.hpp"
+
+namespace flashattn::detail {
+
+struct FwdParams {
+  DType dtype = DType::kFloat16;  // of q, k, v, out (and dout, dq, dk, dv)
+  int batch = 0;                  // sequences
+  int h_q = 0, h_k = 0, d = 0;    // heads and head dim; h_q % h_k == 0
+  int h_ratio = 1;                // h_q / h_k: query head h uses KV head h / h_ratio
+
+  // q, out: element (seq b, row i, head h, dim c) is at
+  //   base(b) + i * row_stride + h * head_stride + c
+  // with base(b) = b * batch_stride (dense) or cu_seqlens_q[b] * row_stride (varlen).
+  const void* q = nullptr;
+  std::int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  void* out = nullptr;
+  std::int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  // lse (fp32, may be null): element (b, h, i) at b * lse_batch_stride + h * lse_head_stride + i
+  // (dense [b, h_q, s_q]) or h * lse_head_stride + cu_seqlens_q[b] + i (varlen [h_q, total_q]).
+  float* lse = nullptr;
+  std::int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // k, v: key j of sequence b, KV head g, dim c is at
+  //   dense:  kbase(b) + j * row_stride + g * head_stride + c, with kbase(b) =
+  //           cache_row(b) * batch_stride (dense/cache) or cu_seqlens_k[b] * row_stride (varlen);
+  //   paged:  block_table[b][j / block_size] * batch_stride + (j % block_size) * row_stride + ...
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  std::int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+
+  // Lengths. Dense: every sequence has seqlen_q queries and seqlen_k keys.
+  // Varlen: seqlen_q/seqlen_k are max_seqlen_q/max_seqlen_k (upper bounds).
+  int seqlen_q = 0, seqlen_k = 0;
+  const int* cu_seqlens_q = nullptr;  // [batch + 1] or null
+  const int* cu_seqlens_k = nullptr;  // [batch + 1] or null
+  const int* seqused_k = nullptr;     // [batch] or null: overrides the key count
+
+  // KV cache. With cache_seqlens, sequence b has cache_seqlens[b] + seqlen_k_new keys.
+  const int* cache_seqlens = nullptr;    // [batch] or null
+  int seqlen_k_new = 0;                  // keys appended by this call (already in the cache)
+  const int* cache_batch_idx = nullptr;  // [batch] or null: cache row of sequence b
+  const int* block_table = nullptr;      // [batch, max_blocks] or null (dense)
+  std::int64_t block_table_batch_stride = 0;
+  int block_size = 0;  // rows per block (paged only)
+
+  // Scores.
+  float scale = 1.0f;
+  float softcap = 0.0f;  // 0 = off
+  semantics::Mask mask;
+  const float* alibi_slopes = nullptr;  // [h_q] or [b, h_q]
+  std::int64_t alibi_batch_stride = 0;  // 0 when [h_q]
+
+  // Dropout.
+  float dropout_p = 0.0f;
+  float rp_dropout = 1.0f;  // 1 / (1 - p)
+  semantics::DropoutRng rng;
+
+  // Debug: probabilities after dropout (before 1/(1-p)), fp32, or null.
+  // Element (b, h, i, j) at b * probs_batch_stride + h * probs_head_stride + i * probs_row_stride + j
+  // (varlen: i is the packed row cu_seqlens_q[b] + i and probs_batch_stride is 0).
+  float* probs = nullptr;
+  std::int64_t probs_batch_stride = 0, probs_head_stride = 0, probs_row_stride = 0;
+
+  // Split-KV: the keys of each sequence are split into num_splits contiguous chunks;
+  // partials go to the workspace and are merged by log-sum-exp. 1 = no split.
+  int num_splits = 1;
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+
+  // Execution.
+  bool deterministic = false;
+  int num_threads = 0;   // CPU
+  void* stream = nullptr;  // CUDA
+  int device_index = 0;    // CUDA
+
+  // ---- per-sequence helpers (host and device) ----
+  FA_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FA_HD bool is_paged() const { return block_table != nullptr; }
+
+  FA_HD int seq_len_q(int b) const {
+    return cu_seqlens_q ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : seqlen_q;
+  }
+  FA_HD int seq_len_k(int b) const {
+    if (seqused_k) return seqused_k[b];
+    if (cache_seqlens) return cache_seqlens[b] + seqlen_k_new;
+    if (cu_seqlens_k) return cu_seqlens_k[b + 1] - cu_seqlens_k[b];
+    return seqlen_k;
+  }
+  FA_HD std::int64_t q_offset(int b) const {
+    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * q_row_stride
+                        : std::int64_t(b) * q_batch_stride;
+  }
+  FA_HD std::int64_t o_offset(int b) const {
+    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * o_row_stride
+                        : std::int64_t(b) * o_batch_stride;
+  }
+  FA_HD std::int64_t lse_offset(int b, int h) const {
+    return cu_seqlens_q ? std::int64_t(h) * lse_head_stride + cu_seqlens_q[b]
+                        : std::int64_t(b) * lse_batch_stride + std::int64_t(h) * lse_head_stride;
+  }
+  // Packed row index of query 0 of sequence b (varlen), else 0.
+  FA_HD std::int64_t q_row0(int b) const { return cu_seqlens_q ? cu_seqlens_q[b] : 0; }
+  FA_HD int cache_row(int b) const { return cache_batch_idx ? cache_batch_idx[b] : b; }
+  // Element offset of key j of sequence b, KV head g (for k; v uses its own strides).
+  FA_HD std::int64_t k_offset(int b, std::int64_t j, int g) const {
+    return kv_row_offset(b, j, k_batch_stride, k_row_stride) + std::int64_t(g) * k_head_stride;
+  }
+  FA_HD std::int64_t v_offset(int b, std::int64_t j, int g) const {
+    return kv_row_offset(b, j, v_batch_stride, v_row_stride) + std::int64_t(g) * v_head_stride;
+  }
+  FA_HD std::int64_t kv_row_offset(int b, std::int64_t j, std::int64_t batch_stride,
+                                   std::int64_t row_stride) const {
+    if (block_table) {
+      const int blk = block_table[std::int64_t(b) * block_table_batch_stride + j / block_size];
+      return std::int64_t(blk) * batch_stride + (j % block_size) * row_stride;
+    }
+    if (cu_seqlens_k) return (std::int64_t(cu_seqlens_k[b]) + j) * row_stride;
+    return std::int64_t(cache_row(b)) * batch_stride + j * row_stride;
+  }
+  FA_HD float alibi_slope(int b, int h) const {
+    return alibi_slopes ? alibi_slopes[std::int64_t(b) * alibi_batch_stride + h] : 0.0f;
+  }
+  // Dropout's (batch, head) word: batch * h_q + head.
+  FA_HD std::uint32_t dropout_bh(int b, int h) const {
+    return static_cast<std::uint32_t>(b) * static_cast<std::uint32_t>(h_q) +
+           static_cast<std::uint32_t>(h);
+  }
+};
+
+struct BwdParams : FwdParams {
+  // dout like out; dq like q; dk, dv like k, v (dense or varlen, never paged).
+  const void* dout = nullptr;
+  std::int64_t do_batch_stride = 0, do_row_stride = 0, do_head_stride = 0;
+  void* dq = nullptr;
+  std::int64_t dq_batch_stride = 0, dq_row_stride = 0, dq_head_stride = 0;
+  void* dk = nullptr;
+  std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
+  void* dv = nullptr;
+  std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+
+  FA_HD std::int64_t do_offset(int b) const {
+    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * do_row_stride
+                        : std::int64_t(b) * do_batch_stride;
+  }
+  FA_HD std::int64_t dq_offset(int b) const {
+    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * dq_row_stride
+                        : std::int64_t(b) * dq_batch_stride;
+  }
+  FA_HD std::int64_t dk_offset(int b, std::int64_t j, int g) const {
+    return (cu_seqlens_k ? (std::int64_t(cu_seqlens_k[b]) + j) * dk_row_stride
+                         : std::int64_t(b) * dk_batch_stride + j * dk_row_stride) +
+           std::int64_t(g) * dk_head_stride;
+  }
+  FA_HD std::int64_t dv_offset(int b, std::int64_t j, int g) const {
+    return (cu_seqlens_k ? (std::int64_t(cu_seqlens_k[b]) + j) * dv_row_stride
+                         : std::int64_t(b) * dv_batch_stride + j * dv_row_stride) +
+           std::int64_t(g) * dv_head_stride;
+  }
+};
+
+// The in-place append of a KV-cache call: row r of k_new / v_new for sequence b goes
+// to cache position cache_seqlens[b] + r (through the block table when paged).
+struct AppendParams {
+  DType dtype = DType::kFloat16;
+  int batch = 0, h_k = 0, d = 0, seqlen_new = 0;
+  const void* k_new = nullptr;
+  const void* v_new = nullptr;
+  std::int64_t kn_batch_stride = 0, kn_row_stride = 0, kn_head_stride = 0;
+  std::int64_t vn_batch_stride = 0, vn_row_stride = 0, vn_head_stride = 0;
+  FwdParams cache;  // k/v (as non-const destinations), cache_seqlens, batch idx, block table
+  void* stream = nullptr;
+  int device_index = 0;
+};
+
+}  // namespace flashattn::detail

@@ -1,0 +1,28 @@
+// The CUDA backend when the library is built without CUDA: it reports itself
+// absent, and argument checking turns any CUDA call into a clear Unsupported error
+// before reaching the entry points below.
+#include "core/backend.hpp"
+#include "flashattn/error.hpp"
+
+namespace flashattn::detail::cuda {
+
+namespace {
+[[noreturn]] void not_built() {
+  throw Unsupported("flashattn", "backend", "a library built with the CUDA backend",
+                    "a build without CUDA (configure with FLASHATTN_CUDA=ON)");
+}
+}  // namespace
+
+bool built() noexcept { return false; }
+int device_count() noexcept { return 0; }
+int compute_capability(int) noexcept { return 0; }
+bool supports_head_dim(int) noexcept { return false; }
+void forward(const FwdParams&) { not_built(); }
+std::size_t forward_workspace_size(const FwdParams&) { return 0; }
+void backward(const BwdParams&) { not_built(); }
+std::size_t backward_workspace_size(const BwdParams&) { return 0; }
+void append_kv(const AppendParams&) { not_built(); }
+void* alloc_async(std::size_t, void*) { not_built(); }
+void free_async(void*, void*) {}
+
+}  // namespace flashattn::detail::cuda
