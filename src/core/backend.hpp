@@ -34,6 +34,11 @@ std::size_t forward_workspace_size(const FwdParams& p);
 void backward(const BwdParams& p);
 std::size_t backward_workspace_size(const BwdParams& p);
 void append_kv(const AppendParams& p);
+// Copies device memory to the host for argument validation (cu_seqlens, block tables,
+// cache lengths), ordered on the stream and synchronising it. Returns false, copying
+// nothing, when the stream is being captured into a CUDA graph: validation of index
+// contents is then skipped and the kernels must stay in bounds on their own.
+bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, void* stream);
 // Stream-ordered scratch allocation for calls given no workspace.
 void* alloc_async(std::size_t bytes, void* stream);
 void free_async(void* ptr, void* stream);

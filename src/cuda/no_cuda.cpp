@@ -22,6 +22,7 @@ std::size_t forward_workspace_size(const FwdParams&) { return 0; }
 void backward(const BwdParams&) { not_built(); }
 std::size_t backward_workspace_size(const BwdParams&) { return 0; }
 void append_kv(const AppendParams&) { not_built(); }
+bool copy_to_host_for_validation(void*, const void*, std::size_t, void*) { return false; }
 void* alloc_async(std::size_t, void*) { not_built(); }
 void free_async(void*, void*) {}
 
