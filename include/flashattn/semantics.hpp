@@ -183,7 +183,11 @@ struct DropoutRng {
   // The keep decision for element (batch, head, i, j) with bh = batch * h_q + head.
   FA_HD bool keep(std::uint32_t bh, std::int64_t i, std::int64_t j) const {
     if (threshold == 0u) return true;
-    return block(bh, i, j).x[word(i, j)] >= threshold;
+    const Philox4 r = block(bh, i, j);
+    const int w = word(i, j);
+    // A select chain rather than r.x[w]: a run-time index would put r in local memory.
+    const std::uint32_t bits = w == 0 ? r.x[0] : w == 1 ? r.x[1] : w == 2 ? r.x[2] : r.x[3];
+    return bits >= threshold;
   }
 };
 
