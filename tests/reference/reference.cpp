@@ -1,0 +1,266 @@
+#include "reference/reference.hpp"
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+
+#include "support/host_tensor.hpp"
+
+namespace flashattn::test {
+
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+
+// Rounds to the storage dtype in the naive variant; the identity in the exact oracle.
+struct Rounder {
+  bool exact;
+  DType dtype;
+  template <typename Acc>
+  Acc operator()(Acc x) const {
+    return exact ? x : static_cast<Acc>(round_to(dtype, static_cast<double>(x)));
+  }
+};
+
+// The rescale of kept probabilities: exact 1/(1-p), or the fp32 value the parameters carry.
+double keep_scale(const RefProblem& p, bool exact) {
+  if (!(p.dropout_p > 0.0)) return 1.0;
+  return exact ? 1.0 / (1.0 - p.dropout_p) : static_cast<float>(1.0 / (1.0 - p.dropout_p));
+}
+
+// The raw dot products q_i . k_j (accumulated in Acc) for one (sequence, head, row);
+// the score of a visible key, -inf for an invisible one.
+template <typename Acc>
+void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_dot, const Rounder& R,
+                std::vector<Acc>& dot, std::vector<Acc>& score) {
+  const RefSeq& s = p.seqs[sz(b)];
+  const int g = h / (p.h_q / p.h_k);
+  const Acc scale = static_cast<Acc>(p.scale), cap = static_cast<Acc>(p.softcap);
+  const Acc slope = static_cast<Acc>(p.slope(b, h));
+  dot.assign(sz(s.s_k), Acc(0));
+  score.assign(sz(s.s_k), static_cast<Acc>(kNegInf));
+  const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
+  for (std::int64_t j = 0; j < s.s_k; ++j) {
+    if (!semantics::key_visible(i, j, s.s_q, s.s_k, p.mask)) continue;
+    const double* kj = &s.k[sz((j * p.h_k + g) * p.d)];
+    Acc acc = 0;
+    for (int c = 0; c < p.d; ++c) acc += static_cast<Acc>(qi[c]) * static_cast<Acc>(kj[c]);
+    if (round_dot) acc = R(acc);
+    dot[sz(j)] = acc;
+    score[sz(j)] = semantics::score<Acc>(acc, scale, cap, slope, i, j, s.s_q, s.s_k);
+  }
+}
+
+template <typename Acc>
+std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact) {
+  const Rounder R{exact, dtype};
+  const Acc rp = static_cast<Acc>(keep_scale(p, exact));
+  std::vector<RefOutput> result(p.seqs.size());
+  std::vector<Acc> dot, score, prob;
+  for (int b = 0; b < static_cast<int>(p.seqs.size()); ++b) {
+    const RefSeq& s = p.seqs[sz(b)];
+    RefOutput& r = result[sz(b)];
+    r.out.assign(sz(std::int64_t(s.s_q) * p.h_q * p.d), 0.0);
+    r.lse.assign(sz(std::int64_t(p.h_q) * s.s_q), kNegInf);
+    r.probs.assign(sz(std::int64_t(p.h_q) * s.s_q * s.s_k), 0.0);
+    for (int h = 0; h < p.h_q; ++h) {
+      const int g = h / (p.h_q / p.h_k);
+      for (std::int64_t i = 0; i < s.s_q; ++i) {
+        row_scores<Acc>(p, b, h, i, /*round_dot=*/!exact, R, dot, score);
+        Acc m = static_cast<Acc>(kNegInf);
+        for (Acc x : score) m = x > m ? x : m;
+        if (m == static_cast<Acc>(kNegInf)) continue;  // no visible key: out 0, lse -inf
+        Acc sum = 0;
+        for (Acc x : score) sum += x == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(x - m);
+        const Acc lse = m + std::log(sum);
+        r.lse[sz(h * std::int64_t(s.s_q) + i)] = exact ? double(lse) : double(static_cast<float>(lse));
+        prob.assign(sz(s.s_k), Acc(0));
+        for (std::int64_t j = 0; j < s.s_k; ++j) {
+          if (score[sz(j)] == static_cast<Acc>(kNegInf)) continue;
+          const Acc pij = exact ? std::exp(score[sz(j)] - lse) : std::exp(score[sz(j)] - m) / sum;
+          const Acc kept = p.keep(b, h, i, j) ? pij : Acc(0);
+          r.probs[sz((h * std::int64_t(s.s_q) + i) * s.s_k + j)] = double(kept);
+          prob[sz(j)] = R(kept);
+        }
+        double* o = &r.out[sz((i * p.h_q + h) * p.d)];
+        for (int c = 0; c < p.d; ++c) {
+          Acc acc = 0;
+          for (std::int64_t j = 0; j < s.s_k; ++j)
+            if (prob[sz(j)] != Acc(0)) acc += prob[sz(j)] * static_cast<Acc>(s.v[sz((j * p.h_k + g) * p.d + c)]);
+          o[c] = double(R(static_cast<Acc>(acc * rp)));
+        }
+      }
+    }
+  }
+  return result;
+}
+
+template <typename Acc>
+std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact,
+                                    const std::vector<RefOutput>* forward) {
+  const Rounder R{exact, dtype};
+  const Acc rp = static_cast<Acc>(keep_scale(p, exact));
+  const Acc scale = static_cast<Acc>(p.scale), cap = static_cast<Acc>(p.softcap);
+  std::vector<RefGrads> result(p.seqs.size());
+  std::vector<Acc> dot, score, prob, dp;
+  for (int b = 0; b < static_cast<int>(p.seqs.size()); ++b) {
+    const RefSeq& s = p.seqs[sz(b)];
+    if (s.dout.size() != s.q.size()) throw std::invalid_argument("reference backward: dout missing");
+    RefGrads& gr = result[sz(b)];
+    std::vector<Acc> dq(s.q.size(), Acc(0)), dk(s.k.size(), Acc(0)), dv(s.v.size(), Acc(0));
+    for (int h = 0; h < p.h_q; ++h) {
+      const int g = h / (p.h_q / p.h_k);
+      for (std::int64_t i = 0; i < s.s_q; ++i) {
+        row_scores<Acc>(p, b, h, i, /*round_dot=*/false, R, dot, score);
+        Acc lse;
+        if (exact) {
+          Acc m = static_cast<Acc>(kNegInf);
+          for (Acc x : score) m = x > m ? x : m;
+          if (m == static_cast<Acc>(kNegInf)) continue;
+          Acc sum = 0;
+          for (Acc x : score) sum += x == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(x - m);
+          lse = m + std::log(sum);
+        } else {
+          lse = static_cast<Acc>((*forward)[sz(b)].lse[sz(h * std::int64_t(s.s_q) + i)]);
+          if (lse == static_cast<Acc>(kNegInf)) continue;
+        }
+        const double* doi = &s.dout[sz((i * p.h_q + h) * p.d)];
+        prob.assign(sz(s.s_k), Acc(0));
+        dp.assign(sz(s.s_k), Acc(0));
+        for (std::int64_t j = 0; j < s.s_k; ++j) {
+          if (score[sz(j)] == static_cast<Acc>(kNegInf)) continue;
+          prob[sz(j)] = std::exp(score[sz(j)] - lse);
+          if (!p.keep(b, h, i, j)) continue;
+          const Acc pk = exact ? prob[sz(j)] * rp : R(prob[sz(j)]);  // naive: rp applied below
+          Acc dpj = 0;
+          for (int c = 0; c < p.d; ++c) {
+            const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
+            dv[kv] += pk * static_cast<Acc>(doi[c]);
+            dpj += static_cast<Acc>(doi[c]) * static_cast<Acc>(s.v[kv]);
+          }
+          dp[sz(j)] = dpj * rp;
+        }
+        // D_i = sum_j P_ij dP_ij; the naive variant uses rowsum(dO * O) as a backend does.
+        Acc delta = 0;
+        if (exact) {
+          for (std::int64_t j = 0; j < s.s_k; ++j) delta += prob[sz(j)] * dp[sz(j)];
+        } else {
+          const double* oi = &(*forward)[sz(b)].out[sz((i * p.h_q + h) * p.d)];
+          for (int c = 0; c < p.d; ++c) delta += static_cast<Acc>(doi[c]) * static_cast<Acc>(oi[c]);
+        }
+        const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
+        Acc* dqi = &dq[sz((i * p.h_q + h) * p.d)];
+        for (std::int64_t j = 0; j < s.s_k; ++j) {
+          if (score[sz(j)] == static_cast<Acc>(kNegInf)) continue;
+          // d score / d dot: scale, times 1 - tanh^2 under the softcap.
+          Acc dscore = scale;
+          if (cap > Acc(0)) {
+            const Acc t = std::tanh(dot[sz(j)] * scale / cap);
+            dscore = scale * (Acc(1) - t * t);
+          }
+          const Acc ds = R(static_cast<Acc>(prob[sz(j)] * (dp[sz(j)] - delta) * dscore));
+          if (ds == Acc(0)) continue;
+          for (int c = 0; c < p.d; ++c) {
+            const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
+            dqi[c] += ds * static_cast<Acc>(s.k[kv]);
+            dk[kv] += ds * static_cast<Acc>(qi[c]);
+          }
+        }
+      }
+    }
+    auto finish = [&](const std::vector<Acc>& acc, Acc factor) {
+      std::vector<double> out(acc.size());
+      for (std::size_t e = 0; e < acc.size(); ++e) out[e] = double(R(static_cast<Acc>(acc[e] * factor)));
+      return out;
+    };
+    gr.dq = finish(dq, Acc(1));
+    gr.dk = finish(dk, Acc(1));
+    gr.dv = finish(dv, exact ? Acc(1) : rp);
+  }
+  return result;
+}
+
+}  // namespace
+
+double RefProblem::slope(int b, int h) const {
+  if (alibi.empty()) return 0.0;
+  return alibi[sz(alibi_per_batch ? std::int64_t(b) * h_q + h : h)];
+}
+
+bool RefProblem::keep(int b, int h, std::int64_t i, std::int64_t j) const {
+  if (!(dropout_p > 0.0)) return true;
+  const std::uint32_t bh = static_cast<std::uint32_t>(b) * static_cast<std::uint32_t>(h_q) +
+                           static_cast<std::uint32_t>(h);
+  return rng.keep(bh, i, j);
+}
+
+double RefProblem::resolve_scale(float softmax_scale, int d) {
+  if (std::isnan(softmax_scale)) return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  return softmax_scale;
+}
+
+void RefProblem::set_options(const Options& opts, const std::vector<float>& alibi_host, bool per_batch) {
+  scale = resolve_scale(opts.softmax_scale, d);
+  softcap = opts.softcap;
+  mask = semantics::Mask::make(opts.causal, opts.window_left, opts.window_right);
+  alibi.assign(alibi_host.begin(), alibi_host.end());
+  alibi_per_batch = per_batch;
+  dropout_p = opts.dropout_p;
+  rng.seed = opts.seed;
+  rng.offset = opts.offset;
+  rng.threshold = semantics::dropout_threshold(opts.dropout_p);
+}
+
+std::vector<RefOutput> reference_forward(const RefProblem& p) {
+  return forward_impl<double>(p, DType::kFloat64, /*exact=*/true);
+}
+
+std::vector<RefGrads> reference_backward(const RefProblem& p) {
+  return backward_impl<double>(p, DType::kFloat64, /*exact=*/true, nullptr);
+}
+
+std::vector<RefOutput> naive_forward(const RefProblem& p, DType dtype) {
+  if (dtype == DType::kFloat64) return forward_impl<double>(p, dtype, /*exact=*/false);
+  return forward_impl<float>(p, dtype, /*exact=*/false);
+}
+
+std::vector<RefGrads> naive_backward(const RefProblem& p, DType dtype, const std::vector<RefOutput>& forward) {
+  if (forward.size() != p.seqs.size()) throw std::invalid_argument("naive_backward: forward size");
+  if (dtype == DType::kFloat64) return backward_impl<double>(p, dtype, /*exact=*/false, &forward);
+  return backward_impl<float>(p, dtype, /*exact=*/false, &forward);
+}
+
+namespace {
+template <typename T, typename F>
+std::vector<double> concat(const std::vector<T>& parts, F field) {
+  std::vector<double> all;
+  for (const T& part : parts) {
+    const std::vector<double>& v = field(part);
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+}  // namespace
+
+std::vector<double> concat_out(const std::vector<RefOutput>& r) {
+  return concat(r, [](const RefOutput& o) -> const std::vector<double>& { return o.out; });
+}
+std::vector<double> concat_lse(const std::vector<RefOutput>& r) {
+  return concat(r, [](const RefOutput& o) -> const std::vector<double>& { return o.lse; });
+}
+std::vector<double> concat_probs(const std::vector<RefOutput>& r) {
+  return concat(r, [](const RefOutput& o) -> const std::vector<double>& { return o.probs; });
+}
+std::vector<double> concat_dq(const std::vector<RefGrads>& g) {
+  return concat(g, [](const RefGrads& o) -> const std::vector<double>& { return o.dq; });
+}
+std::vector<double> concat_dk(const std::vector<RefGrads>& g) {
+  return concat(g, [](const RefGrads& o) -> const std::vector<double>& { return o.dk; });
+}
+std::vector<double> concat_dv(const std::vector<RefGrads>& g) {
+  return concat(g, [](const RefGrads& o) -> const std::vector<double>& { return o.dv; });
+}
+
+}  // namespace flashattn::test

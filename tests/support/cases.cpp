@@ -1,0 +1,427 @@
+#include "support/cases.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <stdexcept>
+
+namespace flashattn::test {
+
+namespace {
+
+std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+
+// Rows [row0, row0 + rows) of a [*, heads, d] tensor as doubles.
+std::vector<double> rows_of(const HostTensor& t, std::int64_t row0, std::int64_t rows) {
+  const std::int64_t width = t.size(t.rank() - 2) * t.size(t.rank() - 1);
+  std::vector<double> v(sz(rows * width));
+  for (std::int64_t e = 0; e < rows * width; ++e) v[sz(e)] = t.get(row0 * width + e);
+  return v;
+}
+
+HostTensor alibi_host_tensor(const std::vector<float>& slopes, int batch, int h_q, bool per_batch) {
+  if (slopes.empty()) return {};
+  if (per_batch) return float_tensor(slopes, {batch, h_q});
+  return float_tensor(slopes, {h_q});
+}
+
+}  // namespace
+
+std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch) {
+  std::vector<float> s(sz(std::int64_t(per_batch ? batch : 1) * h_q));
+  for (float& x : s) x = static_cast<float>(uniform_real(rng, 0.01, 1.0));
+  return s;
+}
+
+// ------------------------------------------------------------------ dense
+
+DenseCase DenseCase::random(Rng& rng, const Shape& shape, DType dtype, double stddev) {
+  DenseCase c;
+  c.shape = shape;
+  c.dtype = dtype;
+  const std::int64_t b = shape.batch, sq = shape.s_q, sk = shape.s_k, hq = shape.h_q, hk = shape.h_k,
+                     d = shape.d;
+  c.q = random_normal(dtype, {b, sq, hq, d}, rng, stddev);
+  c.k = random_normal(dtype, {b, sk, hk, d}, rng, stddev);
+  c.v = random_normal(dtype, {b, sk, hk, d}, rng);
+  c.dout = random_normal(dtype, {b, sq, hq, d}, rng);
+  c.out = HostTensor(dtype, {b, sq, hq, d});
+  c.lse = HostTensor(DType::kFloat32, {b, hq, sq});
+  c.dq = HostTensor(dtype, {b, sq, hq, d});
+  c.dk = HostTensor(dtype, {b, sk, hk, d});
+  c.dv = HostTensor(dtype, {b, sk, hk, d});
+  return c;
+}
+
+void DenseCase::set_alibi(std::vector<float> slopes, bool per_batch) {
+  alibi = std::move(slopes);
+  alibi_per_batch = per_batch;
+  alibi_tensor = alibi_host_tensor(alibi, shape.batch, shape.h_q, per_batch);
+}
+
+void DenseCase::want_probs() {
+  probs = HostTensor(DType::kFloat32, {shape.batch, shape.h_q, shape.s_q, shape.s_k});
+}
+
+Options DenseCase::call_options() const {
+  Options o = opts;
+  if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
+  if (!probs.shape().empty()) o.return_probs = probs.view();
+  return o;
+}
+
+RefProblem DenseCase::problem() const {
+  RefProblem p;
+  p.h_q = shape.h_q;
+  p.h_k = shape.h_k;
+  p.d = shape.d;
+  p.set_options(opts, alibi, alibi_per_batch);
+  for (int b = 0; b < shape.batch; ++b) {
+    RefSeq s;
+    s.s_q = shape.s_q;
+    s.s_k = shape.s_k;
+    s.q = rows_of(q, std::int64_t(b) * shape.s_q, shape.s_q);
+    s.dout = rows_of(dout, std::int64_t(b) * shape.s_q, shape.s_q);
+    s.k = rows_of(k, std::int64_t(b) * shape.s_k, shape.s_k);
+    s.v = rows_of(v, std::int64_t(b) * shape.s_k, shape.s_k);
+    p.seqs.push_back(std::move(s));
+  }
+  return p;
+}
+
+void DenseCase::poison_forward() {
+  out.fill_nan();
+  lse.fill_nan();
+  if (!probs.shape().empty()) probs.fill_nan();
+}
+
+void DenseCase::poison_backward() {
+  dq.fill_nan();
+  dk.fill_nan();
+  dv.fill_nan();
+}
+
+void DenseCase::run_forward() { forward(q.view(), k.view(), v.view(), out.view(), lse.view(), call_options()); }
+
+void DenseCase::run_backward() {
+  backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+           dv.view(), call_options());
+}
+
+// ------------------------------------------------------------------ varlen
+
+int VarlenCase::max_q() const {
+  int m = 0;
+  for (int b = 0; b < batch(); ++b) m = std::max(m, len_q(b));
+  return m;
+}
+
+int VarlenCase::max_k() const {
+  int m = 0;
+  for (int b = 0; b < batch(); ++b) m = std::max(m, len_k(b));
+  return m;
+}
+
+VarlenCase VarlenCase::make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k, int d,
+                            DType dtype, int pad_q, int pad_k) {
+  if (cu_q.size() != cu_k.size() || cu_q.empty()) throw std::invalid_argument("VarlenCase: cu sizes");
+  VarlenCase c;
+  c.h_q = h_q;
+  c.h_k = h_k;
+  c.d = d;
+  c.dtype = dtype;
+  c.cu_q = std::move(cu_q);
+  c.cu_k = std::move(cu_k);
+  c.total_q = c.cu_q.back() + pad_q;
+  c.total_k = c.cu_k.back() + pad_k;
+  c.q = random_normal(dtype, {c.total_q, h_q, d}, rng);
+  c.k = random_normal(dtype, {c.total_k, h_k, d}, rng);
+  c.v = random_normal(dtype, {c.total_k, h_k, d}, rng);
+  c.dout = random_normal(dtype, {c.total_q, h_q, d}, rng);
+  c.out = HostTensor(dtype, {c.total_q, h_q, d});
+  c.lse = HostTensor(DType::kFloat32, {h_q, c.total_q});
+  c.dq = HostTensor(dtype, {c.total_q, h_q, d});
+  c.dk = HostTensor(dtype, {c.total_k, h_k, d});
+  c.dv = HostTensor(dtype, {c.total_k, h_k, d});
+  c.cu_q_t = int_tensor(c.cu_q);
+  c.cu_k_t = int_tensor(c.cu_k);
+  return c;
+}
+
+void VarlenCase::set_seqused_k(std::vector<int> used) {
+  seqused_k = std::move(used);
+  seqused_t = int_tensor(seqused_k);
+}
+
+void VarlenCase::set_alibi(std::vector<float> slopes, bool per_batch) {
+  alibi = std::move(slopes);
+  alibi_per_batch = per_batch;
+  alibi_tensor = alibi_host_tensor(alibi, batch(), h_q, per_batch);
+}
+
+void VarlenCase::want_probs() { probs = HostTensor(DType::kFloat32, {h_q, total_q, max_k()}); }
+
+Options VarlenCase::call_options() const {
+  Options o = opts;
+  if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
+  if (!probs.shape().empty()) o.return_probs = probs.view();
+  return o;
+}
+
+VarlenArgs VarlenCase::args() const {
+  VarlenArgs a;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.cu_seqlens_q = cu_q_t.view();
+  a.cu_seqlens_k = cu_k_t.view();
+  if (!seqused_k.empty()) a.seqused_k = seqused_t.view();
+  a.max_seqlen_q = max_q();
+  a.max_seqlen_k = max_k();
+  return a;
+}
+
+RefProblem VarlenCase::problem() const {
+  RefProblem p;
+  p.h_q = h_q;
+  p.h_k = h_k;
+  p.d = d;
+  p.set_options(opts, alibi, alibi_per_batch);
+  for (int b = 0; b < batch(); ++b) {
+    RefSeq s;
+    s.s_q = len_q(b);
+    s.s_k = used_k(b);
+    s.q = rows_of(q, cu_q[b], s.s_q);
+    s.dout = rows_of(dout, cu_q[b], s.s_q);
+    s.k = rows_of(k, cu_k[b], s.s_k);
+    s.v = rows_of(v, cu_k[b], s.s_k);
+    p.seqs.push_back(std::move(s));
+  }
+  return p;
+}
+
+void VarlenCase::poison_forward() {
+  out.fill_nan();
+  lse.fill_nan();
+  if (!probs.shape().empty()) probs.fill_nan();
+}
+
+void VarlenCase::poison_backward() {
+  dq.fill_nan();
+  dk.fill_nan();
+  dv.fill_nan();
+}
+
+void VarlenCase::run_forward() { varlen_forward(args(), out.view(), lse.view(), call_options()); }
+
+void VarlenCase::run_backward() {
+  varlen_backward(args(), dout.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
+                  call_options());
+}
+
+std::vector<double> VarlenCase::out_concat() const { return rows_of(out, 0, cu_q.back()); }
+std::vector<double> VarlenCase::dq_concat() const { return rows_of(dq, 0, cu_q.back()); }
+
+std::vector<double> VarlenCase::lse_concat() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b)
+    for (int h = 0; h < h_q; ++h)
+      for (int i = 0; i < len_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
+  return r;
+}
+
+std::vector<double> VarlenCase::probs_concat() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b)
+    for (int h = 0; h < h_q; ++h)
+      for (int i = 0; i < len_q(b); ++i)
+        for (int j = 0; j < used_k(b); ++j) r.push_back(probs.at({h, cu_q[b] + i, j}));
+  return r;
+}
+
+std::vector<double> VarlenCase::dk_concat() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b) {
+    const std::vector<double> part = rows_of(dk, cu_k[b], used_k(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+
+std::vector<double> VarlenCase::dv_concat() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b) {
+    const std::vector<double> part = rows_of(dv, cu_k[b], used_k(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+
+std::vector<double> VarlenCase::dkv_unused_rows() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b) {
+    const int unused = len_k(b) - used_k(b);
+    for (const HostTensor* t : {&dk, &dv}) {
+      const std::vector<double> part = rows_of(*t, cu_k[b] + used_k(b), unused);
+      r.insert(r.end(), part.begin(), part.end());
+    }
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------ KV cache
+
+KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
+  KVCacheCase c;
+  c.cfg = cfg;
+  const int B = cfg.batch;
+  c.cache_lens = cfg.cache_lens;
+  if (c.cache_lens.empty())
+    for (int b = 0; b < B; ++b) c.cache_lens.push_back(uniform_int(rng, 0, cfg.max_cache_len));
+  if (static_cast<int>(c.cache_lens.size()) != B) throw std::invalid_argument("KVCacheCase: cache_lens size");
+  int max_sk = 1;
+  for (int b = 0; b < B; ++b) max_sk = std::max(max_sk, c.s_k(b));
+
+  std::int64_t rows_per = 0, slots = 0;
+  if (cfg.block_size > 0) {
+    const int bs = cfg.block_size;
+    std::vector<int> need(sz(B));
+    for (int b = 0; b < B; ++b) need[sz(b)] = (c.s_k(b) + bs - 1) / bs;
+    c.max_blocks = std::max(1, *std::max_element(need.begin(), need.end()));
+    int shared = 0;
+    if (cfg.share_blocks && B >= 2)
+      shared = std::min({std::min(c.cache_lens[0], c.cache_lens[1]) / bs, need[0], need[1]});
+    const int used = std::accumulate(need.begin(), need.end(), 0) - shared;
+    c.num_blocks = used + std::max(1, cfg.extra_blocks);
+    std::vector<int> ids(sz(c.num_blocks));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const int spare = ids.back();  // never assigned: stays NaN
+    c.block_table.assign(sz(std::int64_t(B) * c.max_blocks), spare);
+    int next = 0;
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < need[sz(b)]; ++t)
+        c.block_table[sz(std::int64_t(b) * c.max_blocks + t)] =
+            (b == 1 && t < shared) ? c.block_table[sz(t)] : ids[sz(next++)];
+    c.block_table_t = int_tensor(c.block_table, {B, c.max_blocks});
+    rows_per = bs;
+    slots = c.num_blocks;
+  } else {
+    const int rows = cfg.cache_rows > 0 ? cfg.cache_rows : B;
+    if (rows < B) throw std::invalid_argument("KVCacheCase: cache_rows < batch");
+    const int s_cache = cfg.s_cache > 0 ? cfg.s_cache : max_sk;
+    if (s_cache < max_sk) throw std::invalid_argument("KVCacheCase: s_cache too small");
+    if (cfg.use_batch_idx) {
+      std::vector<int> perm(sz(rows));
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      c.batch_idx.assign(perm.begin(), perm.begin() + B);
+      c.batch_idx_t = int_tensor(c.batch_idx);
+    }
+    rows_per = s_cache;
+    slots = rows;
+  }
+  const std::int64_t hk = cfg.h_k, d = cfg.d;
+  c.k_cache = HostTensor(cfg.dtype, {slots, rows_per, hk, d});
+  c.v_cache = HostTensor(cfg.dtype, {slots, rows_per, hk, d});
+  c.k_cache.fill_nan();
+  c.v_cache.fill_nan();
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < c.cache_lens[b]; ++j) {
+      const auto [slot, row] = c.locate(b, j);
+      const std::int64_t base = (std::int64_t(slot) * rows_per + row) * hk * d;
+      for (std::int64_t e = 0; e < hk * d; ++e) {
+        c.k_cache.set(base + e, normal(rng));
+        c.v_cache.set(base + e, normal(rng));
+      }
+    }
+  c.q = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, d}, rng);
+  c.out = HostTensor(cfg.dtype, {B, cfg.s_q, cfg.h_q, d});
+  c.lse = HostTensor(DType::kFloat32, {B, cfg.h_q, cfg.s_q});
+  c.cache_lens_t = int_tensor(c.cache_lens);
+  c.k_cache_expected = c.k_cache;
+  c.v_cache_expected = c.v_cache;
+  if (cfg.s_new > 0) {
+    c.k_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, d}, rng);
+    c.v_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, d}, rng);
+    for (int b = 0; b < B; ++b)
+      for (int r = 0; r < cfg.s_new; ++r) {
+        const auto [slot, row] = c.locate(b, c.cache_lens[b] + r);
+        const std::int64_t dst = (std::int64_t(slot) * rows_per + row) * hk * d;
+        const std::int64_t src = (std::int64_t(b) * cfg.s_new + r) * hk * d;
+        for (std::int64_t e = 0; e < hk * d; ++e) {
+          c.k_cache_expected.set(dst + e, c.k_new.get(src + e));
+          c.v_cache_expected.set(dst + e, c.v_new.get(src + e));
+        }
+      }
+  }
+  return c;
+}
+
+std::pair<int, int> KVCacheCase::locate(int b, int j) const {
+  if (cfg.block_size > 0)
+    return {block_table[sz(std::int64_t(b) * max_blocks + j / cfg.block_size)], j % cfg.block_size};
+  return {batch_idx.empty() ? b : batch_idx[sz(b)], j};
+}
+
+void KVCacheCase::set_alibi(std::vector<float> slopes, bool per_batch) {
+  alibi = std::move(slopes);
+  alibi_per_batch = per_batch;
+  alibi_tensor = alibi_host_tensor(alibi, cfg.batch, cfg.h_q, per_batch);
+}
+
+Options KVCacheCase::call_options() const {
+  Options o = opts;
+  if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
+  return o;
+}
+
+KVCacheArgs KVCacheCase::args() const {
+  KVCacheArgs a;
+  a.q = q.view();
+  a.k_cache = k_cache.view();
+  a.v_cache = v_cache.view();
+  a.cache_seqlens = cache_lens_t.view();
+  if (cfg.block_size > 0) a.block_table = block_table_t.view();
+  if (!batch_idx.empty()) a.cache_batch_idx = batch_idx_t.view();
+  if (cfg.s_new > 0) {
+    a.k_new = k_new.view();
+    a.v_new = v_new.view();
+  }
+  a.num_splits = num_splits;
+  return a;
+}
+
+RefProblem KVCacheCase::problem() const {
+  RefProblem p;
+  p.h_q = cfg.h_q;
+  p.h_k = cfg.h_k;
+  p.d = cfg.d;
+  p.set_options(opts, alibi, alibi_per_batch);
+  const std::int64_t rows_per = k_cache.size(1), width = std::int64_t(cfg.h_k) * cfg.d;
+  for (int b = 0; b < cfg.batch; ++b) {
+    RefSeq s;
+    s.s_q = cfg.s_q;
+    s.s_k = s_k(b);
+    s.q = rows_of(q, std::int64_t(b) * cfg.s_q, cfg.s_q);
+    for (int j = 0; j < s.s_k; ++j) {
+      const auto [slot, row] = locate(b, j);
+      const std::int64_t base = (std::int64_t(slot) * rows_per + row) * width;
+      for (std::int64_t e = 0; e < width; ++e) {
+        s.k.push_back(k_cache_expected.get(base + e));
+        s.v.push_back(v_cache_expected.get(base + e));
+      }
+    }
+    p.seqs.push_back(std::move(s));
+  }
+  return p;
+}
+
+void KVCacheCase::poison_outputs() {
+  out.fill_nan();
+  lse.fill_nan();
+}
+
+void KVCacheCase::run() { kvcache_forward(args(), out.view(), lse.view(), call_options()); }
+
+}  // namespace flashattn::test

@@ -1,0 +1,139 @@
+// Host-side test problems in the layouts of the public API: a dense batch, a varlen
+// pack and a KV cache (dense or paged). Each case holds its inputs and output buffers
+// as HostTensors, builds the matching RefProblem for the oracle, and extracts a
+// backend's results in the oracle's concatenated order (reference.hpp). CPU tests call
+// run_*(); GPU tests copy the same host tensors to the device, copy the results back
+// into the output HostTensors and reuse the extraction and comparisons.
+#pragma once
+
+#include <vector>
+
+#include "flashattn/attention.hpp"
+#include "reference/reference.hpp"
+#include "support/host_tensor.hpp"
+#include "support/random.hpp"
+
+namespace flashattn::test {
+
+// Random ALiBi slopes in (0, 1], [h_q] or [batch * h_q].
+std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch);
+
+// ------------------------------------------------------------------ dense
+struct DenseCase {
+  Shape shape;
+  DType dtype = DType::kFloat32;
+  HostTensor q, k, v, dout;   // inputs
+  HostTensor out, lse;        // forward outputs
+  HostTensor probs;           // fp32 [b, h_q, s_q, s_k] when want_probs()
+  HostTensor dq, dk, dv;      // backward outputs
+  std::vector<float> alibi;   // host slopes; empty = off
+  bool alibi_per_batch = false;
+  HostTensor alibi_tensor;
+  Options opts;               // alibi_slopes / return_probs are filled in by call_options()
+
+  static DenseCase random(Rng& rng, const Shape& shape, DType dtype, double stddev = 1.0);
+  void set_alibi(std::vector<float> slopes, bool per_batch);
+  void want_probs();
+  Options call_options() const;
+
+  RefProblem problem() const;  // with dout
+  void poison_forward();
+  void poison_backward();
+  void run_forward();
+  void run_backward();  // uses out and lse as they are (normally from run_forward)
+};
+
+// ------------------------------------------------------------------ varlen
+struct VarlenCase {
+  int h_q = 1, h_k = 1, d = 1;
+  DType dtype = DType::kFloat32;
+  std::vector<int> cu_q, cu_k;   // [batch + 1]
+  std::vector<int> seqused_k;    // empty or [batch]
+  int total_q = 0, total_k = 0;  // rows of the packed tensors (>= cu.back(): padding allowed)
+  HostTensor q, k, v, dout, out, lse, probs, dq, dk, dv;
+  HostTensor cu_q_t, cu_k_t, seqused_t;
+  std::vector<float> alibi;
+  bool alibi_per_batch = false;
+  HostTensor alibi_tensor;
+  Options opts;
+
+  int batch() const { return static_cast<int>(cu_q.size()) - 1; }
+  int len_q(int b) const { return cu_q[b + 1] - cu_q[b]; }
+  int len_k(int b) const { return cu_k[b + 1] - cu_k[b]; }
+  int used_k(int b) const { return seqused_k.empty() ? len_k(b) : seqused_k[b]; }
+  int max_q() const;
+  int max_k() const;
+
+  // pad_q / pad_k extra rows after the last sequence (never read, never compared).
+  static VarlenCase make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k,
+                         int d, DType dtype, int pad_q = 0, int pad_k = 0);
+  void set_seqused_k(std::vector<int> used);
+  void set_alibi(std::vector<float> slopes, bool per_batch);
+  void want_probs();
+  Options call_options() const;
+  VarlenArgs args() const;
+
+  RefProblem problem() const;
+  void poison_forward();
+  void poison_backward();
+  void run_forward();
+  void run_backward();
+
+  // Results in the oracle's order (only rows that belong to a sequence).
+  std::vector<double> out_concat() const;
+  std::vector<double> lse_concat() const;
+  std::vector<double> probs_concat() const;  // columns j < used_k(b)
+  std::vector<double> dq_concat() const;
+  std::vector<double> dk_concat() const;     // rows j < used_k(b) of each sequence
+  std::vector<double> dv_concat() const;
+  // dk/dv rows of each sequence at or beyond used_k(b) (their expected value is 0).
+  std::vector<double> dkv_unused_rows() const;
+};
+
+// ------------------------------------------------------------------ KV cache
+struct KVCacheConfig {
+  int batch = 1, s_q = 1, s_new = 0, h_q = 1, h_k = 1, d = 8;
+  DType dtype = DType::kFloat32;
+  int max_cache_len = 64;       // cache_seqlens drawn from [0, max_cache_len]
+  std::vector<int> cache_lens;  // explicit cache_seqlens (overrides the draw)
+  // Paged when block_size > 0: blocks are assigned in shuffled order; with share_blocks
+  // sequence 1 reuses the full prefix blocks of sequence 0 (prefix sharing); extra_blocks
+  // spare blocks (NaN) are added and unused block-table entries point at one of them.
+  int block_size = 0;
+  bool share_blocks = false;
+  int extra_blocks = 2;
+  // Dense: cache rows; with use_batch_idx the sequences use a random permutation of them.
+  int cache_rows = 0;  // 0 = batch
+  int s_cache = 0;     // 0 = the smallest that fits
+  bool use_batch_idx = false;
+};
+
+struct KVCacheCase {
+  KVCacheConfig cfg;
+  std::vector<int> cache_lens;  // cache_seqlens
+  std::vector<int> block_table; // [batch, max_blocks] (paged)
+  int max_blocks = 0, num_blocks = 0;
+  std::vector<int> batch_idx;   // cache_batch_idx (dense, when used)
+  HostTensor q, k_cache, v_cache, k_new, v_new, out, lse;
+  HostTensor cache_lens_t, block_table_t, batch_idx_t;
+  HostTensor k_cache_expected, v_cache_expected;  // after the in-place append
+  std::vector<float> alibi;
+  bool alibi_per_batch = false;
+  HostTensor alibi_tensor;
+  Options opts;
+  int num_splits = 1;
+
+  static KVCacheCase make(Rng& rng, const KVCacheConfig& cfg);
+  int s_k(int b) const { return cache_lens[b] + cfg.s_new; }
+  // Physical row of key j of sequence b: (block or cache row, row within it).
+  std::pair<int, int> locate(int b, int j) const;
+  void set_alibi(std::vector<float> slopes, bool per_batch);
+  Options call_options() const;
+  KVCacheArgs args() const;
+
+  RefProblem problem() const;  // keys gathered from the expected (appended) cache
+  void poison_outputs();
+  void run();
+};
+
+}  // namespace flashattn::test
