@@ -1,0 +1,280 @@
+// CPU backward: FlashAttention-2 structure, recomputing P from the forward's lse.
+//
+// For a query block (rows i) against a key block (keys j), with keep the dropout
+// mask and rp = 1 / (1 - p):
+//   P   = exp(S - lse)                      (0 where masked, and for rows with lse = -inf)
+//   dV += (P * keep * rp)^T dO
+//   dP  = dO V^T * keep * rp                (the gradient reaching P through dropout)
+//   dS  = P * (dP - D),  D_i = rowsum(dO_i * O_i)   (= sum_j P_ij dP_ij)
+//   dX  = dS * softcap_grad                 (X = scale * q.k, before the softcap)
+//   dQ += scale * dX K,   dK += scale * dX^T Q
+//
+// Determinism for any thread count, by construction rather than by atomics: every
+// output element has exactly one owner task, and each task sums in a fixed order.
+//   Pass 1, parallel over (b, KV head g, key block): loops over the query heads of
+//     g's GQA group and then over the query blocks, accumulating dK and dV of its key
+//     block in thread-local buffers; the group sum is in head order.
+//   Pass 2, parallel over (b, query head h, query block): recomputes P and
+//     accumulates dQ of its rows over the key blocks in order.
+// P and dS are recomputed in both passes (the price of owning outputs without
+// races); no workspace is needed beyond the per-thread tiles.
+#include "core/backend.hpp"
+#include "cpu/tile.hpp"
+
+namespace flashattn::detail::cpu {
+namespace {
+
+// Per-thread tiles of the backward, in the compute type T.
+template <class E>
+struct BackwardTile {
+  using T = typename E::compute;
+  int d, dp;
+  std::vector<T> q;       // [kBlockM][dp]      query rows
+  std::vector<T> dout;    // [kBlockM][dp]      output gradient rows
+  std::vector<T> delta;   // [kBlockM]          D_i = dO_i . O_i
+  std::vector<T> lse;     // [kBlockM]
+  std::vector<T> o_row;   // [dp]               one output row, for D
+  std::vector<T> kt;      // [d][kBlockN]       key block, transposed
+  std::vector<T> vt;      // [d][kBlockN]       value block, transposed
+  std::vector<T> k;       // [kBlockN][dp]      key block (pass 2: dQ += dS K)
+  std::vector<T> s;       // [kBlockM][kBlockN] scores, then P
+  std::vector<T> capped;  // [kBlockM][kBlockN] softcapped scores before ALiBi
+  std::vector<T> keep;    // [kBlockM][kBlockN] dropout keep mask, 1 or 0
+  std::vector<T> ds;      // [kBlockM][kBlockN] dP, then dX
+  std::vector<T> tr;      // [kBlockN][kBlockM] a transposed [rows][keys] tile
+  std::vector<T> acc_a;   // [kBlockN][dp] dK (pass 1) or [kBlockM][dp] dQ (pass 2)
+  std::vector<T> acc_b;   // [kBlockN][dp] dV (pass 1)
+
+  explicit BackwardTile(int head_dim)
+      : d(head_dim),
+        dp(padded_dim<T>(head_dim)),
+        q(std::size_t(kBlockM) * dp),
+        dout(std::size_t(kBlockM) * dp),
+        delta(kBlockM),
+        lse(kBlockM),
+        o_row(dp),
+        kt(std::size_t(head_dim) * kBlockN),
+        vt(std::size_t(head_dim) * kBlockN),
+        k(std::size_t(kBlockN) * dp),
+        s(std::size_t(kBlockM) * kBlockN),
+        capped(std::size_t(kBlockM) * kBlockN),
+        keep(std::size_t(kBlockM) * kBlockN),
+        ds(std::size_t(kBlockM) * kBlockN),
+        tr(std::size_t(kBlockN) * kBlockM),
+        acc_a(std::size_t(std::max(kBlockM, kBlockN)) * dp),
+        acc_b(std::size_t(kBlockN) * dp) {}
+};
+
+template <class E>
+class Backward {
+ public:
+  using T = typename E::compute;
+  using S = typename E::storage;
+
+  explicit Backward(const BwdParams& p) : p_(p) {}
+
+  // Keys stored for sequence b (dk/dv rows to write); s_k(b) of them take part.
+  int stored_keys(int b) const {
+    return p_.cu_seqlens_k ? p_.cu_seqlens_k[b + 1] - p_.cu_seqlens_k[b] : p_.seqlen_k;
+  }
+
+  // Rows i0 .. i0 + rows of (b, h): q, dO, lse and D = rowsum(dO * O).
+  void load_rows(BackwardTile<E>& t, int b, int h, int i0, int rows) const {
+    const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b) + std::int64_t(h) * p_.q_head_stride;
+    const S* dout =
+        static_cast<const S*>(p_.dout) + p_.do_offset(b) + std::int64_t(h) * p_.do_head_stride;
+    const S* out = static_cast<const S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride;
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t i = i0 + r;
+      T* qr = &t.q[std::size_t(r) * t.dp];
+      T* dor = &t.dout[std::size_t(r) * t.dp];
+      load_row<E>(qr, q + i * p_.q_row_stride, t.d, t.dp);
+      load_row<E>(dor, dout + i * p_.do_row_stride, t.d, t.dp);
+      load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.d, t.dp);
+      T dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int c = 0; c < t.dp; ++c) dot += dor[c] * t.o_row[c];
+      t.delta[r] = dot;
+      t.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
+    }
+  }
+
+  // Keys j0 .. j0 + n of (b, g): kt and vt (zero beyond n) and, when with_k, k.
+  void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_k) const {
+    const S* k = static_cast<const S*>(p_.k);
+    const S* v = static_cast<const S*>(p_.v);
+    for (int j = 0; j < n; ++j) {
+      const S* krow = k + p_.k_offset(b, j0 + j, g);
+      const S* vrow = v + p_.v_offset(b, j0 + j, g);
+      for (int c = 0; c < t.d; ++c) {
+        t.kt[std::size_t(c) * kBlockN + j] = E::load(krow[c]);
+        t.vt[std::size_t(c) * kBlockN + j] = E::load(vrow[c]);
+      }
+      if (with_k) load_row<E>(&t.k[std::size_t(j) * t.dp], krow, t.d, t.dp);
+    }
+    for (int c = 0; c < t.d; ++c)
+      for (int j = n; j < kBlockN; ++j) {
+        t.kt[std::size_t(c) * kBlockN + j] = 0;
+        t.vt[std::size_t(c) * kBlockN + j] = 0;
+      }
+  }
+
+  // For the loaded rows and key block j0 (n valid keys): t.s = P (times keep * rp
+  // when dropout is on, i.e. the probabilities V was weighted with) and t.ds = dX.
+  void probs_and_grads(BackwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+                       std::int64_t j0, int n) const {
+    gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    gemm<T>(rows, t.d, kBlockN, t.dout.data(), t.dp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
+            false);
+    const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
+    const semantics::KeyRange last = semantics::visible_keys(i0 + rows - 1, s_q, s_k, p_.mask);
+    const bool interior = last.begin <= j0 && j0 + kBlockN <= first.end;
+    const T slope = static_cast<T>(p_.alibi_slope(b, h));
+    const T softcap = static_cast<T>(p_.softcap);
+    const bool dropout = p_.rng.threshold != 0u;
+    const T rp = static_cast<T>(p_.rp_dropout);
+    if (dropout)
+      dropout_keep_tile<T>(p_.rng, p_.dropout_bh(b, h), i0, rows, j0, n, t.keep.data(), kBlockN);
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t i = i0 + r;
+      T* sr = &t.s[std::size_t(r) * kBlockN];
+      T* dsr = &t.ds[std::size_t(r) * kBlockN];
+      T* cr = softcap > T(0) ? &t.capped[std::size_t(r) * kBlockN] : nullptr;
+      const semantics::KeyRange range =
+          interior ? semantics::KeyRange{0, 0} : semantics::visible_keys(i, s_q, s_k, p_.mask);
+      make_scores<T>(sr, cr, static_cast<T>(p_.scale), softcap, slope, i, j0, s_q, s_k, !interior,
+                     range.begin, range.end);
+      const T lse = t.lse[r];
+      if (lse == -static_cast<T>(INFINITY)) {
+        std::fill(sr, sr + kBlockN, T(0));
+        std::fill(dsr, dsr + kBlockN, T(0));
+        continue;
+      }
+      const T delta = t.delta[r];
+#pragma omp simd
+      for (int j = 0; j < kBlockN; ++j) sr[j] = exp_nonpositive(std::min(sr[j] - lse, T(0)));
+      if (dropout) {
+        const T* kr = &t.keep[std::size_t(r) * kBlockN];
+#pragma omp simd
+        for (int j = 0; j < kBlockN; ++j) {
+          const T kept = kr[j] * rp;
+          dsr[j] = sr[j] * (dsr[j] * kept - delta);
+          sr[j] *= kept;
+        }
+      } else {
+#pragma omp simd
+        for (int j = 0; j < kBlockN; ++j) dsr[j] = sr[j] * (dsr[j] - delta);
+      }
+      if (cr) {
+#pragma omp simd
+        for (int j = 0; j < kBlockN; ++j) dsr[j] *= semantics::softcap_grad<T>(cr[j], softcap);
+      }
+    }
+  }
+
+  // Pass 1 task: dK and dV of key block kb of (b, g).
+  void key_block(BackwardTile<E>& t, int b, int g, int kb) const {
+    const std::int64_t j0 = std::int64_t(kb) * kBlockN;
+    const int stored = static_cast<int>(std::min<std::int64_t>(kBlockN, stored_keys(b) - j0));
+    if (stored <= 0) return;
+    const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+    const int n = static_cast<int>(std::max<std::int64_t>(0, std::min<std::int64_t>(kBlockN, s_k - j0)));
+    T* dk = t.acc_a.data();  // [kBlockN][dp]
+    T* dv = t.acc_b.data();  // [kBlockN][dp]
+    std::fill(dk, dk + std::size_t(kBlockN) * t.dp, T(0));
+    std::fill(dv, dv + std::size_t(kBlockN) * t.dp, T(0));
+    if (n > 0) {
+      load_kv(t, b, g, j0, n, false);
+      for (int hr = 0; hr < p_.h_ratio; ++hr) {
+        const int h = g * p_.h_ratio + hr;
+        for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
+          const int rows = std::min(kBlockM, s_q - i0);
+          const semantics::KeyRange keys =
+              semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+          if (keys.empty() || keys.end <= j0 || keys.begin >= j0 + n) continue;
+          load_rows(t, b, h, i0, rows);
+          probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
+          // dV[n][dp] += P^T[n][rows] dO[rows][dp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
+          transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
+          gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, t.dout.data(), t.dp, dv, t.dp, true);
+          transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
+          gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, t.q.data(), t.dp, dk, t.dp, true);
+        }
+      }
+    }
+    S* dk_out = static_cast<S*>(p_.dk);
+    S* dv_out = static_cast<S*>(p_.dv);
+    const T scale = static_cast<T>(p_.scale);
+    for (int j = 0; j < stored; ++j) {
+      store_row<E>(dk_out + p_.dk_offset(b, j0 + j, g), dk + std::size_t(j) * t.dp, t.d, scale);
+      store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dp, t.d, T(1));
+    }
+  }
+
+  // Pass 2 task: dQ of query block qb of (b, h).
+  void query_block(BackwardTile<E>& t, int b, int h, int qb) const {
+    const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+    const int i0 = qb * kBlockM;
+    if (i0 >= s_q) return;
+    const int rows = std::min(kBlockM, s_q - i0);
+    T* dq = t.acc_a.data();  // [kBlockM][dp]
+    std::fill(dq, dq + std::size_t(rows) * t.dp, T(0));
+    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    if (!keys.empty()) {
+      load_rows(t, b, h, i0, rows);
+      const int g = h / p_.h_ratio;
+      for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
+        const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
+        load_kv(t, b, g, j0, n, true);
+        probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
+        // dQ[rows][dp] += dX[rows][n] K[n][dp]
+        gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);
+      }
+    }
+    S* dq_out = static_cast<S*>(p_.dq) + p_.dq_offset(b) + std::int64_t(h) * p_.dq_head_stride;
+    const T scale = static_cast<T>(p_.scale);
+    for (int r = 0; r < rows; ++r)
+      store_row<E>(dq_out + std::int64_t(i0 + r) * p_.dq_row_stride, dq + std::size_t(r) * t.dp, t.d,
+                   scale);
+  }
+
+  void run() const {
+    const std::int64_t key_tasks =
+        std::int64_t(p_.batch) * p_.h_k * ((p_.seqlen_k + kBlockN - 1) / kBlockN);
+    const int qblocks = (p_.seqlen_q + kBlockM - 1) / kBlockM;
+    const std::int64_t query_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
+    if (key_tasks == 0 && query_tasks == 0) return;
+    const int kblocks = (p_.seqlen_k + kBlockN - 1) / kBlockN;
+#pragma omp parallel num_threads(team_size(p_.num_threads))
+    {
+      BackwardTile<E> t(p_.d);
+#pragma omp for schedule(dynamic) nowait
+      for (std::int64_t task = 0; task < key_tasks; ++task) {
+        const int kb = static_cast<int>(task % kblocks);
+        const int g = static_cast<int>(task / kblocks % p_.h_k);
+        const int b = static_cast<int>(task / kblocks / p_.h_k);
+        key_block(t, b, g, kb);
+      }
+#pragma omp for schedule(dynamic)
+      for (std::int64_t task = 0; task < query_tasks; ++task) {
+        const int qb = static_cast<int>(task % qblocks);
+        const int h = static_cast<int>(task / qblocks % p_.h_q);
+        const int b = static_cast<int>(task / qblocks / p_.h_q);
+        query_block(t, b, h, qb);
+      }
+    }
+  }
+
+ private:
+  const BwdParams& p_;
+};
+
+}  // namespace
+
+void backward(const BwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto e) { Backward<decltype(e)>(p).run(); });
+}
+
+std::size_t backward_workspace_size(const BwdParams&) { return 0; }
+
+}  // namespace flashattn::detail::cpu

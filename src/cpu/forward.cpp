@@ -1,0 +1,360 @@
+// CPU forward: the FlashAttention algorithm over blocks.
+//
+// One task is (sequence b, query head h, block of kBlockM query rows[, key split]).
+// It converts its query rows once into a thread-local tile, then streams the key
+// blocks its rows can see: S = Q K^T (kBlockM x kBlockN), scores in semantics order,
+// the element mask only on blocks that straddle a row's visible range, an online
+// softmax (running max and sum per row, rescaling the accumulator when the max
+// grows), dropout, and O += P V. Extra memory is the per-thread tiles: O(kBlockM * d).
+//
+// Split-KV (num_splits > 1) gives each task one chunk of the sequence's key blocks and
+// writes a normalised partial (o, lse) to the workspace; a second loop over row blocks
+// merges the partials by log-sum-exp (semantics::merged_lse / merge_weight).
+#include <cstring>
+#include <limits>
+
+#include "core/backend.hpp"
+#include "cpu/tile.hpp"
+
+namespace flashattn::detail::cpu {
+namespace {
+
+// Largest key count of any sequence.
+int max_seq_len_k(const FwdParams& p) {
+  if (!p.seqused_k && !p.cache_seqlens && !p.cu_seqlens_k) return p.seqlen_k;
+  int m = 0;
+  for (int b = 0; b < p.batch; ++b) m = std::max(m, p.seq_len_k(b));
+  return m;
+}
+
+int query_blocks(const FwdParams& p) { return (p.seqlen_q + kBlockM - 1) / kBlockM; }
+
+// num_splits with 0 resolved: split only when the (b, h, query block) tasks cannot
+// keep the team busy and the keys are long enough that each split gets >= 4 blocks.
+int resolve_num_splits(const FwdParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  const std::int64_t tasks = std::int64_t(p.batch) * p.h_q * query_blocks(p);
+  const int threads = team_size(p.num_threads);
+  const int key_blocks = (max_seq_len_k(p) + kBlockN - 1) / kBlockN;
+  if (tasks == 0 || tasks >= threads || key_blocks < 8) return 1;
+  const int wanted = static_cast<int>((2 * threads + tasks - 1) / tasks);
+  return std::max(1, std::min({16, key_blocks / 4, wanted}));
+}
+
+template <class T>
+std::size_t split_workspace_bytes(const FwdParams& p, int splits) {
+  if (splits <= 1) return 0;
+  // o partials [splits][batch * seqlen_q][h_q][d] and lse partials [splits][batch * seqlen_q][h_q].
+  const std::size_t rows = std::size_t(splits) * p.batch * p.seqlen_q * p.h_q;
+  return rows * (std::size_t(p.d) + 1) * sizeof(T);
+}
+
+// Per-thread tiles of one forward task, in the compute type T.
+template <class E>
+struct ForwardTile {
+  using T = typename E::compute;
+  int d, dp;                    // head dim and its padded width
+  std::vector<T> q;             // [kBlockM][dp]      query rows (unscaled)
+  std::vector<T> kt;            // [d][kBlockN]       key block, transposed
+  std::vector<T> v;             // [kBlockN][dp]      value block
+  std::vector<T> s;             // [kBlockM][kBlockN] scores, then probabilities
+  std::vector<T> keep;          // [kBlockM][kBlockN] dropout keep mask, 1 or 0
+  std::vector<T> acc;           // [kBlockM][dp]      unnormalised output rows
+  std::vector<T> row_max;       // [kBlockM]          running max of the scores
+  std::vector<T> row_sum;       // [kBlockM]          running sum of exp(score - max)
+  std::vector<T> lse;           // [kBlockM]          final log-sum-exp (probs pass)
+
+  explicit ForwardTile(int head_dim)
+      : d(head_dim),
+        dp(padded_dim<T>(head_dim)),
+        q(std::size_t(kBlockM) * dp),
+        kt(std::size_t(head_dim) * kBlockN),
+        v(std::size_t(kBlockN) * dp),
+        s(std::size_t(kBlockM) * kBlockN),
+        keep(std::size_t(kBlockM) * kBlockN),
+        acc(std::size_t(kBlockM) * dp),
+        row_max(kBlockM),
+        row_sum(kBlockM),
+        lse(kBlockM) {}
+};
+
+template <class E>
+class Forward {
+ public:
+  using T = typename E::compute;
+  using S = typename E::storage;
+
+  explicit Forward(const FwdParams& p) : p_(p) {}
+
+  // Query rows i0 .. i0 + rows of (b, h) into tile.q.
+  void load_q(ForwardTile<E>& t, int b, int h, int i0, int rows) const {
+    const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b) + std::int64_t(h) * p_.q_head_stride;
+    for (int r = 0; r < rows; ++r)
+      load_row<E>(&t.q[std::size_t(r) * t.dp], q + std::int64_t(i0 + r) * p_.q_row_stride, t.d, t.dp);
+  }
+
+  // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
+  // with_v, the values into tile.v.
+  void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v) const {
+    const S* k = static_cast<const S*>(p_.k);
+    const S* v = static_cast<const S*>(p_.v);
+    for (int j = 0; j < n; ++j) {
+      const S* krow = k + p_.k_offset(b, j0 + j, g);
+      for (int c = 0; c < t.d; ++c) t.kt[std::size_t(c) * kBlockN + j] = E::load(krow[c]);
+      if (with_v) load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
+    }
+    for (int c = 0; c < t.d; ++c)
+      for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
+  }
+
+  // Scores of the loaded query rows against the loaded key block j0 into tile.s
+  // (-inf where not visible).
+  void scores(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+              std::int64_t j0) const {
+    gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    // Ranges are monotone in i, so the block is inside every row's range when it is
+    // inside the first row's end and the last row's begin.
+    const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
+    const semantics::KeyRange last = semantics::visible_keys(i0 + rows - 1, s_q, s_k, p_.mask);
+    const bool interior = last.begin <= j0 && j0 + kBlockN <= first.end;
+    const T slope = static_cast<T>(p_.alibi_slope(b, h));
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t i = i0 + r;
+      const semantics::KeyRange range =
+          interior ? semantics::KeyRange{0, 0} : semantics::visible_keys(i, s_q, s_k, p_.mask);
+      make_scores<T>(&t.s[std::size_t(r) * kBlockN], nullptr, static_cast<T>(p_.scale),
+                     static_cast<T>(p_.softcap), slope, i, j0, s_q, s_k, !interior, range.begin,
+                     range.end);
+    }
+  }
+
+  // Streams key blocks [block_begin, block_end) (block indices within the sequence)
+  // that rows i0 .. i0 + rows can see, leaving acc, row_max and row_sum in the tile.
+  void attend(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+              int block_begin, int block_end) const {
+    std::fill(t.acc.begin(), t.acc.begin() + std::size_t(rows) * t.dp, T(0));
+    std::fill(t.row_max.begin(), t.row_max.end(), -static_cast<T>(INFINITY));
+    std::fill(t.row_sum.begin(), t.row_sum.end(), T(0));
+    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    if (keys.empty()) return;
+    block_begin = std::max(block_begin, static_cast<int>(keys.begin / kBlockN));
+    block_end = std::min(block_end, static_cast<int>((keys.end + kBlockN - 1) / kBlockN));
+    const int g = h / p_.h_ratio;
+    const std::uint32_t bh = p_.dropout_bh(b, h);
+    const bool dropout = p_.rng.threshold != 0u;
+    for (int kb = block_begin; kb < block_end; ++kb) {
+      const std::int64_t j0 = std::int64_t(kb) * kBlockN;
+      const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
+      load_kv(t, b, g, j0, n, true);
+      scores(t, b, h, i0, rows, s_q, s_k, j0);
+      if (dropout) dropout_keep_tile<T>(p_.rng, bh, i0, rows, j0, n, t.keep.data(), kBlockN);
+      online_softmax(t, rows, dropout);
+      gemm<T>(rows, n, t.dp, t.s.data(), kBlockN, t.v.data(), t.dp, t.acc.data(), t.dp, true);
+    }
+  }
+
+  // Folds the scores in tile.s into the running max / sum and rescales the
+  // accumulator; tile.s becomes exp(score - max), times the keep mask.
+  static void online_softmax(ForwardTile<E>& t, int rows, bool dropout) {
+    for (int r = 0; r < rows; ++r) {
+      T* sr = &t.s[std::size_t(r) * kBlockN];
+      T block_max = -static_cast<T>(INFINITY);
+#pragma omp simd reduction(max : block_max)
+      for (int j = 0; j < kBlockN; ++j) block_max = std::max(block_max, sr[j]);
+      const T m_old = t.row_max[r];
+      const T m_new = std::max(m_old, block_max);
+      if (m_new == -static_cast<T>(INFINITY)) {
+        // Nothing visible to this row yet: no probability mass, nothing to rescale.
+        std::fill(sr, sr + kBlockN, T(0));
+        continue;
+      }
+      T sum = 0;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < kBlockN; ++j) {
+        const T e = exp_nonpositive(sr[j] - m_new);
+        sr[j] = e;
+        sum += e;
+      }
+      const T alpha = exp_nonpositive(m_old - m_new);
+      t.row_sum[r] = t.row_sum[r] * alpha + sum;
+      t.row_max[r] = m_new;
+      if (alpha != T(1)) {
+        T* ar = &t.acc[std::size_t(r) * t.dp];
+#pragma omp simd
+        for (int c = 0; c < t.dp; ++c) ar[c] *= alpha;
+      }
+      if (dropout) {
+        const T* kr = &t.keep[std::size_t(r) * kBlockN];
+#pragma omp simd
+        for (int j = 0; j < kBlockN; ++j) sr[j] *= kr[j];
+      }
+    }
+  }
+
+  // lse of each row from the running max / sum (-inf for rows that saw nothing).
+  static T row_lse(const ForwardTile<E>& t, int r) {
+    return t.row_sum[r] > T(0) ? t.row_max[r] + std::log(t.row_sum[r]) : -static_cast<T>(INFINITY);
+  }
+
+  void store_out_row(int b, int h, int i, const T* o, T factor) const {
+    S* out = static_cast<S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride +
+             std::int64_t(i) * p_.o_row_stride;
+    store_row<E>(out, o, p_.d, factor);
+  }
+
+  void store_lse(int b, int h, int i, T lse) const {
+    if (p_.lse) p_.lse[p_.lse_offset(b, h) + i] = static_cast<float>(lse);
+  }
+
+  // Debug probabilities of rows i0 .. i0 + rows (tile.q loaded, tile.lse final):
+  // P * keep over the visible keys, 0 elsewhere in [0, p.seqlen_k).
+  void write_probs(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k) const {
+    const int width = p_.seqlen_k;
+    float* base = p_.probs + std::int64_t(b) * p_.probs_batch_stride +
+                  std::int64_t(h) * p_.probs_head_stride;
+    auto row_ptr = [&](int r) { return base + (p_.q_row0(b) + i0 + r) * p_.probs_row_stride; };
+    for (int r = 0; r < rows; ++r) std::fill(row_ptr(r), row_ptr(r) + width, 0.0f);
+    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    if (keys.empty()) return;
+    const int g = h / p_.h_ratio;
+    const std::uint32_t bh = p_.dropout_bh(b, h);
+    const bool dropout = p_.rng.threshold != 0u;
+    for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
+      const int n = static_cast<int>(std::min<std::int64_t>({kBlockN, s_k - j0, width - j0}));
+      if (n <= 0) break;
+      load_kv(t, b, g, j0, n, false);
+      scores(t, b, h, i0, rows, s_q, s_k, j0);
+      if (dropout) dropout_keep_tile<T>(p_.rng, bh, i0, rows, j0, n, t.keep.data(), kBlockN);
+      for (int r = 0; r < rows; ++r) {
+        if (t.lse[r] == -static_cast<T>(INFINITY)) continue;
+        const T* sr = &t.s[std::size_t(r) * kBlockN];
+        float* dst = row_ptr(r) + j0;
+        for (int j = 0; j < n; ++j) {
+          const T pr = exp_nonpositive(std::min(sr[j] - t.lse[r], T(0)));
+          dst[j] = static_cast<float>(dropout ? pr * t.keep[std::size_t(r) * kBlockN + j] : pr);
+        }
+      }
+    }
+  }
+
+  void run() const {
+    const int splits = resolve_num_splits(p_);
+    const int qblocks = query_blocks(p_);
+    const std::int64_t row_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
+    if (row_tasks == 0) return;
+
+    // Partials: o [splits][batch * seqlen_q][h_q][d], lse [splits][batch * seqlen_q][h_q].
+    std::vector<T> own_workspace;
+    T* o_part = nullptr;
+    T* lse_part = nullptr;
+    const std::int64_t part_rows = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
+    if (splits > 1) {
+      const std::size_t bytes = split_workspace_bytes<T>(p_, splits);
+      if (p_.workspace && p_.workspace_bytes >= bytes) {
+        o_part = static_cast<T*>(p_.workspace);
+      } else {
+        own_workspace.resize(bytes / sizeof(T));
+        o_part = own_workspace.data();
+      }
+      lse_part = o_part + std::int64_t(splits) * part_rows * p_.d;
+    }
+    auto part_row = [&](int split, int b, int h, int i) {
+      return (std::int64_t(split) * p_.batch * p_.seqlen_q + std::int64_t(b) * p_.seqlen_q + i) *
+                 p_.h_q + h;
+    };
+
+#pragma omp parallel num_threads(team_size(p_.num_threads))
+    {
+      ForwardTile<E> t(p_.d);
+#pragma omp for schedule(dynamic)
+      for (std::int64_t task = 0; task < row_tasks * splits; ++task) {
+        const int split = static_cast<int>(task % splits);
+        const std::int64_t row_task = task / splits;
+        const int qb = static_cast<int>(row_task % qblocks);
+        const int h = static_cast<int>(row_task / qblocks % p_.h_q);
+        const int b = static_cast<int>(row_task / qblocks / p_.h_q);
+        const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+        const int i0 = qb * kBlockM;
+        if (i0 >= s_q) continue;
+        const int rows = std::min(kBlockM, s_q - i0);
+        const int key_blocks = (s_k + kBlockN - 1) / kBlockN;
+        const int per_split = (key_blocks + splits - 1) / splits;
+        const int kb0 = std::min(key_blocks, split * per_split);
+        const int kb1 = std::min(key_blocks, kb0 + per_split);
+        load_q(t, b, h, i0, rows);
+        attend(t, b, h, i0, rows, s_q, s_k, kb0, kb1);
+        for (int r = 0; r < rows; ++r) {
+          const T lse = row_lse(t, r);
+          const T factor = lse == -static_cast<T>(INFINITY)
+                               ? T(0)
+                               : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
+          const T* o = &t.acc[std::size_t(r) * t.dp];
+          if (splits == 1) {
+            store_out_row(b, h, i0 + r, o, factor);
+            store_lse(b, h, i0 + r, lse);
+            t.lse[r] = lse;
+          } else {
+            const std::int64_t pr = part_row(split, b, h, i0 + r);
+            T* dst = o_part + pr * p_.d;
+            for (int c = 0; c < p_.d; ++c) dst[c] = o[c] * factor;
+            lse_part[pr] = lse;
+          }
+        }
+        if (splits == 1 && p_.probs) write_probs(t, b, h, i0, rows, s_q, s_k);
+      }
+
+      if (splits > 1) {
+        std::vector<T> merged(p_.d);
+#pragma omp for schedule(dynamic)
+        for (std::int64_t row_task = 0; row_task < row_tasks; ++row_task) {
+          const int qb = static_cast<int>(row_task % qblocks);
+          const int h = static_cast<int>(row_task / qblocks % p_.h_q);
+          const int b = static_cast<int>(row_task / qblocks / p_.h_q);
+          const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+          const int i0 = qb * kBlockM;
+          if (i0 >= s_q) continue;
+          const int rows = std::min(kBlockM, s_q - i0);
+          const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
+          for (int r = 0; r < rows; ++r) {
+            const std::int64_t pr0 = part_row(0, b, h, i0 + r);
+            const T lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+            std::fill(merged.begin(), merged.end(), T(0));
+            if (lse != -static_cast<T>(INFINITY)) {
+              for (int s = 0; s < splits; ++s) {
+                const std::int64_t pr = pr0 + s * split_stride;
+                const T w = semantics::merge_weight<T>(lse_part[pr], lse);
+                if (w == T(0)) continue;
+                const T* o = o_part + pr * p_.d;
+                for (int c = 0; c < p_.d; ++c) merged[c] += w * o[c];
+              }
+            }
+            store_out_row(b, h, i0 + r, merged.data(), T(1));
+            store_lse(b, h, i0 + r, lse);
+            t.lse[r] = lse;
+          }
+          if (p_.probs) {
+            load_q(t, b, h, i0, rows);
+            write_probs(t, b, h, i0, rows, s_q, s_k);
+          }
+        }
+      }
+    }
+  }
+
+ private:
+  const FwdParams& p_;
+};
+
+}  // namespace
+
+void forward(const FwdParams& p) {
+  dispatch_dtype(p.dtype, [&](auto e) { Forward<decltype(e)>(p).run(); });
+}
+
+std::size_t forward_workspace_size(const FwdParams& p) {
+  const int splits = resolve_num_splits(p);
+  return p.dtype == DType::kFloat64 ? split_workspace_bytes<double>(p, splits)
+                                    : split_workspace_bytes<float>(p, splits);
+}
+
+}  // namespace flashattn::detail::cpu
