@@ -1,0 +1,34 @@
+// Dropout on an m16n8 probability tile with the keep rule of semantics::DropoutRng.
+// One Philox call yields the four words of the four elements a thread holds in one
+// 16x8 accumulator tile: rows i and i + 8 (i % 16 < 8) and columns j and j + 1 (j even),
+// in accumulator order c0 (i, j), c1 (i, j+1), c2 (i+8, j), c3 (i+8, j+1) -- exactly
+// DropoutRng::word's order -- so the decisions match the CPU backend bit for bit.
+#pragma once
+
+#include <cstdint>
+
+#include "flashattn/semantics.hpp"
+
+namespace flashattn::detail::cuda {
+
+// Zeroes the dropped elements of p[kMTiles][kNTiles][4]. row0: the sequence row of
+// element c0 of m-tile 0 (m-tile mt adds 16 mt); col0: the sequence column of c0 of
+// n-tile 0 (n-tile nt adds 8 nt). The 1 / (1 - p) scale is applied in the epilogue.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_dropout(float (&p)[kMTiles][kNTiles][4],
+                                              const semantics::DropoutRng& rng, std::uint32_t bh,
+                                              int row0, int col0) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const semantics::Philox4 r = rng.block(bh, row0 + 16 * mt, col0 + 8 * nt);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (r.x[e] < rng.threshold) p[mt][nt][e] = 0.0f;
+      }
+    }
+  }
+}
+
+}  // namespace flashattn::detail::cuda

@@ -1,0 +1,98 @@
+// Online softmax over the key tiles of one query tile, in registers, on the m16n8
+// accumulator layout: a thread holds, for each of its kMTiles 16-row tiles, rows g and
+// g + 8 (g = lane / 4) at columns 2t, 2t + 1 (t = lane % 4) of every 8-column tile, so a
+// row is spread over the 4 threads of a quad and reduced with two xor-shuffles.
+//
+// Scores arrive in any unit; `to_log2` turns them into log2 units (scale * log2(e) when
+// the raw dot products come in, log2(e) when they are already scaled), so each
+// probability is one FFMA and one ex2; to_log2 must be > 0. A row whose scores so far are all -inf keeps max
+// -inf; its exponent base is taken as 0 so that exp2(-inf - base) = 0, never NaN.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/common/mma_sm80.cuh"
+
+namespace flashattn::detail::cuda {
+
+template <int kMTiles>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMTiles;  // rows held per thread: (mt, half)
+  float row_max[kRows];                      // in score units
+  float row_sum[kRows];                      // this thread's partial sum (quad-reduced at the end)
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.0f;
+    }
+  }
+
+  __device__ __forceinline__ static float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  }
+  __device__ __forceinline__ static float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+  }
+
+  // Folds the tile s[kMTiles][kNTiles][4] into the running max and sum: rescales the
+  // output accumulator o[kMTiles][kOTiles][4] and the sums by exp2(old max - new max)
+  // and replaces s by the unnormalised probabilities exp2(s * to_log2 - max * to_log2).
+  template <int kNTiles, int kOTiles>
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
+                                         float (&o)[kMTiles][kOTiles][4], float to_log2) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        float m = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        m = quad_max(m);
+        const float base = m == -INFINITY ? 0.0f : m * to_log2;
+        // exp2(-inf) = 0 when the row had no visible key before: o and the sum are 0 then.
+        const float correction = sm80::fast_exp2(row_max[r] * to_log2 - base);
+        row_sum[r] *= correction;
+#pragma unroll
+        for (int ot = 0; ot < kOTiles; ++ot) {
+          o[mt][ot][2 * half] *= correction;
+          o[mt][ot][2 * half + 1] *= correction;
+        }
+        row_max[r] = m;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float p0 = sm80::fast_exp2(s[mt][nt][2 * half] * to_log2 - base);
+          const float p1 = sm80::fast_exp2(s[mt][nt][2 * half + 1] * to_log2 - base);
+          s[mt][nt][2 * half] = p0;
+          s[mt][nt][2 * half + 1] = p1;
+          sum += p0 + p1;
+        }
+        row_sum[r] += sum;
+      }
+    }
+  }
+
+  // After the last tile: the full row sums, and per row the factor the output is
+  // multiplied by (out_scale / sum, 0 for a row that saw no key) and the natural-log
+  // lse (-inf for such a row). `to_natural` = ln(2) * to_log2 turns the max into score units.
+  __device__ __forceinline__ void finalize(float out_scale, float to_log2, float (&inv)[kRows],
+                                           float (&lse)[kRows]) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = quad_sum(row_sum[r]);
+      const bool empty = sum == 0.0f || row_max[r] == -INFINITY;
+      inv[r] = empty ? 0.0f : out_scale / sum;
+      // lse = max (natural) + ln(sum) with max (natural) = max * to_log2 * ln 2
+      lse[r] = empty ? -INFINITY : (row_max[r] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+    }
+  }
+};
+
+}  // namespace flashattn::detail::cuda

@@ -1,0 +1,55 @@
+// Compile-time tile shapes of the sm80 forward, one per head-dim bucket. Only these
+// shape choices are template parameters; every feature that leaves the shapes alone
+// (masks, softcap, ALiBi, dropout, varlen, KV cache, GQA) is a run-time branch.
+//
+// Per-thread register footprint of the forward, with kMTilesPerWarp = block_m / (16 warps):
+//   O accumulator  kMTilesPerWarp * head_dim / 8 * 4 fp32
+//   S/P tile       kMTilesPerWarp * block_n / 8 * 4 fp32
+// kept under ~160 fp32 so that nothing spills at 255 registers.
+#pragma once
+
+namespace flashattn::detail::cuda {
+
+struct FwdTile {
+  int block_m;  // query rows per thread block
+  int block_n;  // keys per pipeline stage
+  int warps;    // warps per thread block, each owning block_m / warps query rows
+  int stages;   // K/V tiles in flight (cp.async ring)
+};
+
+constexpr FwdTile fwd_tile(int head_dim) {
+  if (head_dim <= 32) return {128, 128, 4, 2};
+  if (head_dim <= 64) return {128, 128, 4, 2};
+  if (head_dim <= 96) return {128, 64, 4, 2};
+  if (head_dim <= 128) return {128, 64, 4, 2};
+  if (head_dim <= 192) return {128, 64, 8, 2};
+  return {128, 32, 8, 2};
+}
+
+constexpr int fwd_smem_bytes(int head_dim) {
+  const FwdTile t = fwd_tile(head_dim);
+  return (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2;
+}
+
+// The head-dim buckets a kernel may be compiled for; any d % 8 == 0 up to 256 runs in
+// the smallest compiled bucket >= d with predicated loads and stores.
+constexpr bool is_head_dim_bucket(int d) {
+  return d == 32 || d == 64 || d == 96 || d == 128 || d == 160 || d == 192 || d == 224 ||
+         d == 256;
+}
+
+// Limits every bucket must respect on every target (sm80 has 163 KiB of shared memory
+// per block, sm86/89 99 KiB are not targets of the sm80 build's large buckets).
+constexpr bool fwd_tile_valid(int d) {
+  const FwdTile t = fwd_tile(d);
+  const int m_tiles = t.block_m / (16 * t.warps);
+  return t.block_m % (16 * t.warps) == 0 && m_tiles >= 1 && t.block_n % 16 == 0 &&
+         t.stages >= 2 && fwd_smem_bytes(d) <= 163 * 1024 &&
+         m_tiles * (d / 8 + t.block_n / 8) * 4 <= 192;
+}
+static_assert(fwd_tile_valid(32) && fwd_tile_valid(64) && fwd_tile_valid(96) &&
+                  fwd_tile_valid(128) && fwd_tile_valid(160) && fwd_tile_valid(192) &&
+                  fwd_tile_valid(224) && fwd_tile_valid(256),
+              "fwd_tile: a bucket breaks the shared-memory or register budget");
+
+}  // namespace flashattn::detail::cuda

@@ -1,0 +1,126 @@
+// The CUDA backend's runtime services: device queries, supported head dims, the
+// validation copy (skipped while a stream is captured), stream-ordered scratch memory
+// and the in-place KV-cache append.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "core/backend.hpp"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/device_guard.hpp"
+#include "flashattn_cuda_manifest.hpp"
+
+namespace flashattn::detail::cuda {
+
+bool built() noexcept { return true; }
+
+int device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error (no driver / no device)
+    return 0;
+  }
+  return n;
+}
+
+int compute_capability(int device) noexcept {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return major * 10 + minor;
+}
+
+namespace {
+constexpr int largest_bucket() {
+  int d = 0;
+#define FLASHATTN_MAX_BUCKET_D(D) d = D > d ? D : d;
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_MAX_BUCKET_D)
+#undef FLASHATTN_MAX_BUCKET_D
+  return d;
+}
+}  // namespace
+
+// Any d % 8 == 0 up to the largest compiled bucket runs in the next bucket up.
+bool supports_head_dim(int d) noexcept { return d > 0 && d % 8 == 0 && d <= largest_bucket(); }
+
+bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(s, &capture);
+  if (err != cudaSuccess) {
+    // The legacy stream under a global-mode capture elsewhere: no copy is allowed now.
+    cudaGetLastError();
+    return false;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return false;
+  if (bytes == 0) return true;
+  FLASHATTN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  FLASHATTN_CUDA_CHECK(cudaStreamSynchronize(s));
+  return true;
+}
+
+void* alloc_async(std::size_t bytes, void* stream) {
+  if (bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  FLASHATTN_CUDA_CHECK(cudaMallocAsync(&ptr, bytes, static_cast<cudaStream_t>(stream)));
+  return ptr;
+}
+
+void free_async(void* ptr, void* stream) {
+  if (ptr != nullptr) cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream));
+}
+
+namespace {
+
+// One thread per 16-byte chunk of a new (sequence, row, KV head) row of k_new and v_new;
+// the destination row is cache position cache_seqlens[b] + r through the cache layout
+// (dense with cache_batch_idx, or paged through the block table).
+__global__ void append_kv_kernel(const __grid_constant__ AppendParams p) {
+  const int b = blockIdx.y;
+  const int chunks_per_row = p.d / 8;
+  const std::int64_t idx = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t total = std::int64_t(p.seqlen_new) * p.h_k * chunks_per_row;
+  if (idx >= total) return;
+  const int chunk = static_cast<int>(idx % chunks_per_row);
+  const int head = static_cast<int>((idx / chunks_per_row) % p.h_k);
+  const int r = static_cast<int>(idx / (std::int64_t(chunks_per_row) * p.h_k));
+  const std::int64_t j = std::int64_t(p.cache.cache_seqlens[b]) + r;
+  const int col = chunk * 8;
+  const auto* kn = static_cast<const std::uint16_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
+                   std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;
+  const auto* vn = static_cast<const std::uint16_t*>(p.v_new) + std::int64_t(b) * p.vn_batch_stride +
+                   std::int64_t(r) * p.vn_row_stride + std::int64_t(head) * p.vn_head_stride + col;
+  auto* kc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.k)) +
+             p.cache.k_offset(b, j, head) + col;
+  auto* vc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.v)) +
+             p.cache.v_offset(b, j, head) + col;
+  *reinterpret_cast<uint4*>(kc) = *reinterpret_cast<const uint4*>(kn);
+  *reinterpret_cast<uint4*>(vc) = *reinterpret_cast<const uint4*>(vn);
+}
+
+}  // namespace
+
+void append_kv(const AppendParams& p) {
+  if (p.batch == 0 || p.seqlen_new == 0 || p.h_k == 0) return;
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    throw Unsupported("flashattn::kvcache_forward", "k_new", "dtype float16 or bfloat16 on CUDA",
+                      dtype_name(p.dtype));
+  }
+  if (p.d % 8 != 0) {
+    throw Unsupported("flashattn::kvcache_forward", "k_new", "head dim d % 8 == 0 on CUDA",
+                      std::to_string(p.d));
+  }
+  DeviceGuard guard(p.device_index);
+  constexpr int kThreads = 256;
+  const std::int64_t total = std::int64_t(p.seqlen_new) * p.h_k * (p.d / 8);
+  const dim3 grid(static_cast<unsigned>((total + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(p.batch));
+  append_kv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flashattn::detail::cuda

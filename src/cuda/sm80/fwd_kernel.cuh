@@ -1,0 +1,358 @@
+// The sm80 fused attention forward (FlashAttention-2 style), one thread block per
+// (query tile, query head, sequence):
+//
+//   Q tile [kBlockM x kHeadDim] -> shared memory once; each warp owns kMTiles 16-row tiles.
+//   K, V tiles [kBlockN x kHeadDim] stream through a kStages-deep cp.async ring.
+//   S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulate);
+//   K fragments by ldmatrix, V fragments by ldmatrix.trans, P stays in registers and is
+//   repacked as the A operand of P V.
+//   Online softmax in registers (exp2 with scale * log2(e) folded in, quad shuffles).
+//   Masks only on the key tiles that cross a bound; the key loop runs only over the
+//   tiles some row of the query tile can see.
+//   O and lse written once at the end, O through shared memory as 16-byte stores.
+//
+// Everything that does not change a tile shape (masks, softcap, ALiBi, dropout, GQA,
+// varlen, KV cache, paged KV) is a uniform run-time branch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/dropout.cuh"
+#include "cuda/common/mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/common/smem_layout.cuh"
+#include "cuda/common/tile_size.hpp"
+#include "cuda/sm80/fwd_launch.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+template <int kHeadDim_, typename Element_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr FwdTile kTile = fwd_tile(kHeadDim);
+  static constexpr int kBlockM = kTile.block_m;
+  static constexpr int kBlockN = kTile.block_n;
+  static constexpr int kWarps = kTile.warps;
+  static constexpr int kStages = kTile.stages;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row tiles per warp
+  static constexpr int kNTiles = kBlockN / 8;              // 8-key tiles of S per warp row tile
+  static constexpr int kOTiles = kHeadDim / 8;             // 8-dim tiles of O
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
+  static_assert(is_head_dim_bucket(kHeadDim) && fwd_tile_valid(kHeadDim));
+  static_assert(kSmemBytes == fwd_smem_bytes(kHeadDim));
+};
+
+// Issues the cp.async copies of one [Tile::kRows x kHeadDim] tile. row_ptr(r) gives the
+// global address of row r or nullptr for a row past the end (zero-filled); columns at or
+// past `d` (a head dim below the bucket) are zero-filled too.
+template <class Tile, int kThreads, typename Element, typename RowPtr>
+__device__ __forceinline__ void load_tile(Element* smem, const RowPtr& row_ptr, int d,
+                                          const void* any_mapped, int tid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
+  constexpr int kChunks = Tile::kRows * kChunksPerRow;
+  constexpr int kPasses = (kChunks + kThreads - 1) / kThreads;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int idx = tid + pass * kThreads;
+    if (kChunks % kThreads == 0 || idx < kChunks) {
+      const int row = idx / kChunksPerRow;
+      const int col = (idx % kChunksPerRow) * 8;
+      const Element* src = row_ptr(row);
+      const bool valid = src != nullptr && col < d;
+      cp_async_16(smem_u32(smem + Tile::offset(row, col)), valid ? src + col : any_mapped, valid);
+    }
+  }
+}
+
+template <int kHeadDim, typename Element>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams p) {
+  using Tr = FwdTraits<kHeadDim, Element>;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
+  constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kOTiles = Tr::kOTiles;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Element* const sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* const sKV = sQ + QTile::kElements;  // stage s: K at 2s, V at 2s + 1 (KVTile units)
+
+  // Heavier query tiles (more keys under causal masks) are launched first.
+  const int m_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const int s_q = p.seq_len_q(b);
+  const int m0 = m_block * kBlockM;
+  if (m0 >= s_q) return;
+  const int s_k = p.seq_len_k(b);
+  const int g = h / p.h_ratio;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp_row0 = (tid >> 5) * kMTiles * 16;  // first tile row this warp owns
+  const int rows_here = min(kBlockM, s_q - m0);
+
+  const TileMask mask(s_q, s_k, p.mask);
+  int tile_begin = 0, tile_end = 0;  // key tiles [tile_begin, tile_end) seen by some row
+  if (s_k > 0) {
+    const semantics::KeyRange keys =
+        semantics::visible_keys_of_rows(m0, m0 + rows_here, s_q, s_k, p.mask);
+    if (!keys.empty()) {
+      tile_begin = static_cast<int>(keys.begin) / kBlockN;
+      tile_end = static_cast<int>((keys.end + kBlockN - 1) / kBlockN);
+    }
+  }
+  const int n_tiles = tile_end - tile_begin;
+
+  // ---- global addressing
+  const Element* const q_rows = static_cast<const Element*>(p.q) + p.q_offset(b) +
+                                std::int64_t(h) * p.q_head_stride +
+                                std::int64_t(m0) * p.q_row_stride;
+  const Element* const k_base = static_cast<const Element*>(p.k);
+  const Element* const v_base = static_cast<const Element*>(p.v);
+  const bool paged = p.block_table != nullptr;
+  // Dense, varlen and dense-cache rows are an affine function of j; paged rows go
+  // through the block table.
+  const std::int64_t k_row0 =
+      (paged ? 0 : p.kv_row_offset(b, 0, p.k_batch_stride, p.k_row_stride)) +
+      std::int64_t(g) * p.k_head_stride;
+  const std::int64_t v_row0 =
+      (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
+      std::int64_t(g) * p.v_head_stride;
+
+  auto load_kv = [&](int stage, int tile) {
+    const int n0 = tile * kBlockN;
+    Element* sK = sKV + (2 * stage) * KVTile::kElements;
+    Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    auto k_row = [&](int r) -> const Element* {
+      const int j = n0 + r;
+      if (j >= s_k) return nullptr;
+      return k_base + k_row0 +
+             (paged ? p.kv_row_offset(b, j, p.k_batch_stride, p.k_row_stride)
+                    : std::int64_t(j) * p.k_row_stride);
+    };
+    auto v_row = [&](int r) -> const Element* {
+      const int j = n0 + r;
+      if (j >= s_k) return nullptr;
+      return v_base + v_row0 +
+             (paged ? p.kv_row_offset(b, j, p.v_batch_stride, p.v_row_stride)
+                    : std::int64_t(j) * p.v_row_stride);
+    };
+    load_tile<KVTile, Tr::kThreads>(sK, k_row, p.d, p.k, tid);
+    load_tile<KVTile, Tr::kThreads>(sV, v_row, p.d, p.v, tid);
+  };
+
+  // ---- score mode: raw dot products with the scale folded into exp2 (the common
+  // case), or explicitly scaled (softcap, ALiBi, non-positive scale) then log2(e).
+  const bool has_softcap = p.softcap > 0.0f;
+  const float slope = p.alibi_slope(b, h);
+  const bool has_alibi = slope != 0.0f;
+  const bool raw_scores = !has_softcap && !has_alibi && p.scale > 0.0f;
+  const float to_log2 = raw_scores ? p.scale * kLog2e : kLog2e;
+  const bool has_dropout = p.rng.threshold != 0u;
+  const std::uint32_t dropout_bh = p.dropout_bh(b, h);
+  const int shift = s_k - s_q;
+
+  OnlineSoftmax<kMTiles> softmax;
+  softmax.init();
+  float acc_o[kMTiles][kOTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int ot = 0; ot < kOTiles; ++ot)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][ot][e] = 0.0f;
+
+  // ---- prologue: Q with the first key tile in one group, then kStages - 2 more tiles.
+  // Key tiles are visited from the last to the first, so the tiles that cross the end
+  // of the keys or the causal diagonal come first.
+  if (n_tiles > 0) {
+    auto q_row = [&](int r) -> const Element* {
+      return r < rows_here ? q_rows + std::int64_t(r) * p.q_row_stride : nullptr;
+    };
+    load_tile<QTile, Tr::kThreads>(sQ, q_row, p.d, p.q, tid);
+    load_kv(0, tile_end - 1);
+    cp_async_commit();
+#pragma unroll
+    for (int s = 1; s < kStages - 1; ++s) {
+      if (s < n_tiles) load_kv(s, tile_end - 1 - s);
+      cp_async_commit();
+    }
+  }
+
+  for (int it = 0; it < n_tiles; ++it) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
+    {
+      const int ahead = it + kStages - 1;
+      if (ahead < n_tiles) load_kv(ahead % kStages, tile_end - 1 - ahead);
+      cp_async_commit();
+    }
+    const int stage = it % kStages;
+    const Element* sK = sKV + (2 * stage) * KVTile::kElements;
+    const Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    const int n0 = (tile_end - 1 - it) * kBlockN;
+
+    // S[kMTiles][kNTiles] = Q K^T: 16 query rows x 8 keys per (mt, nt).
+    float s[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+      std::uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        const int row = warp_row0 + mt * 16 + (lane & 15);
+        const int col = ks * 16 + (lane >> 4) * 8;
+        ldmatrix_x4(smem_u32(sQ + QTile::offset(row, col)), a[mt]);
+      }
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        std::uint32_t bk[4];  // n-tiles 2np, 2np + 1; k halves 0, 1
+        const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
+        const int col = ks * 16 + ((lane >> 3) & 1) * 8;
+        ldmatrix_x4(smem_u32(sK + KVTile::offset(key, col)), bk);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scores: scale, softcap, ALiBi (semantics::score order), then the mask.
+    const int row_base = m0 + warp_row0 + (lane >> 2);  // sequence row of c0 in m-tile 0
+    const int col_base = n0 + (lane & 3) * 2;           // sequence column of c0 in n-tile 0
+    if (!raw_scores) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][nt][e] * p.scale;
+            if (has_softcap) x = p.softcap * tanhf(x / p.softcap);
+            if (has_alibi) {
+              const int i = row_base + mt * 16 + (e >> 1) * 8;
+              const int j = col_base + nt * 8 + (e & 1);
+              x -= slope * static_cast<float>(abs(i + shift - j));
+            }
+            s[mt][nt][e] = x;
+          }
+    }
+    if (mask.tile_needs_mask(m0, kBlockM, n0, kBlockN)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = row_base + mt * 16 + (e >> 1) * 8;
+            const int j = col_base + nt * 8 + (e & 1);
+            if (!mask.visible(i, j)) s[mt][nt][e] = -INFINITY;
+          }
+    }
+
+    softmax.update(s, acc_o, to_log2);
+    if (has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
+
+    // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      std::uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = pack2<Element>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<Element>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<Element>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<Element>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        std::uint32_t bv[4];  // k halves 0, 1 of d-tile 2dp, then of d-tile 2dp + 1
+        const int key = kk * 16 + (lane & 15);
+        const int col = dp * 16 + (lane >> 4) * 8;
+        ldmatrix_x4_trans(smem_u32(sV + KVTile::offset(key, col)), bv);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          mma_m16n8k16<Element>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, stage this warp's rows in its own (now unused) Q rows,
+  // then 16-byte stores of the rows and columns that exist.
+  float inv[2 * kMTiles], lse[2 * kMTiles];
+  softmax.finalize(has_dropout ? p.rp_dropout : 1.0f, to_log2, inv, lse);
+  __syncwarp();
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int ot = 0; ot < kOTiles; ++ot)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + mt * 16 + (lane >> 2) + half * 8;
+        const int col = ot * 8 + (lane & 3) * 2;
+        const float f = inv[2 * mt + half];
+        *reinterpret_cast<std::uint32_t*>(sQ + QTile::offset(row, col)) = pack2<Element>(
+            acc_o[mt][ot][2 * half] * f, acc_o[mt][ot][2 * half + 1] * f);
+      }
+  __syncwarp();
+  Element* const o_rows = static_cast<Element*>(p.out) + p.o_offset(b) +
+                          std::int64_t(h) * p.o_head_stride + std::int64_t(m0) * p.o_row_stride;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kWarpChunks = kMTiles * 16 * kChunksPerRow;
+  static_assert(kWarpChunks % 32 == 0);
+#pragma unroll
+  for (int pass = 0; pass < kWarpChunks / 32; ++pass) {
+    const int idx = lane + 32 * pass;
+    const int row = warp_row0 + idx / kChunksPerRow;
+    const int col = (idx % kChunksPerRow) * 8;
+    if (row < rows_here && col < p.d) {
+      *reinterpret_cast<uint4*>(o_rows + std::int64_t(row) * p.o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(sQ + QTile::offset(row, col));
+    }
+  }
+  if (p.lse != nullptr && (lane & 3) == 0) {
+    float* const lse_row = p.lse + p.lse_offset(b, h) + m0;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp_row0 + mt * 16 + (lane >> 2) + half * 8;
+        if (row < rows_here) lse_row[row] = lse[2 * mt + half];
+      }
+  }
+}
+
+template <int kHeadDim, typename Element>
+void run_fwd(const FwdParams& p) {
+  using Tr = FwdTraits<kHeadDim, Element>;
+  if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
+  auto kernel = fwd_kernel<kHeadDim, Element>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    FLASHATTN_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h_q, p.batch);
+  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace flashattn::detail::cuda::sm80
