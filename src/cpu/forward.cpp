@@ -19,11 +19,12 @@
 namespace flashattn::detail::cpu {
 namespace {
 
-// Largest key count of any sequence.
-int max_seq_len_k(const FwdParams& p) {
-  if (!p.seqused_k && !p.cache_seqlens && !p.cu_seqlens_k) return p.seqlen_k;
+// Columns of a debug-probs row: the longest sequence's key count for a KV cache
+// (seqlen_k is then the cache capacity), else seqlen_k (max_seqlen_k when varlen).
+int probs_width(const FwdParams& p) {
+  if (!p.cache_seqlens) return p.seqlen_k;
   int m = 0;
-  for (int b = 0; b < p.batch; ++b) m = std::max(m, p.seq_len_k(b));
+  for (int b = 0; b < p.batch; ++b) m = std::max(m, p.cache_seqlens[b] + p.seqlen_k_new);
   return m;
 }
 
@@ -31,11 +32,13 @@ int query_blocks(const FwdParams& p) { return (p.seqlen_q + kBlockM - 1) / kBloc
 
 // num_splits with 0 resolved: split only when the (b, h, query block) tasks cannot
 // keep the team busy and the keys are long enough that each split gets >= 4 blocks.
+// It reads only scalars (seqlen_k is the upper bound of every sequence's key count),
+// so forward_workspace_size and forward agree even if cache_seqlens changes between.
 int resolve_num_splits(const FwdParams& p) {
   if (p.num_splits > 0) return p.num_splits;
   const std::int64_t tasks = std::int64_t(p.batch) * p.h_q * query_blocks(p);
   const int threads = team_size(p.num_threads);
-  const int key_blocks = (max_seq_len_k(p) + kBlockN - 1) / kBlockN;
+  const int key_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   if (tasks == 0 || tasks >= threads || key_blocks < 8) return 1;
   const int wanted = static_cast<int>((2 * threads + tasks - 1) / tasks);
   return std::max(1, std::min({16, key_blocks / 4, wanted}));
@@ -207,9 +210,9 @@ class Forward {
   }
 
   // Debug probabilities of rows i0 .. i0 + rows (tile.q loaded, tile.lse final):
-  // P * keep over the visible keys, 0 elsewhere in [0, p.seqlen_k).
-  void write_probs(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k) const {
-    const int width = p_.seqlen_k;
+  // P * keep over the visible keys, 0 elsewhere in [0, width).
+  void write_probs(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+                   int width) const {
     float* base = p_.probs + std::int64_t(b) * p_.probs_batch_stride +
                   std::int64_t(h) * p_.probs_head_stride;
     auto row_ptr = [&](int r) { return base + (p_.q_row0(b) + i0 + r) * p_.probs_row_stride; };
@@ -242,6 +245,7 @@ class Forward {
     const int qblocks = query_blocks(p_);
     const std::int64_t row_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
     if (row_tasks == 0) return;
+    const int width = p_.probs ? probs_width(p_) : 0;
 
     // Partials: o [splits][batch * seqlen_q][h_q][d], lse [splits][batch * seqlen_q][h_q].
     std::vector<T> own_workspace;
@@ -300,7 +304,7 @@ class Forward {
             lse_part[pr] = lse;
           }
         }
-        if (splits == 1 && p_.probs) write_probs(t, b, h, i0, rows, s_q, s_k);
+        if (splits == 1 && p_.probs) write_probs(t, b, h, i0, rows, s_q, s_k, width);
       }
 
       if (splits > 1) {
@@ -334,7 +338,7 @@ class Forward {
           }
           if (p_.probs) {
             load_q(t, b, h, i0, rows);
-            write_probs(t, b, h, i0, rows, s_q, s_k);
+            write_probs(t, b, h, i0, rows, s_q, s_k, width);
           }
         }
       }
