@@ -1,0 +1,146 @@
+// Dense-batch entry points and utilities: argument checking, then dispatch.
+#include "flashattn/attention.hpp"
+
+#include "api/check.hpp"
+#include "api/dispatch.hpp"
+#include "core/backend.hpp"
+
+#ifndef FLASHATTN_VERSION
+#error "FLASHATTN_VERSION is defined by the build"
+#endif
+
+namespace flashattn {
+
+namespace {
+
+using detail::BwdParams;
+using detail::FwdParams;
+using detail::api::Check;
+using detail::api::Scratch;
+using detail::api::Target;
+using detail::api::to_int;
+
+struct DenseDims {
+  int b, s_q, s_k, h_q, h_k, d;
+};
+
+// q [b, s_q, h_q, d]; k, v [b, s_k, h_k, d] with h_q % h_k == 0.
+DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tensor& v) {
+  c.rank("q", q, 4, "[b, s_q, h_q, d]");
+  c.layout("q", q);
+  detail::api::check_query_heads(c, q, 2);
+  c.rank("k", k, 4, "[b, s_k, h_k, d]");
+  c.layout("k", k);
+  c.dim("k", k, 0, q.shape[0], "batch of q");
+  c.dim("k", k, 3, q.shape[3], "head dim of q");
+  detail::api::check_kv_heads(c, "k", k, 2, q.shape[2]);
+  c.dtype("k", k, q.dtype, "same as q");
+  c.device("k", k, q.device, "same as q");
+  c.like("v", v, "k", k);
+  return {to_int(q.shape[0]), to_int(q.shape[1]), to_int(k.shape[1]),
+          to_int(q.shape[2]), to_int(k.shape[2]), to_int(q.shape[3])};
+}
+
+// Options, backend, backend support and CUDA layouts of q, k, v: what every dense
+// entry point checks after the shapes.
+Target check_dense_options(const Check& c, const Options& opts, const DenseDims& dims,
+                           const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
+  detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q, dims.d, p);
+  const Target target = detail::api::resolve_target(c, opts, q.device);
+  detail::api::check_supported(c, target, q.dtype, dims.d);
+  detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
+  return target;
+}
+
+void set_dense_inputs(const DenseDims& dims, const Tensor& q, const Tensor& k, const Tensor& v,
+                      FwdParams& p) {
+  detail::api::set_qkv(q, k, v, p);
+  p.batch = dims.b;
+  p.seqlen_q = dims.s_q;
+  p.seqlen_k = dims.s_k;
+  p.num_splits = 1;
+}
+
+// lse [b, h_q, s_q] (dense); may be undefined.
+void set_dense_lse(const Tensor& lse, FwdParams& p) {
+  if (!lse.defined()) return;
+  p.lse = static_cast<float*>(lse.data);
+  p.lse_batch_stride = lse.stride[0];
+  p.lse_head_stride = lse.stride[1];
+}
+
+}  // namespace
+
+void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+             const Tensor& lse, const Options& opts) {
+  const Check c("forward");
+  const DenseDims dims = check_qkv(c, q, k, v);
+  c.like("out", out, "q", q);
+  if (lse.defined()) {
+    c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
+             q.device);
+  }
+  FwdParams p;
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  detail::api::check_cuda_layouts(c, target, {{"out", out}});
+  detail::api::fill_probs(c, opts, target == Target::kCPU, q.device,
+                          {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
+  c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
+               {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes}});
+
+  set_dense_inputs(dims, q, k, v, p);
+  detail::api::set_out(out, p);
+  set_dense_lse(lse, p);
+  Scratch scratch;
+  detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
+                                scratch);
+  detail::api::run_forward(target, p);
+}
+
+void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+              const Tensor& out, const Tensor& lse, const Tensor& dq, const Tensor& dk,
+              const Tensor& dv, const Options& opts, Workspace workspace) {
+  const Check c("backward");
+  const DenseDims dims = check_qkv(c, q, k, v);
+  c.like("out", out, "q", q);
+  c.like("dout", dout, "q", q);
+  c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
+           q.device);
+  c.like("dq", dq, "q", q);
+  c.like("dk", dk, "k", k);
+  c.like("dv", dv, "v", v);
+  BwdParams p;
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  detail::api::check_cuda_layouts(c, target,
+                                  {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
+  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+               {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
+                {"opts.alibi_slopes", opts.alibi_slopes}});
+
+  set_dense_inputs(dims, q, k, v, p);
+  detail::api::set_out(out, p);
+  set_dense_lse(lse, p);
+  detail::api::set_gradients(dout, dq, dk, dv, p);
+  Scratch scratch;
+  detail::api::attach_workspace(c, target, workspace,
+                                detail::api::backward_workspace_size(target, p), p, scratch);
+  detail::api::run_backward(target, p);
+}
+
+std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Options& opts) {
+  const Check c("backward_workspace_size");
+  const DenseDims dims = check_qkv(c, q, k, v);
+  BwdParams p;
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  set_dense_inputs(dims, q, k, v, p);
+  return detail::api::backward_workspace_size(target, p);
+}
+
+bool cuda_available() noexcept {
+  return detail::cuda::built() && detail::cuda::device_count() > 0;
+}
+
+const char* version() noexcept { return FLASHATTN_VERSION; }
+
+}  // namespace flashattn

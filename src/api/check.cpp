@@ -1,0 +1,358 @@
+#include "api/check.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <cstdio>
+#include <limits>
+#include <optional>
+
+#include "flashattn/semantics.hpp"
+
+namespace flashattn::detail::api {
+
+namespace {
+
+constexpr std::int64_t kMaxExtent = std::numeric_limits<int>::max();
+
+Shape shape_of(const Tensor& t) { return Shape(t.shape, t.shape + t.rank); }
+
+std::string number(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+std::string dtype_text(DType t, std::string_view why) {
+  std::string s = "dtype " + std::string(dtype_name(t));
+  if (!why.empty()) s += " (" + std::string(why) + ")";
+  return s;
+}
+
+// [lowest byte, one past the highest byte] of a tensor with non-negative strides.
+struct ByteRange {
+  std::uintptr_t begin = 0, end = 0;
+  bool empty() const { return begin == end; }
+  bool overlaps(const ByteRange& o) const {
+    return !empty() && !o.empty() && begin < o.end && o.begin < end;
+  }
+  std::string str() const {
+    return "bytes [" + address_string(reinterpret_cast<const void*>(begin)) + ", " +
+           address_string(reinterpret_cast<const void*>(end)) + ")";
+  }
+};
+
+ByteRange byte_range(const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return {};
+  std::int64_t last = 0;
+  for (int i = 0; i < t.rank; ++i) last += (t.shape[i] - 1) * t.stride[i];
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.data);
+  const auto esize = static_cast<std::uintptr_t>(dtype_size(t.dtype));
+  return {begin, begin + static_cast<std::uintptr_t>(last) * esize + esize};
+}
+
+// Whether no two elements share an address: with the dimensions of extent > 1 sorted by
+// stride, each stride must step past everything the smaller ones span. (Sufficient, and
+// exact for the usual permuted and padded layouts.)
+bool distinct_elements(const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return true;
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, extent)
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] > 1) dims.emplace_back(t.stride[i], t.shape[i]);
+  }
+  std::sort(dims.begin(), dims.end());
+  std::int64_t span = 0;  // highest offset reachable by the dimensions so far
+  for (const auto& [stride, extent] : dims) {
+    if (stride <= span) return false;
+    span += (extent - 1) * stride;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string shape_string(const Shape& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::string address_string(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx",
+                static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p)));
+  return buf;
+}
+
+void Check::fail(std::string_view argument, const std::string& expected,
+                 const std::string& actual) const {
+  throw InvalidArgument(function_, std::string(argument), expected, actual);
+}
+
+void Check::unsupported(std::string_view argument, const std::string& expected,
+                        const std::string& actual) const {
+  throw Unsupported(function_, std::string(argument), expected, actual);
+}
+
+void Check::required(std::string_view name, const Tensor& t) const {
+  if (!t.defined()) fail(name, "a defined tensor", "an undefined tensor (rank 0)");
+}
+
+void Check::rank(std::string_view name, const Tensor& t, int expected,
+                 std::string_view dims) const {
+  required(name, t);
+  if (t.rank != expected) {
+    fail(name, "rank " + std::to_string(expected) + " " + std::string(dims),
+         "rank " + std::to_string(t.rank) + " " + flashattn::shape_string(t));
+  }
+}
+
+void Check::shape(std::string_view name, const Tensor& t, const Shape& expected,
+                  std::string_view why) const {
+  required(name, t);
+  if (shape_of(t) != expected) {
+    std::string e = "shape " + shape_string(expected);
+    if (!why.empty()) e += " (" + std::string(why) + ")";
+    fail(name, e, flashattn::shape_string(t));
+  }
+}
+
+void Check::dim(std::string_view name, const Tensor& t, int dim, std::int64_t expected,
+                std::string_view why) const {
+  if (t.shape[dim] != expected) {
+    std::string e = "shape[" + std::to_string(dim) + "] == " + std::to_string(expected);
+    if (!why.empty()) e += " (" + std::string(why) + ")";
+    fail(name, e, std::to_string(t.shape[dim]));
+  }
+}
+
+void Check::dtype(std::string_view name, const Tensor& t, DType expected,
+                  std::string_view why) const {
+  if (t.dtype != expected) fail(name, dtype_text(expected, why), dtype_name(t.dtype));
+}
+
+void Check::device(std::string_view name, const Tensor& t, Device expected,
+                   std::string_view why) const {
+  if (!(t.device == expected)) {
+    std::string e = "device " + to_string(expected);
+    if (!why.empty()) e += " (" + std::string(why) + ")";
+    fail(name, e, to_string(t.device));
+  }
+}
+
+void Check::layout(std::string_view name, const Tensor& t) const {
+  required(name, t);
+  if (t.rank > kMaxRank) {
+    fail(name, "rank <= " + std::to_string(kMaxRank), "rank " + std::to_string(t.rank));
+  }
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.shape[i] < 0) fail(name, "non-negative sizes", "shape " + flashattn::shape_string(t));
+    if (t.shape[i] > kMaxExtent) {
+      fail(name, "shape[" + std::to_string(i) + "] < 2^31", std::to_string(t.shape[i]));
+    }
+  }
+  for (int i = 0; i < t.rank; ++i) {
+    if (t.stride[i] < 0) {
+      fail(name, "non-negative strides",
+           "stride[" + std::to_string(i) + "] = " + std::to_string(t.stride[i]));
+    }
+  }
+  const int last = t.rank - 1;
+  if (t.stride[last] != 1) {
+    fail(name, "stride[" + std::to_string(last) + "] == 1 (contiguous last dimension)",
+         std::to_string(t.stride[last]));
+  }
+  if (t.numel() > 0 && t.data == nullptr) {
+    fail(name, "non-null data for a tensor of shape " + flashattn::shape_string(t), "nullptr");
+  }
+  const std::size_t esize = dtype_size(t.dtype);
+  if (reinterpret_cast<std::uintptr_t>(t.data) % esize != 0) {
+    fail(name,
+         "data aligned to " + std::to_string(esize) + " bytes (the size of " +
+             dtype_name(t.dtype) + ")",
+         "address " + address_string(t.data));
+  }
+}
+
+void Check::like(std::string_view name, const Tensor& t, std::string_view ref_name,
+                 const Tensor& ref) const {
+  const std::string why = "same as " + std::string(ref_name);
+  shape(name, t, shape_of(ref), why);
+  dtype(name, t, ref.dtype, why);
+  device(name, t, ref.device, why);
+  layout(name, t);
+}
+
+void Check::tensor(std::string_view name, const Tensor& t, const Shape& expected_shape,
+                   std::string_view why, DType expected_dtype, Device expected_device) const {
+  shape(name, t, expected_shape, why);
+  dtype(name, t, expected_dtype, "");
+  device(name, t, expected_device, "same as q");
+  layout(name, t);
+}
+
+void Check::no_overlap(std::initializer_list<Arg> outputs, std::initializer_list<Arg> inputs) const {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    if (!distinct_elements(out->tensor)) {
+      fail(out->name, "distinct memory for every element (an output)",
+           "shape " + flashattn::shape_string(out->tensor) + " with strides " +
+               shape_string(Shape(out->tensor.stride, out->tensor.stride + out->tensor.rank)));
+    }
+    const ByteRange r = byte_range(out->tensor);
+    auto test = [&](const Arg& other, std::string_view kind) {
+      const ByteRange o = byte_range(other.tensor);
+      if (r.overlaps(o)) {
+        fail(out->name,
+             "memory disjoint from " + std::string(kind) + " '" + std::string(other.name) + "' (" +
+                 o.str() + ")",
+             r.str());
+      }
+    };
+    for (const Arg& in : inputs) test(in, "input");
+    for (auto other = outputs.begin(); other != out; ++other) test(*other, "output");
+  }
+}
+
+void check_query_heads(const Check& check, const Tensor& q, int dim) {
+  if (q.shape[dim] < 1) {
+    check.fail("q", "shape[" + std::to_string(dim) + "] (h_q) >= 1", std::to_string(q.shape[dim]));
+  }
+}
+
+void check_kv_heads(const Check& check, std::string_view name, const Tensor& t, int dim,
+                    std::int64_t h_q) {
+  const std::int64_t h_k = t.shape[dim];
+  if (h_k < 1 || h_q % h_k != 0) {
+    check.fail(name,
+               "shape[" + std::to_string(dim) + "] (h_k) >= 1 and dividing h_q = " +
+                   std::to_string(h_q),
+               std::to_string(h_k));
+  }
+}
+
+RowStrides row_strides(const Tensor& t) {
+  if (t.rank == 4) return {t.stride[0], t.stride[1], t.stride[2]};
+  return {0, t.stride[0], t.stride[1]};
+}
+
+void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
+  const int head_dim = q.rank - 2;
+  p.dtype = q.dtype;
+  p.h_q = to_int(q.shape[head_dim]);
+  p.h_k = to_int(k.shape[head_dim]);
+  p.d = to_int(q.shape[head_dim + 1]);
+  p.h_ratio = p.h_q / p.h_k;
+  const RowStrides qs = row_strides(q), ks = row_strides(k), vs = row_strides(v);
+  p.q = q.data;
+  p.q_batch_stride = qs.batch, p.q_row_stride = qs.row, p.q_head_stride = qs.head;
+  p.k = k.data;
+  p.k_batch_stride = ks.batch, p.k_row_stride = ks.row, p.k_head_stride = ks.head;
+  p.v = v.data;
+  p.v_batch_stride = vs.batch, p.v_row_stride = vs.row, p.v_head_stride = vs.head;
+}
+
+void set_out(const Tensor& out, FwdParams& p) {
+  const RowStrides s = row_strides(out);
+  p.out = out.data;
+  p.o_batch_stride = s.batch, p.o_row_stride = s.row, p.o_head_stride = s.head;
+}
+
+void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                   BwdParams& p) {
+  const RowStrides os = row_strides(dout), qs = row_strides(dq), ks = row_strides(dk),
+                   vs = row_strides(dv);
+  p.dout = dout.data;
+  p.do_batch_stride = os.batch, p.do_row_stride = os.row, p.do_head_stride = os.head;
+  p.dq = dq.data;
+  p.dq_batch_stride = qs.batch, p.dq_row_stride = qs.row, p.dq_head_stride = qs.head;
+  p.dk = dk.data;
+  p.dk_batch_stride = ks.batch, p.dk_row_stride = ks.row, p.dk_head_stride = ks.head;
+  p.dv = dv.data;
+  p.dv_batch_stride = vs.batch, p.dv_row_stride = vs.row, p.dv_head_stride = vs.head;
+}
+
+void fill_options(const Check& check, const Options& opts, Device device, int batch, int h_q,
+                  int d, FwdParams& p) {
+  if (opts.window_left < -1) {
+    check.fail("opts.window_left", ">= -1", std::to_string(opts.window_left));
+  }
+  if (opts.window_right < -1) {
+    check.fail("opts.window_right", ">= -1", std::to_string(opts.window_right));
+  }
+  if (std::isinf(opts.softmax_scale)) {
+    check.fail("opts.softmax_scale", "a finite value (or NaN for 1/sqrt(d))",
+               number(opts.softmax_scale));
+  }
+  if (!(opts.softcap >= 0.0f) || std::isinf(opts.softcap)) {
+    check.fail("opts.softcap", "a finite value >= 0 (0 = off)", number(opts.softcap));
+  }
+  if (!(opts.dropout_p >= 0.0f && opts.dropout_p < 1.0f)) {
+    check.fail("opts.dropout_p", "a value in [0, 1)", number(opts.dropout_p));
+  }
+  if (opts.num_threads < 0) {
+    check.fail("opts.num_threads", ">= 0 (0 = OpenMP default)", std::to_string(opts.num_threads));
+  }
+
+  const Tensor& alibi = opts.alibi_slopes;
+  if (alibi.defined()) {
+    const Shape per_head{h_q}, per_batch_head{batch, h_q};
+    const Shape actual(alibi.shape, alibi.shape + alibi.rank);
+    if (actual != per_head && actual != per_batch_head) {
+      check.fail("opts.alibi_slopes",
+                 "shape " + shape_string(per_head) + " or " + shape_string(per_batch_head) +
+                     " ([h_q] or [b, h_q])",
+                 flashattn::shape_string(alibi));
+    }
+    check.dtype("opts.alibi_slopes", alibi, DType::kFloat32, "");
+    check.device("opts.alibi_slopes", alibi, device, "same as q");
+    check.layout("opts.alibi_slopes", alibi);
+    p.alibi_slopes = static_cast<const float*>(alibi.data);
+    p.alibi_batch_stride = alibi.rank == 2 ? alibi.stride[0] : 0;
+  }
+
+  p.scale = std::isnan(opts.softmax_scale) ? 1.0f / std::sqrt(static_cast<float>(d))
+                                           : opts.softmax_scale;
+  p.softcap = opts.softcap;
+  p.mask = semantics::Mask::make(opts.causal, opts.window_left, opts.window_right);
+  p.dropout_p = opts.dropout_p;
+  p.rp_dropout = 1.0f / (1.0f - opts.dropout_p);
+  p.rng.seed = opts.seed;
+  p.rng.offset = opts.offset;
+  p.rng.threshold = semantics::dropout_threshold(opts.dropout_p);
+  p.deterministic = opts.deterministic;
+  p.num_threads = opts.num_threads;
+  p.stream = opts.stream;
+  p.device_index = device.type == DeviceType::kCUDA ? device.index : 0;
+}
+
+void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,
+                const Shape& shape, FwdParams& p) {
+  const Tensor& probs = opts.return_probs;
+  if (!probs.defined()) return;
+  const bool varlen = shape.size() == 3;
+  if (!cpu_backend) {
+    check.unsupported("opts.return_probs",
+                      "an undefined tensor (only the CPU backend writes probabilities)",
+                      "a tensor on " + to_string(device));
+  }
+  check.shape("opts.return_probs", probs, shape,
+              varlen ? "[h_q, total_q, max_seqlen_k]" : "[b, h_q, s_q, s_k]");
+  check.dtype("opts.return_probs", probs, DType::kFloat32, "");
+  check.device("opts.return_probs", probs, device, "same as q");
+  check.layout("opts.return_probs", probs);
+  p.probs = static_cast<float*>(probs.data);
+  if (varlen) {
+    p.probs_batch_stride = 0;
+    p.probs_head_stride = probs.stride[0];
+    p.probs_row_stride = probs.stride[1];
+  } else {
+    p.probs_batch_stride = probs.stride[0];
+    p.probs_head_stride = probs.stride[1];
+    p.probs_row_stride = probs.stride[2];
+  }
+}
+
+}  // namespace flashattn::detail::api

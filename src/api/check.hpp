@@ -1,0 +1,104 @@
+// Internal: argument checking shared by the entry points.
+//
+// A Check carries the name of the entry point, so each helper throws an error of the
+// form "flashattn::<function>: argument '<name>': expected <...>, got <...>". Every
+// helper only reads; entry points run all of them before anything is written.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/params.hpp"
+#include "flashattn/attention.hpp"
+
+namespace flashattn::detail::api {
+
+using Shape = std::vector<std::int64_t>;
+
+std::string shape_string(const Shape& shape);
+std::string address_string(const void* p);
+
+// A named tensor argument, for checks that relate several tensors.
+struct Arg {
+  std::string_view name;
+  const Tensor& tensor;
+};
+
+class Check {
+ public:
+  explicit Check(std::string_view function) : function_(function) {}
+  std::string_view function() const { return function_; }
+
+  [[noreturn]] void fail(std::string_view argument, const std::string& expected,
+                         const std::string& actual) const;
+  [[noreturn]] void unsupported(std::string_view argument, const std::string& expected,
+                                const std::string& actual) const;
+
+  // A required tensor is defined (rank > 0).
+  void required(std::string_view name, const Tensor& t) const;
+  // rank == expected; `dims` names the dimensions, e.g. "[b, s_q, h_q, d]".
+  void rank(std::string_view name, const Tensor& t, int expected, std::string_view dims) const;
+  // The whole shape; `why` says where it comes from, e.g. "same as q".
+  void shape(std::string_view name, const Tensor& t, const Shape& expected,
+             std::string_view why) const;
+  // One dimension; `why` names it, e.g. "head dim of q".
+  void dim(std::string_view name, const Tensor& t, int dim, std::int64_t expected,
+           std::string_view why) const;
+  void dtype(std::string_view name, const Tensor& t, DType expected, std::string_view why) const;
+  void device(std::string_view name, const Tensor& t, Device expected, std::string_view why) const;
+  // Sizes in [0, 2^31), non-null data when non-empty, non-negative strides, a contiguous
+  // last dimension and data aligned to the element size.
+  void layout(std::string_view name, const Tensor& t) const;
+
+  // `t` has the shape, dtype and device of `ref` and a valid layout.
+  void like(std::string_view name, const Tensor& t, std::string_view ref_name,
+            const Tensor& ref) const;
+  // `t` is defined with this shape, dtype and device and a valid layout.
+  void tensor(std::string_view name, const Tensor& t, const Shape& shape, std::string_view why,
+              DType dtype, Device device) const;
+
+  // No output overlaps an input or another output, by byte ranges [lowest, highest]
+  // element. Inputs may overlap each other (q, k, v may be slices of one tensor).
+  void no_overlap(std::initializer_list<Arg> outputs, std::initializer_list<Arg> inputs) const;
+
+ private:
+  std::string function_;
+};
+
+// Validates the options every entry point shares (window, softmax scale, softcap, ALiBi,
+// dropout, threads) and fills the score, mask, dropout and execution fields of p.
+// `batch` and `h_q` give the ALiBi shapes; d the default scale.
+void fill_options(const Check& check, const Options& opts, Device device, int batch, int h_q,
+                  int d, FwdParams& p);
+
+// Validates opts.return_probs against `shape` ([b, h_q, s_q, s_k] or, varlen,
+// [h_q, total_q, max_seqlen_k]) and fills the probs fields of p. No-op when undefined.
+void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,
+                const Shape& shape, FwdParams& p);
+
+// h_q (q.shape[dim]) is at least 1.
+void check_query_heads(const Check& check, const Tensor& q, int dim);
+// h_k (t.shape[dim]) is at least 1 and divides h_q (grouped-query attention).
+void check_kv_heads(const Check& check, std::string_view name, const Tensor& t, int dim,
+                    std::int64_t h_q);
+
+// The (batch, row, head) strides of a [b, s, h, d] tensor, or of a packed [total, h, d]
+// one (batch stride 0: varlen rows are found through cu_seqlens).
+struct RowStrides {
+  std::int64_t batch = 0, row = 0, head = 0;
+};
+RowStrides row_strides(const Tensor& t);
+
+// Pointers and strides of q, k, v (and dtype, heads, head dim, h_ratio) into p.
+void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p);
+void set_out(const Tensor& out, FwdParams& p);
+void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                   BwdParams& p);
+
+// Narrowing for values already checked to lie in [0, 2^31).
+inline int to_int(std::int64_t v) { return static_cast<int>(v); }
+
+}  // namespace flashattn::detail::api

@@ -1,0 +1,211 @@
+#include "api/dispatch.hpp"
+
+#include <new>
+#include <string>
+
+#include "core/backend.hpp"
+
+namespace flashattn::detail::api {
+
+namespace {
+
+constexpr int kMinComputeCapability = 80;
+constexpr int kMaxHeadDim = 256;
+constexpr std::size_t kCudaAlignBytes = 16;
+constexpr std::int64_t kCudaStrideMultiple = 8;
+constexpr std::size_t kWorkspaceAlignBytes = 16;
+constexpr std::align_val_t kScratchAlign{64};
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::kAuto: return "Backend::kAuto";
+    case Backend::kCPU: return "Backend::kCPU";
+    case Backend::kCUDA: return "Backend::kCUDA";
+  }
+  return "an unknown backend";
+}
+
+}  // namespace
+
+Target resolve_target(const Check& check, const Options& opts, Device device) {
+  const bool on_cuda = device.type == DeviceType::kCUDA;
+  const Backend wanted = on_cuda ? Backend::kCUDA : Backend::kCPU;
+  if (opts.backend != Backend::kAuto && opts.backend != wanted) {
+    check.fail("opts.backend",
+               std::string("Backend::kAuto or ") + backend_name(wanted) + " (the tensors are on " +
+                   to_string(device) + ")",
+               backend_name(opts.backend));
+  }
+  if (!on_cuda) return Target::kCPU;
+
+  if (!cuda::built()) {
+    check.unsupported("q", "tensors on a device this build runs (a build without CUDA runs cpu)",
+                      to_string(device) + " (configure with FLASHATTN_CUDA=ON)");
+  }
+  const int count = cuda::device_count();
+  if (count == 0) {
+    check.unsupported("q", "a visible CUDA device for a tensor on " + to_string(device),
+                      "no CUDA device visible");
+  }
+  if (device.index < 0 || device.index >= count) {
+    check.fail("q", "a device ordinal in [0, " + std::to_string(count) + ") (visible CUDA devices)",
+               to_string(device));
+  }
+  const int cc = cuda::compute_capability(device.index);
+  if (cc < kMinComputeCapability) {
+    check.unsupported("q", "a GPU of compute capability >= 8.0 (sm80 path)",
+                      "compute capability " + std::to_string(cc / 10) + "." +
+                          std::to_string(cc % 10) + " on " + to_string(device));
+  }
+  return Target::kCUDA;
+}
+
+void check_supported(const Check& check, Target target, DType dtype, int d) {
+  if (dtype == DType::kFloat8E4M3) {
+    check.unsupported("q", "dtype float16, bfloat16, float32 or float64 (float8_e4m3 is reserved)",
+                      dtype_name(dtype));
+  }
+  if (dtype == DType::kInt32) {
+    check.fail("q", "a floating-point dtype", dtype_name(dtype));
+  }
+  if (target == Target::kCPU) {
+    if (d < 1 || d > kMaxHeadDim) {
+      check.unsupported("q", "head dim d in [1, 256] (CPU backend)", "d = " + std::to_string(d));
+    }
+    return;
+  }
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    check.unsupported("q", "dtype float16 or bfloat16 (CUDA backend)", dtype_name(dtype));
+  }
+  if (d < 1 || d % 8 != 0 || d > kMaxHeadDim) {
+    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend)",
+                      "d = " + std::to_string(d));
+  }
+  if (!cuda::supports_head_dim(d)) {
+    check.unsupported("q", "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
+                      "d = " + std::to_string(d));
+  }
+}
+
+void check_cuda_layout(const Check& check, std::string_view name, const Tensor& t) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % kCudaAlignBytes != 0) {
+    check.fail(name, "data 16-byte aligned (CUDA backend)", "address " + address_string(t.data));
+  }
+  for (int i = 0; i + 1 < t.rank; ++i) {
+    if (t.shape[i] > 1 && t.stride[i] % kCudaStrideMultiple != 0) {
+      check.fail(name,
+                 "stride[" + std::to_string(i) +
+                     "] a multiple of 8 elements (CUDA backend: 16-byte aligned rows)",
+                 std::to_string(t.stride[i]));
+    }
+  }
+}
+
+void check_cuda_layouts(const Check& check, Target target, std::initializer_list<Arg> tensors) {
+  if (target != Target::kCUDA) return;
+  for (const Arg& a : tensors) {
+    if (a.tensor.defined()) check_cuda_layout(check, a.name, a.tensor);
+  }
+}
+
+std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target target,
+                                                    void* stream) {
+  const std::int64_t rows = t.rank == 2 ? t.shape[0] : 1;
+  const std::int64_t cols = t.shape[t.rank - 1];
+  const std::int64_t row_stride = t.rank == 2 ? t.stride[0] : 0;
+  std::vector<std::int32_t> values(static_cast<std::size_t>(rows * cols));
+  if (values.empty()) return values;
+
+  const std::int32_t* src = static_cast<const std::int32_t*>(t.data);
+  std::vector<std::int32_t> staged;
+  if (target == Target::kCUDA) {
+    // One copy of the span from the first to the last element, then gather on the host.
+    staged.resize(static_cast<std::size_t>((rows - 1) * row_stride + cols));
+    if (!cuda::copy_to_host_for_validation(staged.data(), t.data,
+                                           staged.size() * sizeof(std::int32_t), stream)) {
+      return std::nullopt;
+    }
+    src = staged.data();
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) {
+      values[static_cast<std::size_t>(r * cols + c)] = src[r * row_stride + c];
+    }
+  }
+  return values;
+}
+
+Scratch::~Scratch() {
+  if (data_ == nullptr) return;
+  if (target_ == Target::kCUDA) {
+    cuda::free_async(data_, stream_);
+  } else {
+    ::operator delete[](data_, kScratchAlign);
+  }
+}
+
+void* Scratch::allocate(Target target, std::size_t bytes, void* stream) {
+  target_ = target;
+  stream_ = stream;
+  data_ = target == Target::kCUDA ? cuda::alloc_async(bytes, stream)
+                                  : ::operator new[](bytes, kScratchAlign);
+  return data_;
+}
+
+void attach_workspace(const Check& check, Target target, const Workspace& ws,
+                      std::size_t needed, FwdParams& p, Scratch& scratch) {
+  if (ws.bytes == 0) {
+    if (needed > 0) {
+      p.workspace = scratch.allocate(target, needed, p.stream);
+      p.workspace_bytes = needed;
+    }
+    return;
+  }
+  if (ws.data == nullptr) {
+    check.fail("workspace", "non-null data for " + std::to_string(ws.bytes) + " bytes", "nullptr");
+  }
+  if (ws.bytes < needed) {
+    check.fail("workspace", ">= " + std::to_string(needed) + " bytes",
+               std::to_string(ws.bytes) + " bytes");
+  }
+  if (reinterpret_cast<std::uintptr_t>(ws.data) % kWorkspaceAlignBytes != 0) {
+    check.fail("workspace", "data 16-byte aligned", "address " + address_string(ws.data));
+  }
+  p.workspace = ws.data;
+  p.workspace_bytes = ws.bytes;
+}
+
+std::size_t forward_workspace_size(Target target, const FwdParams& p) {
+  return target == Target::kCUDA ? cuda::forward_workspace_size(p) : cpu::forward_workspace_size(p);
+}
+
+std::size_t backward_workspace_size(Target target, const BwdParams& p) {
+  return target == Target::kCUDA ? cuda::backward_workspace_size(p)
+                                 : cpu::backward_workspace_size(p);
+}
+
+void run_forward(Target target, const FwdParams& p) {
+  if (target == Target::kCUDA) {
+    cuda::forward(p);
+  } else {
+    cpu::forward(p);
+  }
+}
+
+void run_backward(Target target, const BwdParams& p) {
+  if (target == Target::kCUDA) {
+    cuda::backward(p);
+  } else {
+    cpu::backward(p);
+  }
+}
+
+void run_append_kv(Target target, const AppendParams& p) {
+  if (target == Target::kCUDA) {
+    cuda::append_kv(p);
+  } else {
+    cpu::append_kv(p);
+  }
+}
+
+}  // namespace flashattn::detail::api

@@ -1,0 +1,66 @@
+// Internal: choosing the backend of a call, backend-specific argument rules, reading
+// index tensors for validation, workspace handling and the calls into the backends.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "api/check.hpp"
+#include "core/params.hpp"
+#include "flashattn/attention.hpp"
+
+namespace flashattn::detail::api {
+
+enum class Target : std::uint8_t { kCPU, kCUDA };
+
+// The backend for tensors on `device`: Options::backend must be kAuto or match the
+// device; a CUDA device needs a CUDA build, a visible GPU of that ordinal and sm80+.
+Target resolve_target(const Check& check, const Options& opts, Device device);
+
+// The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
+void check_supported(const Check& check, Target target, DType dtype, int d);
+
+// CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
+// non-last stride (of a dimension with more than one element) a multiple of 8 elements.
+void check_cuda_layout(const Check& check, std::string_view name, const Tensor& t);
+// check_cuda_layout for each defined tensor when the target is CUDA.
+void check_cuda_layouts(const Check& check, Target target, std::initializer_list<Arg> tensors);
+
+// The values of an int32 tensor of rank 1 or 2, row-major, read on the host (through a
+// stream-ordered copy for CUDA tensors). nullopt while the stream is captured into a
+// CUDA graph: the caller then skips content checks.
+std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target target,
+                                                    void* stream);
+
+// Scratch memory allocated for a call that was given no workspace; freed (stream-ordered
+// on CUDA) when the call returns or throws.
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch();
+  void* allocate(Target target, std::size_t bytes, void* stream);
+
+ private:
+  Target target_ = Target::kCPU;
+  void* data_ = nullptr;
+  void* stream_ = nullptr;
+};
+
+// Validates the caller's workspace against `needed` bytes (or allocates `needed`
+// bytes into `scratch` when none was given) and points p.workspace at it.
+void attach_workspace(const Check& check, Target target, const Workspace& ws,
+                      std::size_t needed, FwdParams& p, Scratch& scratch);
+
+std::size_t forward_workspace_size(Target target, const FwdParams& p);
+std::size_t backward_workspace_size(Target target, const BwdParams& p);
+void run_forward(Target target, const FwdParams& p);
+void run_backward(Target target, const BwdParams& p);
+void run_append_kv(Target target, const AppendParams& p);
+
+}  // namespace flashattn::detail::api

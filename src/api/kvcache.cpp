@@ -1,0 +1,275 @@
+// KV-cache entry points: argument checking, then the in-place append and the forward.
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "api/check.hpp"
+#include "api/dispatch.hpp"
+#include "flashattn/attention.hpp"
+
+namespace flashattn {
+
+namespace {
+
+using detail::AppendParams;
+using detail::FwdParams;
+using detail::api::Check;
+using detail::api::Scratch;
+using detail::api::Target;
+using detail::api::to_int;
+
+constexpr int kMaxSplits = 256;
+
+struct CacheDims {
+  int b, s_q, h_q, h_k, d;
+  int s_new;       // rows of k_new / v_new (0 without them)
+  bool paged;
+  int cache_rows;  // b_cache (dense) or num_blocks (paged): k_cache.shape[0]
+  int block_size;  // paged: k_cache.shape[1]
+  int capacity;    // keys one sequence can hold: s_cache or max_blocks * block_size
+};
+
+std::string indexed(std::string_view name, std::size_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
+  const Tensor& q = a.q;
+  c.rank("q", q, 4, "[b, s_q, h_q, d]");
+  c.layout("q", q);
+  detail::api::check_query_heads(c, q, 2);
+  const std::int64_t b = q.shape[0], h_q = q.shape[2], d = q.shape[3];
+  const bool paged = a.block_table.defined();
+
+  c.rank("k_cache", a.k_cache, 4,
+         paged ? "[num_blocks, block_size, h_k, d]" : "[b_cache, s_cache, h_k, d]");
+  c.layout("k_cache", a.k_cache);
+  c.dim("k_cache", a.k_cache, 3, d, "head dim of q");
+  detail::api::check_kv_heads(c, "k_cache", a.k_cache, 2, h_q);
+  c.dtype("k_cache", a.k_cache, q.dtype, "same as q");
+  c.device("k_cache", a.k_cache, q.device, "same as q");
+  c.like("v_cache", a.v_cache, "k_cache", a.k_cache);
+  const std::int64_t h_k = a.k_cache.shape[2];
+
+  c.tensor("cache_seqlens", a.cache_seqlens, {b}, "[b]", DType::kInt32, q.device);
+
+  std::int64_t capacity = a.k_cache.shape[1];
+  if (paged) {
+    if (a.cache_batch_idx.defined()) {
+      c.fail("cache_batch_idx",
+             "an undefined tensor (cache_batch_idx is for dense caches; block_table is given)",
+             "a tensor of shape " + shape_string(a.cache_batch_idx));
+    }
+    c.rank("block_table", a.block_table, 2, "[b, max_blocks_per_seq]");
+    c.dim("block_table", a.block_table, 0, b, "batch of q");
+    c.dtype("block_table", a.block_table, DType::kInt32, "");
+    c.device("block_table", a.block_table, q.device, "same as q");
+    c.layout("block_table", a.block_table);
+    if (a.k_cache.shape[1] < 1) {
+      c.fail("k_cache", "shape[1] (block_size) >= 1 for a paged cache",
+             std::to_string(a.k_cache.shape[1]));
+    }
+    capacity = a.block_table.shape[1] * a.k_cache.shape[1];
+  } else if (a.cache_batch_idx.defined()) {
+    c.tensor("cache_batch_idx", a.cache_batch_idx, {b}, "[b]", DType::kInt32, q.device);
+  } else if (a.k_cache.shape[0] < b) {
+    c.fail("k_cache", "shape[0] (b_cache) >= " + std::to_string(b) + " (batch of q)",
+           std::to_string(a.k_cache.shape[0]));
+  }
+
+  if (a.k_new.defined() != a.v_new.defined()) {
+    const char* missing = a.k_new.defined() ? "v_new" : "k_new";
+    c.fail(missing, "a defined tensor (k_new and v_new are given together)",
+           "an undefined tensor");
+  }
+  std::int64_t s_new = 0;
+  if (a.k_new.defined()) {
+    c.rank("k_new", a.k_new, 4, "[b, s_new, h_k, d]");
+    s_new = a.k_new.shape[1];
+    c.shape("k_new", a.k_new, {b, s_new, h_k, d}, "[b, s_new, h_k, d]");
+    c.dtype("k_new", a.k_new, q.dtype, "same as q");
+    c.device("k_new", a.k_new, q.device, "same as q");
+    c.layout("k_new", a.k_new);
+    c.like("v_new", a.v_new, "k_new", a.k_new);
+  }
+  if (a.num_splits < 0 || a.num_splits > kMaxSplits) {
+    c.fail("num_splits", "a value in [0, 256] (0 = heuristic)", std::to_string(a.num_splits));
+  }
+  if (capacity > std::numeric_limits<int>::max()) {
+    c.fail("block_table", "max_blocks_per_seq * block_size < 2^31", std::to_string(capacity));
+  }
+  return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
+          to_int(d),     to_int(s_new),            paged,           to_int(a.k_cache.shape[0]),
+          to_int(a.k_cache.shape[1]), to_int(capacity)};
+}
+
+// Index contents: cache lengths, cache rows, used block-table entries. Returns the
+// longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents could not
+// be read (CUDA graph capture).
+std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
+                                    Target target, void* stream) {
+  const auto seqlens = detail::api::read_int32(a.cache_seqlens, target, stream);
+  if (!seqlens) return -1;
+  std::int64_t longest = 0;
+  for (std::size_t i = 0; i < seqlens->size(); ++i) {
+    const std::int64_t len = (*seqlens)[i];
+    if (len < 0) {
+      c.fail("cache_seqlens", "values >= 0",
+             indexed("cache_seqlens", i) + " = " + std::to_string(len));
+    }
+    const std::int64_t keys = len + dims.s_new;
+    if (keys > dims.capacity) {
+      const std::string room =
+          dims.paged ? "max_blocks_per_seq * block_size = " +
+                           std::to_string(a.block_table.shape[1]) + " * " +
+                           std::to_string(dims.block_size) + " of block_table and k_cache"
+                     : "s_cache = k_cache.shape[1]";
+      c.fail("cache_seqlens",
+             "cache_seqlens[i] + s_new <= " + std::to_string(dims.capacity) + " (" + room + ")",
+             indexed("cache_seqlens", i) + " + " + std::to_string(dims.s_new) + " = " +
+                 std::to_string(keys));
+    }
+    longest = std::max(longest, keys);
+  }
+
+  if (a.cache_batch_idx.defined()) {
+    const auto rows = detail::api::read_int32(a.cache_batch_idx, target, stream);
+    if (!rows) return -1;
+    for (std::size_t i = 0; i < rows->size(); ++i) {
+      if ((*rows)[i] < 0 || (*rows)[i] >= dims.cache_rows) {
+        c.fail("cache_batch_idx",
+               "values in [0, " + std::to_string(dims.cache_rows) + ") (b_cache = k_cache.shape[0])",
+               indexed("cache_batch_idx", i) + " = " + std::to_string((*rows)[i]));
+      }
+    }
+  }
+
+  if (dims.paged) {
+    const auto table = detail::api::read_int32(a.block_table, target, stream);
+    if (!table) return -1;
+    const std::int64_t max_blocks = a.block_table.shape[1];
+    for (std::size_t i = 0; i < seqlens->size(); ++i) {
+      const std::int64_t keys = (*seqlens)[i] + dims.s_new;
+      const std::int64_t used = (keys + dims.block_size - 1) / dims.block_size;
+      for (std::int64_t blk = 0; blk < used; ++blk) {
+        const std::int32_t entry = (*table)[i * static_cast<std::size_t>(max_blocks) + blk];
+        if (entry < 0 || entry >= dims.cache_rows) {
+          const std::string at = "block_table[" + std::to_string(i) + "][" + std::to_string(blk) + "]";
+          c.fail("block_table",
+                 "used entries in [0, " + std::to_string(dims.cache_rows) +
+                     ") (num_blocks = k_cache.shape[0])",
+                 at + " = " + std::to_string(entry));
+        }
+      }
+    }
+  }
+  return longest;
+}
+
+// Everything after the shapes; fills p for the forward over the cache.
+Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
+                      const Options& opts, FwdParams& p) {
+  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  if (opts.dropout_p > 0.0f) {
+    c.unsupported("opts.dropout_p", "0 (kvcache_forward is inference only)",
+                  std::to_string(opts.dropout_p));
+  }
+  const Target target = detail::api::resolve_target(c, opts, a.q.device);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d);
+  detail::api::check_cuda_layouts(c, target,
+                                  {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
+                                   {"k_new", a.k_new}, {"v_new", a.v_new}});
+  const std::int64_t longest = check_kvcache_contents(c, a, dims, target, opts.stream);
+  detail::api::fill_probs(c, opts, target == Target::kCPU, a.q.device,
+                          {dims.b, dims.h_q, dims.s_q, longest}, p);
+
+  detail::api::set_qkv(a.q, a.k_cache, a.v_cache, p);
+  p.batch = dims.b;
+  p.seqlen_q = dims.s_q;
+  // Per-sequence key counts come from cache_seqlens; seqlen_k is their upper bound
+  // (known without reading device memory, so workspace sizing is the same in
+  // kvcache_workspace_size and kvcache_forward).
+  p.seqlen_k = dims.capacity;
+  p.cache_seqlens = static_cast<const int*>(a.cache_seqlens.data);
+  p.seqlen_k_new = dims.s_new;
+  p.cache_batch_idx = static_cast<const int*>(a.cache_batch_idx.data);
+  if (dims.paged) {
+    p.block_table = static_cast<const int*>(a.block_table.data);
+    p.block_table_batch_stride = a.block_table.stride[0];
+    p.block_size = dims.block_size;
+  }
+  p.num_splits = a.num_splits;
+  return target;
+}
+
+}  // namespace
+
+void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
+                     const Options& opts, Workspace workspace) {
+  const Check c("kvcache_forward");
+  const CacheDims dims = check_kvcache_shapes(c, args);
+  c.like("out", out, "q", args.q);
+  if (lse.defined()) {
+    c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
+             args.q.device);
+  }
+  FwdParams p;
+  const Target target = check_and_fill(c, args, dims, opts, p);
+  detail::api::check_cuda_layouts(c, target, {{"out", out}});
+  c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
+               {{"q", args.q}, {"k_cache", args.k_cache}, {"v_cache", args.v_cache},
+                {"k_new", args.k_new}, {"v_new", args.v_new}, {"cache_seqlens", args.cache_seqlens},
+                {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
+                {"opts.alibi_slopes", opts.alibi_slopes}});
+  if (args.k_new.defined()) {
+    // The append writes the caches: they must not overlap what it or the forward reads.
+    // k_cache and v_cache may share one buffer (interleaved), so they are checked apart.
+    for (const detail::api::Arg cache : {detail::api::Arg{"k_cache", args.k_cache},
+                                         detail::api::Arg{"v_cache", args.v_cache}}) {
+      c.no_overlap({cache}, {{"q", args.q}, {"k_new", args.k_new}, {"v_new", args.v_new},
+                             {"cache_seqlens", args.cache_seqlens},
+                             {"block_table", args.block_table},
+                             {"cache_batch_idx", args.cache_batch_idx}});
+    }
+  }
+
+  detail::api::set_out(out, p);
+  if (lse.defined()) {
+    p.lse = static_cast<float*>(lse.data);
+    p.lse_batch_stride = lse.stride[0];
+    p.lse_head_stride = lse.stride[1];
+  }
+  Scratch scratch;
+  detail::api::attach_workspace(c, target, workspace,
+                                detail::api::forward_workspace_size(target, p), p, scratch);
+
+  if (args.k_new.defined()) {
+    AppendParams ap;
+    ap.dtype = args.q.dtype;
+    ap.batch = dims.b;
+    ap.h_k = dims.h_k;
+    ap.d = dims.d;
+    ap.seqlen_new = dims.s_new;
+    const auto ks = detail::api::row_strides(args.k_new), vs = detail::api::row_strides(args.v_new);
+    ap.k_new = args.k_new.data;
+    ap.kn_batch_stride = ks.batch, ap.kn_row_stride = ks.row, ap.kn_head_stride = ks.head;
+    ap.v_new = args.v_new.data;
+    ap.vn_batch_stride = vs.batch, ap.vn_row_stride = vs.row, ap.vn_head_stride = vs.head;
+    ap.cache = p;
+    ap.stream = p.stream;
+    ap.device_index = p.device_index;
+    detail::api::run_append_kv(target, ap);
+  }
+  detail::api::run_forward(target, p);
+}
+
+std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts) {
+  const Check c("kvcache_workspace_size");
+  const CacheDims dims = check_kvcache_shapes(c, args);
+  FwdParams p;
+  const Target target = check_and_fill(c, args, dims, opts, p);
+  return detail::api::forward_workspace_size(target, p);
+}
+
+}  // namespace flashattn
