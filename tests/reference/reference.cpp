@@ -110,6 +110,8 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
     if (s.dout.size() != s.q.size()) throw std::invalid_argument("reference backward: dout missing");
     RefGrads& gr = result[sz(b)];
     std::vector<Acc> dq(s.q.size(), Acc(0)), dk(s.k.size(), Acc(0)), dv(s.v.size(), Acc(0));
+    std::vector<double> dq_mag(exact ? s.q.size() : 0, 0.0), dk_mag(exact ? s.k.size() : 0, 0.0),
+        dv_mag(exact ? s.v.size() : 0, 0.0);
     for (int h = 0; h < p.h_q; ++h) {
       const int g = h / (p.h_q / p.h_k);
       for (std::int64_t i = 0; i < s.s_q; ++i) {
@@ -138,6 +140,7 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
           for (int c = 0; c < p.d; ++c) {
             const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
             dv[kv] += pk * static_cast<Acc>(doi[c]);
+            if (exact) dv_mag[kv] += std::fabs(double(pk) * doi[c]);
             dpj += static_cast<Acc>(doi[c]) * static_cast<Acc>(s.v[kv]);
           }
           dp[sz(j)] = dpj * rp;
@@ -161,6 +164,16 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
             dscore = scale * (Acc(1) - t * t);
           }
           const Acc ds = R(static_cast<Acc>(prob[sz(j)] * (dp[sz(j)] - delta) * dscore));
+          if (exact) {
+            const double ds_mag = double(prob[sz(j)]) *
+                                  (std::fabs(double(dp[sz(j)])) + std::fabs(double(delta))) *
+                                  std::fabs(double(dscore));
+            for (int c = 0; c < p.d; ++c) {
+              const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
+              dq_mag[sz((i * p.h_q + h) * p.d + c)] += ds_mag * std::fabs(s.k[kv]);
+              dk_mag[kv] += ds_mag * std::fabs(qi[c]);
+            }
+          }
           if (ds == Acc(0)) continue;
           for (int c = 0; c < p.d; ++c) {
             const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
@@ -178,6 +191,9 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
     gr.dq = finish(dq, Acc(1));
     gr.dk = finish(dk, Acc(1));
     gr.dv = finish(dv, exact ? Acc(1) : rp);
+    gr.dq_mag = std::move(dq_mag);
+    gr.dk_mag = std::move(dk_mag);
+    gr.dv_mag = std::move(dv_mag);
   }
   return result;
 }
@@ -197,7 +213,8 @@ bool RefProblem::keep(int b, int h, std::int64_t i, std::int64_t j) const {
 }
 
 double RefProblem::resolve_scale(float softmax_scale, int d) {
-  if (std::isnan(softmax_scale)) return static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
+  // The parameters carry the scale as fp32, computed as the API does.
+  if (std::isnan(softmax_scale)) return 1.0f / std::sqrt(static_cast<float>(d));
   return softmax_scale;
 }
 

@@ -3,7 +3,9 @@
 //   max |got - ref|  <=  2 * max |naive - ref|  +  floor_ulps * eps(dtype) * max |ref|
 // where `naive` is the naive computation in the same precision (reference.hpp) and
 // eps(dtype) the dtype's ulp at 1. Non-finite reference values (lse = -inf of an empty
-// row) must be matched exactly; a NaN in `got` always fails. The failure message
+// row) must be matched exactly; where cancellation makes the result much smaller than
+// the terms it sums (gradients), the floor's magnitude is max(max|ref|, floor_magnitude)
+// with floor_magnitude the largest sum of absolute terms; a NaN in `got` always fails. The failure message
 // reports both errors, the bound and the worst element.
 #pragma once
 
@@ -31,7 +33,8 @@ inline constexpr double kDefaultFloorUlps = 4.0;
 ::testing::AssertionResult close_to_reference(const std::string& what, const std::vector<double>& got,
                                               const std::vector<double>& ref,
                                               const std::vector<double>& naive, DType dtype,
-                                              double floor_ulps = kDefaultFloorUlps);
+                                              double floor_ulps = kDefaultFloorUlps,
+                                              double floor_magnitude = 0.0);
 
 // Bit-for-bit equality (NaN == NaN of the same pattern is not needed: any NaN fails).
 ::testing::AssertionResult bitwise_equal(const std::string& what, const std::vector<double>& a,

@@ -1,0 +1,142 @@
+#include "support/checks.hpp"
+
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "support/compare.hpp"
+
+namespace flashattn::test {
+
+namespace {
+std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+}  // namespace
+
+std::vector<RefOutput> split_forward(const RefProblem& p, const ForwardResults& r) {
+  std::vector<RefOutput> parts(p.seqs.size());
+  std::size_t o = 0, l = 0;
+  for (std::size_t b = 0; b < p.seqs.size(); ++b) {
+    const std::size_t n_out = sz(std::int64_t(p.seqs[b].s_q) * p.h_q * p.d);
+    const std::size_t n_lse = sz(std::int64_t(p.seqs[b].s_q) * p.h_q);
+    parts[b].out.assign(r.out.begin() + std::ptrdiff_t(o), r.out.begin() + std::ptrdiff_t(o + n_out));
+    parts[b].lse.assign(r.lse.begin() + std::ptrdiff_t(l), r.lse.begin() + std::ptrdiff_t(l + n_lse));
+    o += n_out;
+    l += n_lse;
+  }
+  return parts;
+}
+
+ForwardExpectation ForwardExpectation::of(const RefProblem& p, DType dtype) {
+  return {reference_forward(p), naive_forward(p, dtype)};
+}
+
+void expect_forward_matches(const RefProblem& p, DType dtype, const ForwardResults& got,
+                            const ForwardExpectation* expectation, double floor_ulps) {
+  ForwardExpectation local;
+  if (!expectation) {
+    local = ForwardExpectation::of(p, dtype);
+    expectation = &local;
+  }
+  const std::vector<double> ref_out = concat_out(expectation->ref);
+  const std::vector<double> ref_lse = concat_lse(expectation->ref);
+  EXPECT_TRUE(fully_written("out", got.out));
+  EXPECT_TRUE(fully_written("lse", got.lse));
+  EXPECT_TRUE(close_to_reference("out", got.out, ref_out, concat_out(expectation->naive), dtype,
+                                 floor_ulps));
+  EXPECT_TRUE(close_to_reference("lse", got.lse, ref_lse, concat_lse(expectation->naive), DType::kFloat32));
+  // Rows that see no key: out exactly 0 and lse -inf (close_to_reference checks the -inf).
+  std::size_t o = 0, l = 0, bad = 0;
+  for (std::size_t b = 0; b < p.seqs.size(); ++b) {
+    const RefSeq& s = p.seqs[b];
+    for (int i = 0; i < s.s_q; ++i)
+      for (int h = 0; h < p.h_q; ++h) {
+        if (ref_lse[l + sz(std::int64_t(h) * s.s_q + i)] != -INFINITY) continue;
+        for (int c = 0; c < p.d; ++c) bad += got.out[o + sz((std::int64_t(i) * p.h_q + h) * p.d + c)] != 0.0;
+      }
+    o += sz(std::int64_t(s.s_q) * p.h_q * p.d);
+    l += sz(std::int64_t(s.s_q) * p.h_q);
+  }
+  EXPECT_EQ(bad, 0u) << "out elements of rows that see no key are not exactly 0";
+  if (!got.probs.empty()) {
+    const std::vector<double> ref_probs = concat_probs(expectation->ref);
+    EXPECT_TRUE(fully_written("probs", got.probs));
+    EXPECT_TRUE(close_to_reference("probs", got.probs, ref_probs, concat_probs(expectation->naive),
+                                   DType::kFloat32));
+    std::size_t nonzero_where_zero = 0;
+    for (std::size_t e = 0; e < ref_probs.size() && e < got.probs.size(); ++e)
+      nonzero_where_zero += ref_probs[e] == 0.0 && got.probs[e] != 0.0;
+    EXPECT_EQ(nonzero_where_zero, 0u) << "probs not exactly 0 where the oracle masks or drops";
+  }
+}
+
+void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResults& forward,
+                             const BackwardResults& got) {
+  const std::vector<RefGrads> ref = reference_backward(p);
+  const std::vector<RefGrads> naive = naive_backward(p, dtype, split_forward(p, forward));
+  EXPECT_TRUE(fully_written("dq", got.dq));
+  EXPECT_TRUE(fully_written("dk", got.dk));
+  EXPECT_TRUE(fully_written("dv", got.dv));
+  auto magnitude = [&](std::vector<double> RefGrads::*field) {
+    double m = 0;
+    for (const RefGrads& g : ref)
+      for (double x : g.*field) m = std::max(m, x);
+    return m;
+  };
+  EXPECT_TRUE(close_to_reference("dq", got.dq, concat_dq(ref), concat_dq(naive), dtype, kDefaultFloorUlps,
+                                 magnitude(&RefGrads::dq_mag)));
+  EXPECT_TRUE(close_to_reference("dk", got.dk, concat_dk(ref), concat_dk(naive), dtype, kDefaultFloorUlps,
+                                 magnitude(&RefGrads::dk_mag)));
+  EXPECT_TRUE(close_to_reference("dv", got.dv, concat_dv(ref), concat_dv(naive), dtype, kDefaultFloorUlps,
+                                 magnitude(&RefGrads::dv_mag)));
+  // Rows that see no key: dq exactly 0.
+  const std::vector<RefOutput> f = reference_forward(p);
+  std::size_t o = 0, bad = 0;
+  for (std::size_t b = 0; b < p.seqs.size(); ++b) {
+    const RefSeq& s = p.seqs[b];
+    for (int i = 0; i < s.s_q; ++i)
+      for (int h = 0; h < p.h_q; ++h) {
+        if (f[b].lse[sz(std::int64_t(h) * s.s_q + i)] != -INFINITY) continue;
+        for (int c = 0; c < p.d; ++c) bad += got.dq[o + sz((std::int64_t(i) * p.h_q + h) * p.d + c)] != 0.0;
+      }
+    o += sz(std::int64_t(s.s_q) * p.h_q * p.d);
+  }
+  EXPECT_EQ(bad, 0u) << "dq elements of rows that see no key are not exactly 0";
+  // Keys no query of their group sees: dk and dv exactly 0.
+  std::size_t kv = 0, bad_kv = 0;
+  for (std::size_t b = 0; b < p.seqs.size(); ++b) {
+    const RefSeq& s = p.seqs[b];
+    for (int j = 0; j < s.s_k; ++j) {
+      bool seen = false;
+      for (int i = 0; i < s.s_q && !seen; ++i) seen = semantics::key_visible(i, j, s.s_q, s.s_k, p.mask);
+      if (seen) continue;
+      for (int e = 0; e < p.h_k * p.d; ++e) {
+        const std::size_t at = kv + sz(std::int64_t(j) * p.h_k * p.d + e);
+        bad_kv += (got.dk[at] != 0.0) + (got.dv[at] != 0.0);
+      }
+    }
+    kv += sz(std::int64_t(s.s_k) * p.h_k * p.d);
+  }
+  EXPECT_EQ(bad_kv, 0u) << "dk/dv elements of keys that no query sees are not exactly 0";
+}
+
+ForwardResults forward_results(const DenseCase& c) {
+  ForwardResults r{c.out.to_double(), c.lse.to_double(), {}};
+  if (!c.probs.shape().empty()) r.probs = c.probs.to_double();
+  return r;
+}
+
+BackwardResults backward_results(const DenseCase& c) {
+  return {c.dq.to_double(), c.dk.to_double(), c.dv.to_double()};
+}
+
+ForwardResults forward_results(const VarlenCase& c) {
+  ForwardResults r{c.out_concat(), c.lse_concat(), {}};
+  if (!c.probs.shape().empty()) r.probs = c.probs_concat();
+  return r;
+}
+
+BackwardResults backward_results(const VarlenCase& c) { return {c.dq_concat(), c.dk_concat(), c.dv_concat()}; }
+
+ForwardResults forward_results(const KVCacheCase& c) { return {c.out.to_double(), c.lse.to_double(), {}}; }
+
+}  // namespace flashattn::test

@@ -1,0 +1,51 @@
+// Assertions shared by the CPU and GPU suites: a backend's forward / backward results
+// (already on the host, in the oracle's concatenated order — see reference.hpp and
+// cases.hpp) against the fp64 oracle under the tolerance rule (compare.hpp), plus the
+// exact rules: rows that see no key give out 0, lse -inf and dq 0; nothing is NaN.
+#pragma once
+
+#include <vector>
+
+#include "reference/reference.hpp"
+#include "support/cases.hpp"
+#include "support/compare.hpp"
+
+namespace flashattn::test {
+
+struct ForwardResults {
+  std::vector<double> out;    // concat_out order
+  std::vector<double> lse;    // concat_lse order
+  std::vector<double> probs;  // concat_probs order; empty when not requested
+};
+
+struct BackwardResults {
+  std::vector<double> dq, dk, dv;  // concat_dq / concat_dk / concat_dv order
+};
+
+// Splits concatenated forward results back into per-sequence RefOutputs (for the naive backward).
+std::vector<RefOutput> split_forward(const RefProblem& p, const ForwardResults& r);
+
+// The oracle's and the naive's forward for p, computed once and reused.
+struct ForwardExpectation {
+  std::vector<RefOutput> ref, naive;
+  static ForwardExpectation of(const RefProblem& p, DType dtype);
+};
+
+// Forward results against the oracle: out in dtype, lse (fp32) and, when given, probs.
+// floor_ulps scales the rounding floor of out (compare.hpp); raise it only where the
+// problem's conditioning demands it (logits of magnitude L move P by ~L ulp).
+void expect_forward_matches(const RefProblem& p, DType dtype, const ForwardResults& got,
+                            const ForwardExpectation* expectation = nullptr,
+                            double floor_ulps = kDefaultFloorUlps);
+// Backward results against the oracle; `forward` is what the backend's backward read
+// (its own forward's out and lse), which the naive backward reads too.
+void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResults& forward,
+                             const BackwardResults& got);
+
+ForwardResults forward_results(const DenseCase& c);
+BackwardResults backward_results(const DenseCase& c);
+ForwardResults forward_results(const VarlenCase& c);
+BackwardResults backward_results(const VarlenCase& c);
+ForwardResults forward_results(const KVCacheCase& c);
+
+}  // namespace flashattn::test
