@@ -169,9 +169,11 @@ double attention_flops(const Config& c) {
   return c.causal ? f / 2 : f;
 }
 
-void print_row(const char* name, double err, double sec, double flops, double extra_bytes) {
-  std::printf("| %-22s | %10.2e | %10.3f | %9.3f | %19.1f |\n", name, err, sec * 1e3,
-              flops / sec / 1e12, extra_bytes / (1024.0 * 1024.0));
+// Throughput in TFLOP/s on the GPU and GFLOP/s on the CPU (flop_unit 1e12 or 1e9).
+void print_row(const char* name, double err, double sec, double flops, double flop_unit,
+               double extra_bytes) {
+  std::printf("| %-22s | %10.2e | %10.3f | %9.2f | %19.1f |\n", name, err, sec * 1e3,
+              flops / sec / flop_unit, extra_bytes / (1024.0 * 1024.0));
 }
 
 int run(const Config& c, bool on_gpu) {
@@ -245,15 +247,16 @@ int run(const Config& c, bool on_gpu) {
   std::printf("\n%s of %d runs; error over %zu query rows of every head; extra memory: %s\n\n",
               on_gpu ? "median" : "best", c.repeats, rows.size(),
               on_gpu ? "scratch the computation allocates" : "peak RSS growth");
+  const double unit = on_gpu ? 1e12 : 1e9;
   std::printf("| %-22s | %10s | %10s | %9s | %-19s |\n", "computation", "max |err|", "time (ms)",
-              "TFLOP/s", "extra memory (MiB)");
+              on_gpu ? "TFLOP/s" : "GFLOP/s", "extra memory (MiB)");
   std::printf("|%s|%s|%s|%s|%s|\n", std::string(24, '-').c_str(), std::string(12, '-').c_str(),
               std::string(12, '-').c_str(), std::string(11, '-').c_str(), std::string(21, '-').c_str());
   const double mib = 1024.0 * 1024.0;
-  print_row(on_gpu ? "flashattn (GPU)" : "flashattn (CPU)", e_flash, t_flash * 1e-3, flops,
+  print_row(on_gpu ? "flashattn (GPU)" : "flashattn (CPU)", e_flash, t_flash * 1e-3, flops, unit,
             on_gpu ? 0.0 : double(rss1 - rss0) * 1024.0);
   if (naive_bytes)
-    print_row("naive (S materialised)", e_naive, t_naive * 1e-3, flops,
+    print_row("naive (S materialised)", e_naive, t_naive * 1e-3, flops, unit,
               on_gpu ? double(naive_bytes) : double(rss2 - rss1) * 1024.0);
   else
     std::printf("| %-22s | could not allocate S and P on the GPU |\n", "naive (S materialised)");
