@@ -1,0 +1,189 @@
+// Backward benchmark of the CUDA backend on the standard grid: bf16, batch * seqlen =
+// 16384 tokens, model dim 2048 (heads = 2048 / hdim), hdim 64 / 128 / 256, causal and
+// not, seqlen 512 .. 16k. FLOPs = 2.5 * 4 * b * h * s^2 * d (halved when causal).
+// Timing: CUDA events around each call, 3 warm-up calls, median of 15; two input sets
+// alternate so the 50 MB L2 does not hold a call's inputs from the previous one. The
+// caller-given workspace keeps allocation out of the timing.
+//
+//   flashattn_cuda_bwd_bench            the grid, one line per cell: "bwd d causal s ms tflops"
+//   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
+//                                       the device memory the calls add beyond their tensors
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "flashattn/attention.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn/half.hpp"
+
+namespace {
+
+#define CHECK_CUDA(expr)                                                               \
+  do {                                                                                 \
+    const cudaError_t e_ = (expr);                                                     \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_));          \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+using flashattn::DType;
+using flashattn::Tensor;
+
+void* device_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+
+// Normal-ish values (sum of uniforms) in bf16, from a fixed LCG: reproducible inputs.
+void fill_random_bf16(void* dev, std::size_t n, std::uint64_t seed, float stddev) {
+  std::vector<std::uint16_t> h(n);
+  std::uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  for (std::size_t i = 0; i < n; ++i) {
+    float acc = 0.0f;
+    for (int k = 0; k < 4; ++k) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      acc += static_cast<float>((s >> 40) & 0xffffff) / 16777216.0f - 0.5f;
+    }
+    h[i] = flashattn::float_to_bf16(acc * 1.7320508f * stddev);
+  }
+  CHECK_CUDA(cudaMemcpy(dev, h.data(), n * 2, cudaMemcpyHostToDevice));
+}
+
+struct Problem {
+  int b, s, h, d;
+  Tensor q, k, v, out, dout, lse, dq, dk, dv;
+  std::vector<void*> owned;
+
+  Problem(int b_, int s_, int h_, int d_, std::uint64_t seed) : b(b_), s(s_), h(h_), d(d_) {
+    const std::size_t n = std::size_t(b) * s * h * d;
+    auto make = [&](bool random, std::uint64_t sd) {
+      void* p = device_alloc(n * 2);
+      owned.push_back(p);
+      if (random) fill_random_bf16(p, n, sd, 1.0f);
+      return Tensor::contiguous(p, DType::kBFloat16, {b, s, h, d}, flashattn::Device::cuda(0));
+    };
+    q = make(true, seed);
+    k = make(true, seed + 1);
+    v = make(true, seed + 2);
+    dout = make(true, seed + 3);
+    out = make(false, 0);
+    dq = make(false, 0);
+    dk = make(false, 0);
+    dv = make(false, 0);
+    void* l = device_alloc(std::size_t(b) * h * s * 4);
+    owned.push_back(l);
+    lse = Tensor::contiguous(l, DType::kFloat32, {b, h, s}, flashattn::Device::cuda(0));
+  }
+  ~Problem() {
+    for (void* p : owned) cudaFree(p);
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run_grid() {
+  std::printf("# ours: flashattn CUDA backward, bf16, 16k tokens, model dim 2048\n");
+  std::printf("# bwd hdim causal seqlen ms tflops\n");
+  for (int d : {64, 128, 256}) {
+    for (int causal = 0; causal < 2; ++causal) {
+      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
+        const int b = 16384 / s, h = 2048 / d;
+        Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
+        flashattn::Options opts;
+        opts.causal = causal != 0;
+        const std::size_t ws_bytes =
+            flashattn::backward_workspace_size(sets[0].q, sets[0].k, sets[0].v, opts);
+        void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
+        try {
+          for (Problem& p : sets) flashattn::forward(p.q, p.k, p.v, p.out, p.lse, opts);
+        } catch (const flashattn::Error& e) {
+          std::printf("# d %d causal %d s %d: forward failed (%s)\n", d, causal, s, e.what());
+          if (ws) cudaFree(ws);
+          continue;
+        }
+        CHECK_CUDA(cudaDeviceSynchronize());
+        auto call = [&](Problem& p) {
+          flashattn::backward(p.dout, p.q, p.k, p.v, p.out, p.lse, p.dq, p.dk, p.dv, opts,
+                              flashattn::Workspace{ws, ws_bytes});
+        };
+        for (int w = 0; w < 3; ++w) call(sets[w & 1]);
+        cudaEvent_t start, stop;
+        CHECK_CUDA(cudaEventCreate(&start));
+        CHECK_CUDA(cudaEventCreate(&stop));
+        std::vector<double> ms;
+        for (int r = 0; r < 15; ++r) {
+          CHECK_CUDA(cudaEventRecord(start));
+          call(sets[r & 1]);
+          CHECK_CUDA(cudaEventRecord(stop));
+          CHECK_CUDA(cudaEventSynchronize(stop));
+          float t = 0;
+          CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+          ms.push_back(t);
+        }
+        CHECK_CUDA(cudaGetLastError());
+        const double t = median(ms);
+        const double flops = 2.5 * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+        std::printf("bwd %d %d %d %.4f %.1f\n", d, causal, s, t, flops / (t * 1e-3) / 1e12);
+        std::fflush(stdout);
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        if (ws) cudaFree(ws);
+      }
+    }
+  }
+}
+
+// Forward + backward at seqlen 128k: the calls' own allocations (the backward's
+// stream-ordered workspace) measured by the default pool's high-water mark, and the
+// free device memory before the tensors, after them and after the calls.
+void run_memory() {
+  const int b = 1, s = 131072, h = 16, d = 128;
+  std::size_t free0 = 0, total = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free0, &total));
+  Problem p(b, s, h, d, 5);
+  std::size_t free1 = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free1, &total));
+  cudaMemPool_t pool;
+  CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, 0));
+  std::uint64_t keep = UINT64_MAX;  // keep freed pool memory reserved so it can be measured
+  CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
+  flashattn::Options opts;
+  opts.causal = true;
+  flashattn::forward(p.q, p.k, p.v, p.out, p.lse, opts);
+  flashattn::backward(p.dout, p.q, p.k, p.v, p.out, p.lse, p.dq, p.dk, p.dv, opts);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::size_t free2 = 0;
+  CHECK_CUDA(cudaMemGetInfo(&free2, &total));
+  std::uint64_t high = 0;
+  CHECK_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &high));
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double tensors = double(free0 - free1) / gib;
+  std::printf("memory: seqlen %d, b %d, h %d, d %d, causal, bf16\n", s, b, h, d);
+  std::printf("memory: tensors (q k v out dout dq dk dv lse) %.3f GiB\n", tensors);
+  std::printf("memory: workspace high-water (stream-ordered pool) %.3f GiB\n", double(high) / gib);
+  std::printf("memory: device memory in use after fwd+bwd beyond the tensors %.3f GiB\n",
+              double(free1 - free2) / gib);
+  std::printf("memory: peak fwd+bwd total %.3f GiB (a materialised S would be %.0f GiB)\n",
+              tensors + double(high) / gib, double(s) * s * h * 2 / gib);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "--memory") == 0) {
+    run_memory();
+  } else {
+    run_grid();
+  }
+  return 0;
+}

@@ -1,0 +1,181 @@
+// cuda::backward: the workspace, the preprocess (D = rowsum(dO * O)), the main kernel
+// of the compiled head-dim bucket, and the postprocess (dQ = scale * dq_accum in the
+// output type).
+#include <cstdint>
+#include <string>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/backend.hpp"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/device_guard.hpp"
+#include "cuda/sm80/bwd_launch.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn_cuda_manifest.hpp"
+
+namespace flashattn::detail::cuda {
+
+namespace sm80 {
+namespace {
+
+constexpr int kRowThreads = 8;                         // threads per row, 8 elements each
+constexpr int kRowsPerBlock = 256 / kRowThreads;       // 32 rows of one head per block
+
+template <typename Element>
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+  const std::uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (__is_same(Element, __half)) {
+      const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      f[2 * k] = v.x;
+      f[2 * k + 1] = v.y;
+    } else {
+      const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[k]));
+      f[2 * k] = v.x;
+      f[2 * k + 1] = v.y;
+    }
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ std::uint32_t pack2_rn(float lo, float hi) {
+  if constexpr (__is_same(Element, __half)) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+}
+
+// D[h, row] = sum_c dO[row, h, c] * O[row, h, c] in fp32. Grid (row blocks, h_q, batch).
+template <typename Element>
+__global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant__ BwdParams p,
+                                                           const BwdWorkspace ws) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kRowThreads;
+  const int sub = threadIdx.x % kRowThreads;
+  const bool active = i < p.seq_len_q(b);
+  float sum = 0.0f;
+  if (active) {
+    const Element* dout = static_cast<const Element*>(p.dout) + p.do_offset(b) +
+                          std::int64_t(i) * p.do_row_stride + std::int64_t(h) * p.do_head_stride;
+    const Element* out = static_cast<const Element*>(p.out) + p.o_offset(b) +
+                         std::int64_t(i) * p.o_row_stride + std::int64_t(h) * p.o_head_stride;
+    for (int c = sub * 8; c < p.d; c += kRowThreads * 8) {
+      float a[8], o[8];
+      unpack8<Element>(*reinterpret_cast<const uint4*>(dout + c), a);
+      unpack8<Element>(*reinterpret_cast<const uint4*>(out + c), o);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) sum = fmaf(a[k], o[k], sum);
+    }
+  }
+#pragma unroll
+  for (int off = kRowThreads / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (active && sub == 0) {
+    const std::int64_t row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+    ws.dpsum[h * ws.rows_total + row0 + i] = sum;
+  }
+}
+
+// dq[b, i, h, :] = scale * dq_accum[row(b, i), h, :] in the output type, every row of
+// every sequence (rows no key tile reached hold the zeros of the memset).
+template <typename Element>
+__global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p,
+                                                             const BwdWorkspace ws) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kRowThreads;
+  const int sub = threadIdx.x % kRowThreads;
+  if (i >= p.seq_len_q(b)) return;
+  const std::int64_t row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+  const float* acc = ws.dq_accum + ((row0 + i) * p.h_q + h) * p.d;
+  Element* dq = static_cast<Element*>(p.dq) + p.dq_offset(b) + std::int64_t(i) * p.dq_row_stride +
+                std::int64_t(h) * p.dq_head_stride;
+  for (int c = sub * 8; c < p.d; c += kRowThreads * 8) {
+    const float4 lo = *reinterpret_cast<const float4*>(acc + c);
+    const float4 hi = *reinterpret_cast<const float4*>(acc + c + 4);
+    uint4 u;
+    u.x = pack2_rn<Element>(lo.x * p.scale, lo.y * p.scale);
+    u.y = pack2_rn<Element>(lo.z * p.scale, lo.w * p.scale);
+    u.z = pack2_rn<Element>(hi.x * p.scale, hi.y * p.scale);
+    u.w = pack2_rn<Element>(hi.z * p.scale, hi.w * p.scale);
+    *reinterpret_cast<uint4*>(dq + c) = u;
+  }
+}
+
+template <typename Element>
+void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  // With no query rows (seqlen_q == 0) only the main kernel runs: it writes dk = dv = 0.
+  const dim3 row_grid((p.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h_q, p.batch);
+  if (row_grid.x > 0) {
+    bwd_dot_do_o_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
+    FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  }
+  bool launched = p.seqlen_k == 0;
+#define FLASHATTN_BWD_BUCKET(D)                    \
+  if (!launched && p.d <= D) {                     \
+    run_bwd_main<Element, D>(p, ws, stream);       \
+    launched = true;                               \
+  }
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_BUCKET)
+#undef FLASHATTN_BWD_BUCKET
+  if (row_grid.x > 0) {
+    bwd_convert_dq_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
+    FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace
+}  // namespace sm80
+
+std::size_t backward_workspace_size(const BwdParams& p) {
+  return sm80::bwd_workspace_layout(p).total();
+}
+
+void backward(const BwdParams& p) {
+  constexpr const char* kFn = "flashattn::backward";
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    throw Unsupported(kFn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
+  }
+  if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
+    throw Unsupported(kFn, "q", "a head dim d % 8 == 0 within the compiled CUDA buckets",
+                      std::to_string(p.d));
+  }
+  if (p.batch == 0 || p.h_q == 0) return;
+  DeviceGuard guard(p.device_index);
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  const sm80::BwdWorkspaceLayout layout = sm80::bwd_workspace_layout(p);
+
+  void* scratch = p.workspace;
+  bool owned = false;
+  if (layout.total() > 0 && (scratch == nullptr || p.workspace_bytes < layout.total())) {
+    scratch = alloc_async(layout.total(), p.stream);
+    owned = true;
+  }
+  sm80::BwdWorkspace ws;
+  ws.rows_total = layout.rows_total;
+  ws.m_blocks = layout.m_blocks;
+  auto* base = static_cast<unsigned char*>(scratch);
+  ws.dq_accum = reinterpret_cast<float*>(base);
+  ws.dpsum = reinterpret_cast<float*>(base + layout.dq_accum_bytes);
+  ws.dq_sem = p.deterministic
+                  ? reinterpret_cast<unsigned*>(base + layout.dq_accum_bytes + layout.dpsum_bytes)
+                  : nullptr;
+  if (layout.dq_accum_bytes > 0) {
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(ws.dq_accum, 0, layout.dq_accum_bytes, stream));
+  }
+  if (layout.sem_bytes > 0) {
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(ws.dq_sem, 0, layout.sem_bytes, stream));
+  }
+  if (p.dtype == DType::kBFloat16) {
+    sm80::run_bwd<__nv_bfloat16>(p, ws, stream);
+  } else {
+    sm80::run_bwd<__half>(p, ws, stream);
+  }
+  if (owned) free_async(scratch, p.stream);
+}
+
+}  // namespace flashattn::detail::cuda

@@ -1,0 +1,474 @@
+// The sm80 FlashAttention-2 backward main kernel.
+//
+// One thread block per (key tile n, KV head g, sequence b). It loads K_n and V_n once and
+// walks every (query head of g's GQA group, query tile m) pair that can see the key tile,
+// so dK_n and dV_n are summed over the group in registers (fp32) and written once: no
+// per-query-head dK/dV workspace and no reduction pass. Per pair:
+//   S  = Q_m K_n^T,  dP = dO_m V_n^T                      (warps 2 x 4 over [BM x BN])
+//   P  = exp2(S * scale * log2e - lse * log2e)           (scores recomputed from lse)
+//   dS = P * (dP * keep / (1 - p) - D) * softcap'        (D = rowsum(dO * O), preprocess)
+//   P * keep / (1 - p) and dS go to shared memory as 16-bit tiles, then
+//   dV += P_dropped^T dO_m,  dK += dS^T Q_m              (warps 4 x 2 over [BN x d])
+//   dQ_m += dS K_n                                        (warps 4 x 2 over [BM x d])
+// with dQ added to the fp32 workspace by red.global.add (or, deterministic, in key-tile
+// order behind a per-query-tile counter). All products run on mma.sync m16n8k16 fed by
+// ldmatrix(.trans) from swizzled tiles; the element mask runs only on boundary tiles.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/smem_layout.cuh"
+#include "core/params.hpp"
+#include "flashattn/error.hpp"
+#include "flashattn/semantics.hpp"
+#include "cuda/sm80/bwd_launch.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+// Tile shapes of the backward per head-dim bucket (8 warps always).
+//   d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64.
+// Per-thread fp32 accumulators: dK + dV = 2 * BN * d / 256, S + dP = 2 * BM * BN / 256,
+// dQ = BM * d / 256 (live only after S/dP are consumed), at most ~224 at d = 128 / 256.
+template <int kHeadDim_>
+struct BwdTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBwdBlockM;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kNWarps = 8;
+  static constexpr int kNThreads = kNWarps * 32;
+  // S and dP [kBlockM x kBlockN]: 2 (rows) x 4 (keys) warps.
+  static constexpr int kWarpsNsdp = 4;
+  static constexpr int kWarpMsdp = kBlockM / 2;           // 32 query rows
+  static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;  // 32 or 16 keys
+  // dK and dV [kBlockN x kHeadDim]: 4 (keys) x 2 (head-dim halves) warps.
+  static constexpr int kWarpNdkv = kBlockN / 4;
+  static constexpr int kWarpDdkv = kHeadDim / 2;
+  // dQ [kBlockM x kHeadDim]: 4 (rows) x 2 (head-dim halves) warps.
+  static constexpr int kWarpMdq = kBlockM / 4;
+  static constexpr int kWarpDdq = kHeadDim / 2;
+
+  using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
+  using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]
+  using TileP = SwizzledTile<kBlockM, kBlockN>;   // P and dS, [BM, BN]
+  static constexpr int kSmemKV = 2 * TileK::kBytes;
+  static constexpr int kSmemPdS = 2 * TileP::kBytes;
+  // A stage: Q, dO, and the tile's lse and D rows (fp32).
+  static constexpr int kSmemQdOStage = 2 * TileQ::kBytes + 2 * kBlockM * 4;
+  // Two Q/dO stages (prefetch the next pair during this one) when they fit in sm80's
+  // 163 KiB; otherwise one, refilled as soon as dK's product has consumed it.
+  static constexpr int kStages = kSmemKV + kSmemPdS + 2 * kSmemQdOStage <= 163 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = kSmemKV + kSmemPdS + kStages * kSmemQdOStage;
+
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "BwdTileConfig: head-dim bucket");
+  static_assert(kWarpNsdp % 16 == 0 && kWarpDdkv % 16 == 0 && kWarpDdq % 16 == 0 &&
+                    kWarpNdkv % 16 == 0 && kWarpMdq == 16,
+                "BwdTileConfig: warp tiles must be whole m16 / n16 pairs");
+  static_assert(kSmemBytes <= 163 * 1024, "BwdTileConfig: shared memory beyond sm80's limit");
+  static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
+                "BwdTileConfig: accumulators would not fit in registers");
+};
+
+// Element offset of (R + lr, C + lcc * 8) in a SwizzledTile, given
+// lane_base = Tile::offset(lr, lcc * 8), for R % 8 == 0, C % 16 == 0, lr < 16, lcc < 2.
+// The swizzle XORs the 16-byte chunk index with bits of the row that R cannot change,
+// so moving by C within a column block is an XOR of the lane's base with C % block:
+// one LOP3 per ldmatrix instead of recomputing the swizzle, and few live registers.
+template <class Tile>
+__device__ __forceinline__ int swizzled_offset(int lane_base, int row0, int col0) {
+  return (lane_base ^ (col0 % Tile::kBlockCols)) +
+         (col0 / Tile::kBlockCols) * (Tile::kRows * Tile::kBlockCols) + row0 * Tile::kBlockCols;
+}
+
+// acc[kM x kN] += A[kM x kK] * B[kK x kN] for one warp, operands in swizzled shared tiles.
+//   A: kATrans = false: stored [m][k] (TileA rows = m); true: stored [k][m] (ldmatrix.trans).
+//   B: kBTrans = false: stored [n][k] (TileB rows = n); true: stored [k][n] (ldmatrix.trans).
+// a_m0 / b_n0 (multiples of 16) select the warp's rows of A / columns of B; k runs 0..kK.
+template <typename Element, int kM, int kN, int kK, bool kATrans, bool kBTrans, class TileA,
+          class TileB>
+__device__ __forceinline__ void warp_gemm(float (&acc)[kM / 16][kN / 8][4], std::uint32_t a_base,
+                                          int a_m0, std::uint32_t b_base, int b_n0, int lane) {
+  static_assert(kM % 16 == 0 && kN % 16 == 0 && kK % 16 == 0, "warp_gemm: tile shape");
+  // Lane roles of ldmatrix.x4: the row within a 16-row slab and which 8-column half.
+  const int a_lr = kATrans ? (lane >> 4) * 8 + (lane & 7) : (lane & 15);
+  const int a_lc = kATrans ? ((lane >> 3) & 1) : (lane >> 4);
+  const int b_lr = kBTrans ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7);
+  const int b_lc = kBTrans ? (lane >> 4) : ((lane >> 3) & 1);
+  const int a_lane = TileA::offset(a_lr, a_lc * 8);
+  const int b_lane = TileB::offset(b_lr, b_lc * 8);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    std::uint32_t a[kM / 16][4];
+#pragma unroll
+    for (int mt = 0; mt < kM / 16; ++mt) {
+      if constexpr (!kATrans) {
+        const int off = swizzled_offset<TileA>(a_lane, a_m0 + mt * 16, kk * 16);
+        ldmatrix_x4(a_base + 2u * off, a[mt]);
+      } else {
+        const int off = swizzled_offset<TileA>(a_lane, kk * 16, a_m0 + mt * 16);
+        ldmatrix_x4_trans(a_base + 2u * off, a[mt]);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      std::uint32_t bf[4];
+      if constexpr (!kBTrans) {
+        const int off = swizzled_offset<TileB>(b_lane, b_n0 + np * 16, kk * 16);
+        ldmatrix_x4(b_base + 2u * off, bf);
+      } else {
+        const int off = swizzled_offset<TileB>(b_lane, kk * 16, b_n0 + np * 16);
+        ldmatrix_x4_trans(b_base + 2u * off, bf);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kM / 16; ++mt) {
+        mma_m16n8k16<Element>(acc[mt][2 * np], a[mt], bf[0], bf[1]);
+        mma_m16n8k16<Element>(acc[mt][2 * np + 1], a[mt], bf[2], bf[3]);
+      }
+    }
+  }
+}
+
+template <int kM, int kN>
+__device__ __forceinline__ void zero_acc(float (&acc)[kM][kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kM; ++i)
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+}
+
+// rows x kCols tile from global memory (row stride in elements) into a swizzled tile;
+// rows >= rows_valid and columns >= d are zero-filled, so padded rows and the head-dim
+// padding of a bucket contribute exact zeros to every product.
+template <class Tile, int kNThreads, typename Element>
+__device__ __forceinline__ void load_tile_async(std::uint32_t s_base, const Element* g_base,
+                                                std::int64_t row_stride, int rows_valid, int d,
+                                                int tid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
+  constexpr int kChunks = Tile::kRows * kChunksPerRow;
+#pragma unroll
+  for (int c = tid; c < kChunks; c += kNThreads) {
+    const int row = c / kChunksPerRow;
+    const int col = (c % kChunksPerRow) * 8;
+    const bool valid = row < rows_valid && col < d;
+    const Element* src = valid ? g_base + row * row_stride + col : g_base;
+    cp_async_16(s_base + 2u * Tile::offset(row, col), src, valid);
+  }
+}
+
+// 4-byte cp.async (lse and D rows have no 16-byte alignment); zero-fills when !valid.
+__device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
+    bwd_main_kernel(const __grid_constant__ BwdParams p, const BwdWorkspace ws) {
+  using Cfg = BwdTileConfig<kHeadDim>;
+  using TileQ = typename Cfg::TileQ;
+  using TileK = typename Cfg::TileK;
+  using TileP = typename Cfg::TileP;
+  constexpr int kBlockM = Cfg::kBlockM;
+  constexpr int kBlockN = Cfg::kBlockN;
+  constexpr int kNThreads = Cfg::kNThreads;
+  constexpr int kMTs = Cfg::kWarpMsdp / 16, kNTs = Cfg::kWarpNsdp / 8;      // S / dP tiles
+  constexpr int kMTkv = Cfg::kWarpNdkv / 16, kNTkv = Cfg::kWarpDdkv / 8;  // dK / dV tiles
+  constexpr int kNTdq = Cfg::kWarpDdq / 8;                                // dQ tiles
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  const int s_q = p.seq_len_q(b);
+  const int s_k = p.seq_len_k(b);
+  // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
+  const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
+  const int n0 = n_block * kBlockN;
+  if (n0 >= len_k) return;
+  const int diag_off = s_k - s_q;  // query i's diagonal key is i + diag_off
+
+  // Query tiles [m_begin, m_end) holding a row that sees a key of this tile.
+  int m_begin = 0, m_end = 0;
+  if (n0 < s_k && s_q > 0) {
+    const int n1 = min(n0 + kBlockN, s_k);
+    int row_lo = p.mask.right >= 0 ? n0 - p.mask.right - diag_off : 0;
+    int row_hi = p.mask.left >= 0 ? n1 + p.mask.left - diag_off : s_q;
+    row_lo = max(row_lo, 0);
+    row_hi = min(row_hi, s_q);
+    if (row_lo < row_hi) {
+      m_begin = row_lo / kBlockM;
+      m_end = (row_hi + kBlockM - 1) / kBlockM;
+    }
+  }
+  const int num_m = m_end - m_begin;
+  const int n_iter = num_m * p.h_ratio;
+
+  const std::uint32_t s_k_tile = smem_u32(smem);
+  const std::uint32_t s_v_tile = s_k_tile + TileK::kBytes;
+  const std::uint32_t s_p_tile = s_v_tile + TileK::kBytes;
+  const std::uint32_t s_ds_tile = s_p_tile + TileP::kBytes;
+  const std::uint32_t s_q_tile0 = s_ds_tile + TileP::kBytes;
+  unsigned char* const smem_p = smem + 2 * TileK::kBytes;
+  unsigned char* const smem_ds = smem_p + TileP::kBytes;
+
+  const Element* const q_ptr = static_cast<const Element*>(p.q);
+  const Element* const do_ptr = static_cast<const Element*>(p.dout);
+  const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+
+  auto load_q_do = [&](int it, int stage) {
+    const int h = kv_head * p.h_ratio + it / num_m;
+    const int m0 = (m_begin + it % num_m) * kBlockM;
+    const std::uint32_t s_dst = s_q_tile0 + stage * Cfg::kSmemQdOStage;
+    const int rows = s_q - m0;
+    load_tile_async<TileQ, kNThreads>(
+        s_dst, q_ptr + p.q_offset(b) + h * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride,
+        rows, p.d, tid);
+    load_tile_async<TileQ, kNThreads>(
+        s_dst + TileQ::kBytes,
+        do_ptr + p.do_offset(b) + h * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride,
+        rows, p.d, tid);
+    if (tid < 2 * kBlockM) {
+      const int r = tid % kBlockM;
+      const float* src = tid < kBlockM ? p.lse + p.lse_offset(b, h) + m0
+                                       : ws.dpsum + h * ws.rows_total + row0_ws + m0;
+      const bool valid = r < rows;
+      cp_async_4(s_dst + 2 * TileQ::kBytes + 4 * tid, valid ? src + r : src, valid);
+    }
+  };
+
+  float acc_dk[kMTkv][kNTkv][4];
+  float acc_dv[kMTkv][kNTkv][4];
+  zero_acc(acc_dk);
+  zero_acc(acc_dv);
+
+  if (n_iter > 0) {
+    const int rows_k = s_k - n0;
+    load_tile_async<TileK, kNThreads>(
+        s_k_tile, static_cast<const Element*>(p.k) + p.k_offset(b, n0, kv_head), p.k_row_stride,
+        rows_k, p.d, tid);
+    load_tile_async<TileK, kNThreads>(
+        s_v_tile, static_cast<const Element*>(p.v) + p.v_offset(b, n0, kv_head), p.v_row_stride,
+        rows_k, p.d, tid);
+    load_q_do(0, 0);
+  }
+  cp_async_commit();
+
+  const float scale_log2 = p.scale * kLog2e;
+  const bool has_softcap = p.softcap > 0.0f;
+  const float inv_softcap = has_softcap ? 1.0f / p.softcap : 0.0f;
+  const bool has_dropout = p.rng.threshold != 0u;
+  const int left = p.mask.left, right = p.mask.right;
+
+  // Warp coordinates in the three products.
+  const int wm_s = warp / Cfg::kWarpsNsdp, wn_s = warp % Cfg::kWarpsNsdp;
+  const int wn_kv = warp >> 1, wd_kv = warp & 1;
+  const int wm_dq = warp >> 1, wd_dq = warp & 1;
+  const int g8 = lane >> 2, t4 = lane & 3;
+
+  for (int it = 0; it < n_iter; ++it) {
+    const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
+    const int h = kv_head * p.h_ratio + it / num_m;
+    const int m_block = m_begin + it % num_m;
+    const int m0 = m_block * kBlockM;
+    const std::uint32_t s_q_cur = s_q_tile0 + stage * Cfg::kSmemQdOStage;
+    const std::uint32_t s_do_cur = s_q_cur + TileQ::kBytes;
+
+    if constexpr (Cfg::kStages == 2) {
+      if (it + 1 < n_iter) load_q_do(it + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const float* const s_lse = reinterpret_cast<const float*>(
+        smem + (s_q_cur - s_k_tile) + 2 * TileQ::kBytes);
+    const float* const s_dsum = s_lse + kBlockM;
+
+    float acc_s[kMTs][kNTs][4];
+    float acc_dp[kMTs][kNTs][4];
+    zero_acc(acc_s);
+    zero_acc(acc_dp);
+    warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK>(
+        acc_s, s_q_cur, wm_s * Cfg::kWarpMsdp, s_k_tile, wn_s * Cfg::kWarpNsdp, lane);
+    warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK>(
+        acc_dp, s_do_cur, wm_s * Cfg::kWarpMsdp, s_v_tile, wn_s * Cfg::kWarpNsdp, lane);
+
+    // Element mask only when some (i, j) of the tile is invisible.
+    bool full = m0 + kBlockM <= s_q && n0 + kBlockN <= s_k;
+    if (right >= 0) full = full && n0 + kBlockN - 1 <= m0 + diag_off + right;
+    if (left >= 0) full = full && n0 >= m0 + kBlockM - 1 + diag_off - left;
+    const float slope = p.alibi_slope(b, h);
+    const bool plain = !has_softcap && slope == 0.0f;
+    const std::uint32_t bh = p.dropout_bh(b, h);
+    // lse as log2, +inf for rows that see nothing or lie past s_q (so that P = 0), and D.
+    float lse2[kMTs][2], dsum[kMTs][2];
+#pragma unroll
+    for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + g8 + hf * 8;
+        const float l = s_lse[r];
+        lse2[mt][hf] = (m0 + r >= s_q || l == -INFINITY) ? INFINITY : l * kLog2e;
+        dsum[mt][hf] = s_dsum[r];
+      }
+
+#pragma unroll
+    for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTs; ++nt) {
+        const int i0 = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8;      // i0 & 8 == 0
+        const int j0 = n0 + wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;  // even
+        semantics::Philox4 rnd{{0u, 0u, 0u, 0u}};
+        if (has_dropout) rnd = p.rng.block(bh, i0, j0);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hf = e >> 1;
+          const int i = i0 + hf * 8, j = j0 + (e & 1);
+          float prob;
+          float cap_grad = 1.0f;
+          if (plain) {
+            prob = fast_exp2(acc_s[mt][nt][e] * scale_log2 - lse2[mt][hf]);
+          } else {
+            float x = acc_s[mt][nt][e] * p.scale;
+            if (has_softcap) {
+              const float capped = p.softcap * tanhf(x * inv_softcap);
+              cap_grad = semantics::softcap_grad(capped, p.softcap);
+              x = capped;
+            }
+            if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
+            prob = fast_exp2(x * kLog2e - lse2[mt][hf]);
+          }
+          if (!full) {
+            const bool visible = i < s_q && j < s_k && (left < 0 || j >= i + diag_off - left) &&
+                                 (right < 0 || j <= i + diag_off + right);
+            if (!visible) prob = 0.0f;
+          }
+          float dp = acc_dp[mt][nt][e];
+          float prob_dropped = prob;
+          if (has_dropout) {
+            const bool keep = rnd.x[e] >= p.rng.threshold;
+            dp = keep ? dp * p.rp_dropout : 0.0f;
+            prob_dropped = keep ? prob * p.rp_dropout : 0.0f;
+          }
+          acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]) * cap_grad;  // dS
+          acc_s[mt][nt][e] = prob_dropped;
+        }
+        const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + g8;
+        const int c = wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;
+        *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r, c)) =
+            pack2<Element>(acc_s[mt][nt][0], acc_s[mt][nt][1]);
+        *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r + 8, c)) =
+            pack2<Element>(acc_s[mt][nt][2], acc_s[mt][nt][3]);
+        *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r, c)) =
+            pack2<Element>(acc_dp[mt][nt][0], acc_dp[mt][nt][1]);
+        *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r + 8, c)) =
+            pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]);
+      }
+    __syncthreads();
+
+    // dV += P_dropped^T dO, dK += dS^T Q: A operands are the transposed [BM, BN] tiles.
+    warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ>(
+        acc_dv, s_p_tile, wn_kv * Cfg::kWarpNdkv, s_do_cur, wd_kv * Cfg::kWarpDdkv, lane);
+    warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ>(
+        acc_dk, s_ds_tile, wn_kv * Cfg::kWarpNdkv, s_q_cur, wd_kv * Cfg::kWarpDdkv, lane);
+
+    if constexpr (Cfg::kStages == 1) {
+      __syncthreads();  // Q and dO consumed: refill them while dQ is computed
+      if (it + 1 < n_iter) load_q_do(it + 1, 0);
+      cp_async_commit();
+    }
+
+    // dQ_m += dS K_n.
+    float acc_dq[1][kNTdq][4];
+    zero_acc(acc_dq);
+    warp_gemm<Element, 16, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK>(
+        acc_dq, s_ds_tile, wm_dq * 16, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
+
+    unsigned* sem = nullptr;
+    if (p.deterministic) {
+      // Key tiles add to a query tile in ascending order: this one is the
+      // (n_block - first)-th of the contiguous run of tiles that see query tile m.
+      sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + m_block;
+      const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
+      const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
+      if (tid == 0) {
+        while (ld_acquire_gpu(sem) != target) __nanosleep(32);
+      }
+      __syncthreads();
+    }
+    {
+      float* dq_base = ws.dq_accum + ((row0_ws + m0) * p.h_q + h) * p.d;
+      const std::int64_t row_pitch = std::int64_t(p.h_q) * p.d;
+#pragma unroll
+      for (int nt = 0; nt < kNTdq; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = wm_dq * 16 + g8 + (e >> 1) * 8;
+          const int c = wd_dq * Cfg::kWarpDdq + nt * 8 + 2 * t4 + (e & 1);
+          if (m0 + r < s_q && c < p.d) atomicAdd(dq_base + r * row_pitch + c, acc_dq[0][nt][e]);
+        }
+    }
+    if (p.deterministic) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) atomicAdd(sem, 1u);
+    }
+    __syncthreads();  // P, dS (and with two stages the other Q/dO buffer) are reused next
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: dK (times scale) and dV in the output type; rows past s_k are zero.
+  Element* const dk_ptr = static_cast<Element*>(p.dk);
+  Element* const dv_ptr = static_cast<Element*>(p.dv);
+#pragma unroll
+  for (int mt = 0; mt < kMTkv; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNTkv; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = n0 + wn_kv * Cfg::kWarpNdkv + mt * 16 + g8 + hf * 8;
+        const int c = wd_kv * Cfg::kWarpDdkv + nt * 8 + 2 * t4;
+        if (j < len_k && c < p.d) {
+          *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
+              pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
+          *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
+              pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+        }
+      }
+}
+
+template <typename Element, int kHeadDim>
+void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Cfg = BwdTileConfig<kHeadDim>;
+  auto kernel = bwd_main_kernel<Element, kHeadDim>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         Cfg::kSmemBytes);
+  if (err != cudaSuccess) {
+    throw CudaError(std::string("flashattn::backward: cannot reserve ") +
+                    std::to_string(Cfg::kSmemBytes) +
+                    " bytes of shared memory: " + cudaGetErrorString(err));
+  }
+  const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.h_k, p.batch);
+  kernel<<<grid, Cfg::kNThreads, Cfg::kSmemBytes, stream>>>(p, ws);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw CudaError(std::string("flashattn::backward: main kernel launch failed: ") +
+                    cudaGetErrorString(err));
+  }
+}
+
+}  // namespace flashattn::detail::cuda::sm80

@@ -1,0 +1,62 @@
+// The sm80 backward as the dispatch sees it: the fp32 workspace layout shared by the
+// three kernels (preprocess, main, postprocess) and the per-bucket launch of the main
+// kernel, one explicit instantiation per (element type, head-dim bucket) generated from
+// bwd.inst.cu.in through manifest.cmake.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "core/params.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+// Query rows per tile of the backward; every bucket uses the same value so that the
+// workspace layout (the deterministic-mode semaphores) does not depend on the bucket.
+inline constexpr int kBwdBlockM = 64;
+
+// Workspace, one allocation, each part 256-byte aligned:
+//   dq_accum [rows_total, h_q, d]      fp32, sum over key tiles of dS K (scale not applied)
+//   dpsum    [h_q, rows_total]         fp32, D = rowsum(dO * O)
+//   dq_sem   [batch, h_q, m_blocks]    uint32, deterministic mode only: how many key tiles
+//                                      have added their dQ contribution to a query tile
+// rows_total = batch * seqlen_q (dense) or batch * max_seqlen_q (varlen: an upper bound of
+// total_q that the host knows without reading cu_seqlens); row of (b, i) is
+// cu_seqlens_q[b] + i (varlen) or b * seqlen_q + i (dense).
+struct BwdWorkspace {
+  float* dq_accum = nullptr;
+  float* dpsum = nullptr;
+  unsigned* dq_sem = nullptr;
+  std::int64_t rows_total = 0;
+  int m_blocks = 0;
+};
+
+struct BwdWorkspaceLayout {
+  std::size_t dq_accum_bytes = 0, dpsum_bytes = 0, sem_bytes = 0;
+  std::int64_t rows_total = 0;
+  int m_blocks = 0;
+  std::size_t total() const { return dq_accum_bytes + dpsum_bytes + sem_bytes; }
+};
+
+inline std::size_t bwd_align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
+
+inline BwdWorkspaceLayout bwd_workspace_layout(const BwdParams& p) {
+  BwdWorkspaceLayout l;
+  l.rows_total = std::int64_t(p.batch) * p.seqlen_q;
+  l.m_blocks = (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM;
+  l.dq_accum_bytes = bwd_align256(std::size_t(l.rows_total) * p.h_q * p.d * sizeof(float));
+  l.dpsum_bytes = bwd_align256(std::size_t(l.rows_total) * p.h_q * sizeof(float));
+  l.sem_bytes = p.deterministic
+                    ? bwd_align256(std::size_t(p.batch) * p.h_q * l.m_blocks * sizeof(unsigned))
+                    : 0;
+  return l;
+}
+
+// The main kernel for one bucket: grid (key tiles, h_k, batch); dK, dV written, dQ
+// accumulated into ws.dq_accum. Defined in bwd_kernel.cuh, instantiated per bucket.
+template <typename Element, int kHeadDim>
+void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream);
+
+}  // namespace flashattn::detail::cuda::sm80

@@ -1,0 +1,306 @@
+// CUDA backward (sm80 path) against the fp64 oracle under the suite's tolerance rule.
+// The forward outputs it differentiates (out, lse) come from the CPU backend on the same
+// inputs, so these tests exercise the backward alone: every mask, softcap, ALiBi, dropout
+// (same seed as the CPU, so the same kept set), GQA, odd and unequal lengths, every
+// head-dim bucket and a non-bucket d, fp16 and bf16, varlen with empty sequences and
+// seqused_k, fully masked rows, deterministic mode (bit-identical reruns) and outputs
+// poisoned with NaN before every call (checked fully written).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/backend.hpp"
+#include "support/cases.hpp"
+#include "support/checks.hpp"
+#include "support/compare.hpp"
+#include "support/describe.hpp"
+#include "support/random.hpp"
+
+namespace flashattn::test {
+namespace {
+
+#define FA_REQUIRE_GPU()                                                        \
+  do {                                                                          \
+    if (detail::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+#define FA_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// A device copy of a host tensor; download() writes the device bytes back into it.
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const HostTensor& h) : bytes_(h.bytes()) {
+    if (bytes_ > 0) {
+      EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    view_ = h.view_on(ptr_, Device::cuda(0));
+  }
+  ~DeviceCopy() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  const Tensor& view() const { return view_; }
+  void download(HostTensor& h) const {
+    if (bytes_ > 0) EXPECT_EQ(cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  Tensor view_;
+};
+
+// Runs the CUDA backward of a dense case whose out / lse are already filled; dq, dk,
+// dv are poisoned first and downloaded into c.
+void run_cuda_backward(DenseCase& c) {
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout);
+  DeviceCopy dq(c.dq), dk(c.dk), dv(c.dv);
+  Options opts = c.call_options();
+  std::unique_ptr<DeviceCopy> alibi;
+  if (!c.alibi.empty()) {
+    alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
+    opts.alibi_slopes = alibi->view();
+  }
+  ASSERT_NO_THROW(flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(),
+                                      lse.view(), dq.view(), dk.view(), dv.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+}
+
+void check_dense(DenseCase& c) {
+  SCOPED_TRACE(c.shape.str() + " " + dtype_name(c.dtype) + " " + describe(c.call_options()));
+  ASSERT_NO_THROW(c.run_forward());  // CPU forward: the out / lse being differentiated
+  const RefProblem p = c.problem();
+  const ForwardResults fwd = forward_results(c);
+  run_cuda_backward(c);
+  const BackwardResults got = backward_results(c);
+  EXPECT_TRUE(fully_written("dq", got.dq));
+  EXPECT_TRUE(fully_written("dk", got.dk));
+  EXPECT_TRUE(fully_written("dv", got.dv));
+  expect_backward_matches(p, c.dtype, fwd, got);
+}
+
+Shape shape_of(int b, int s_q, int s_k, int h_q, int h_k, int d) { return {b, s_q, s_k, h_q, h_k, d}; }
+
+struct Feature {
+  const char* name;
+  int b, s_q, s_k, h_q, h_k, d;
+  bool causal;
+  int left, right;
+  float softcap;
+  int alibi;  // 0 off, 1 [h_q], 2 [b, h_q]
+  float dropout;
+};
+
+void PrintTo(const Feature& f, std::ostream* os) { *os << f.name; }
+
+class CudaBackwardFeature : public ::testing::TestWithParam<Feature> {};
+
+TEST_P(CudaBackwardFeature, MatchesOracle) {
+  FA_REQUIRE_GPU();
+  const Feature& f = GetParam();
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    DenseCase c = DenseCase::random(rng, shape_of(f.b, f.s_q, f.s_k, f.h_q, f.h_k, f.d), dtype);
+    c.opts.causal = f.causal;
+    c.opts.window_left = f.left;
+    c.opts.window_right = f.right;
+    c.opts.softcap = f.softcap;
+    if (f.alibi) c.set_alibi(random_alibi(rng, f.b, f.h_q, f.alibi == 2), f.alibi == 2);
+    c.opts.dropout_p = f.dropout;
+    c.opts.seed = rng();
+    c.opts.offset = rng();
+    check_dense(c);
+  }
+}
+
+// Lengths chosen to straddle the 64-row query tiles and 64/128-key tiles.
+INSTANTIATE_TEST_SUITE_P(
+    Cuda, CudaBackwardFeature,
+    ::testing::Values(Feature{"plain", 2, 131, 197, 2, 2, 64, false, -1, -1, 0, 0, 0},
+                      Feature{"one_row", 1, 1, 77, 2, 1, 64, false, -1, -1, 0, 0, 0},
+                      Feature{"gqa2", 1, 97, 203, 4, 2, 128, false, -1, -1, 0, 0, 0},
+                      Feature{"gqa4_causal", 2, 150, 150, 8, 2, 64, true, -1, -1, 0, 0, 0},
+                      Feature{"mqa", 1, 70, 259, 4, 1, 128, false, -1, -1, 0, 0, 0},
+                      Feature{"causal", 1, 257, 257, 2, 1, 128, true, -1, -1, 0, 0, 0},
+                      Feature{"causal_sq_gt_sk", 1, 300, 90, 2, 1, 64, true, -1, -1, 0, 0, 0},
+                      Feature{"causal_sq_lt_sk", 1, 90, 300, 2, 1, 64, true, -1, -1, 0, 0, 0},
+                      Feature{"window_left", 1, 230, 230, 2, 2, 64, false, 37, -1, 0, 0, 0},
+                      Feature{"window_right", 1, 230, 230, 2, 2, 64, false, -1, 21, 0, 0, 0},
+                      Feature{"window_both", 1, 190, 260, 2, 2, 128, false, 45, 13, 0, 0, 0},
+                      Feature{"window_zero", 1, 140, 140, 2, 2, 64, false, 0, 0, 0, 0, 0},
+                      Feature{"causal_window", 1, 260, 190, 4, 2, 64, true, 70, -1, 0, 0, 0},
+                      Feature{"softcap", 1, 121, 187, 2, 1, 64, false, -1, -1, 2.5f, 0, 0},
+                      Feature{"alibi", 1, 121, 187, 4, 2, 64, true, -1, -1, 0, 1, 0},
+                      Feature{"alibi_batch", 2, 121, 187, 4, 2, 128, false, 60, 60, 0, 2, 0},
+                      Feature{"dropout", 1, 137, 211, 2, 1, 64, false, -1, -1, 0, 0, 0.25f},
+                      Feature{"dropout_causal_gqa", 1, 137, 130, 4, 2, 128, true, -1, -1, 0, 0, 0.4f},
+                      Feature{"everything", 2, 129, 164, 8, 2, 64, true, 51, -1, 4.0f, 2, 0.2f}),
+    [](const ::testing::TestParamInfo<Feature>& i) { return std::string(i.param.name); });
+
+// Every bucket (those larger than the build's largest are skipped) and non-bucket dims,
+// which run in the next bucket with predicated loads and stores.
+TEST(CudaBackward, HeadDims) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (int d : {32, 40, 64, 72, 96, 128, 136, 160, 192, 224, 248, 256}) {
+    if (!detail::cuda::supports_head_dim(d)) continue;
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      DenseCase c = DenseCase::random(rng, shape_of(1, 83, 141, 2, 1, d), dtype);
+      c.opts.causal = d % 64 == 0;
+      check_dense(c);
+    }
+  }
+}
+
+// Rows that see no key (causal with s_q > s_k, a window beyond the keys) get dq = 0 and
+// contribute nothing; keys no query sees get dk = dv = 0.
+TEST(CudaBackward, FullyMaskedRowsAndUnseenKeys) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  DenseCase c = DenseCase::random(rng, shape_of(1, 200, 70, 2, 1, 64), DType::kBFloat16);
+  c.opts.causal = true;  // rows 0..129 see nothing
+  check_dense(c);
+  for (std::int64_t i = 0; i < 130; ++i)
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::int64_t e = 0; e < 64; ++e) ASSERT_EQ(c.dq.at({0, i, h, e}), 0.0) << "row " << i;
+
+  DenseCase w = DenseCase::random(rng, shape_of(1, 100, 300, 2, 2, 64), DType::kFloat16);
+  w.opts.window_left = 10;
+  w.opts.window_right = 0;  // keys 0..189 are seen by no query
+  check_dense(w);
+  for (std::int64_t j = 0; j < 180; ++j)
+    for (std::int64_t e = 0; e < 64; ++e) {
+      ASSERT_EQ(w.dk.at({0, j, 0, e}), 0.0) << "key " << j;
+      ASSERT_EQ(w.dv.at({0, j, 1, e}), 0.0) << "key " << j;
+    }
+}
+
+TEST(CudaBackward, ExtremeLogitsStayFinite) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  DenseCase c = DenseCase::random(rng, shape_of(1, 90, 150, 2, 1, 64), DType::kBFloat16);
+  for (std::int64_t e = 0; e < c.q.numel(); ++e) c.q.set(e, 8.0 * c.q.get(e));
+  c.opts.causal = true;
+  check_dense(c);
+}
+
+// Deterministic mode: two runs give the same bits (dq is ordered across key tiles).
+TEST(CudaBackward, DeterministicRunsAreBitIdentical) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (bool causal : {false, true}) {
+    DenseCase c = DenseCase::random(rng, shape_of(2, 333, 517, 4, 2, 64), DType::kBFloat16);
+    c.opts.causal = causal;
+    c.opts.deterministic = true;
+    c.opts.dropout_p = 0.1f;
+    c.opts.seed = rng();
+    check_dense(c);
+    const HostTensor dq1 = c.dq, dk1 = c.dk, dv1 = c.dv;
+    run_cuda_backward(c);
+    EXPECT_TRUE(c.dq.bitwise_equal(dq1)) << "dq differs between deterministic runs";
+    EXPECT_TRUE(c.dk.bitwise_equal(dk1)) << "dk differs between deterministic runs";
+    EXPECT_TRUE(c.dv.bitwise_equal(dv1)) << "dv differs between deterministic runs";
+  }
+}
+
+// ------------------------------------------------------------------ varlen
+
+void run_cuda_varlen_backward(VarlenCase& c) {
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout);
+  DeviceCopy dq(c.dq), dk(c.dk), dv(c.dv);
+  DeviceCopy cu_q(c.cu_q_t), cu_k(c.cu_k_t);
+  std::unique_ptr<DeviceCopy> used, alibi;
+  VarlenArgs args = c.args();
+  args.q = q.view();
+  args.k = k.view();
+  args.v = v.view();
+  args.cu_seqlens_q = cu_q.view();
+  args.cu_seqlens_k = cu_k.view();
+  if (!c.seqused_k.empty()) {
+    used = std::make_unique<DeviceCopy>(c.seqused_t);
+    args.seqused_k = used->view();
+  }
+  Options opts = c.call_options();
+  if (!c.alibi.empty()) {
+    alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
+    opts.alibi_slopes = alibi->view();
+  }
+  ASSERT_NO_THROW(flashattn::varlen_backward(args, dout.view(), out.view(), lse.view(), dq.view(),
+                                             dk.view(), dv.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+}
+
+TEST(CudaBackward, VarlenWithEmptySequencesAndSequsedK) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (bool causal : {false, true}) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      // Lengths 70, 0, 133, 1, 200 (queries) and 90, 40, 0, 150, 201 (keys).
+      VarlenCase c = VarlenCase::make(rng, {0, 70, 70, 203, 204, 404}, {0, 90, 130, 130, 280, 481},
+                                      4, 2, 64, dtype, 5, 7);
+      if (causal) c.set_seqused_k({77, 40, 0, 150, 190});
+      c.opts.causal = causal;
+      c.opts.dropout_p = causal ? 0.15f : 0.0f;
+      c.opts.seed = rng();
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + " " + describe(c.call_options()));
+      ASSERT_NO_THROW(c.run_forward());
+      const RefProblem p = c.problem();
+      const ForwardResults fwd = forward_results(c);
+      run_cuda_varlen_backward(c);
+      const BackwardResults got = backward_results(c);
+      EXPECT_TRUE(fully_written("dq", got.dq));
+      EXPECT_TRUE(fully_written("dk", got.dk));
+      EXPECT_TRUE(fully_written("dv", got.dv));
+      expect_backward_matches(p, dtype, fwd, got);
+      for (double x : c.dkv_unused_rows()) ASSERT_EQ(x, 0.0) << "dk/dv beyond seqused_k";
+    }
+  }
+}
+
+// Caller workspace of exactly backward_workspace_size bytes is enough.
+TEST(CudaBackward, CallerWorkspaceOfReportedSize) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  DenseCase c = DenseCase::random(rng, shape_of(2, 77, 99, 4, 1, 128), DType::kBFloat16);
+  c.opts.causal = true;
+  c.opts.deterministic = true;
+  ASSERT_NO_THROW(c.run_forward());
+  const RefProblem p = c.problem();
+  const ForwardResults fwd = forward_results(c);
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout);
+  DeviceCopy dq(c.dq), dk(c.dk), dv(c.dv);
+  const std::size_t bytes = flashattn::backward_workspace_size(q.view(), k.view(), v.view(), c.opts);
+  ASSERT_GT(bytes, 0u);
+  void* ws = nullptr;
+  FA_CUDA_OK(cudaMalloc(&ws, bytes));
+  FA_CUDA_OK(cudaMemset(ws, 0xff, bytes));  // the backward must initialise what it reads
+  ASSERT_NO_THROW(flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(),
+                                      lse.view(), dq.view(), dk.view(), dv.view(), c.opts,
+                                      Workspace{ws, bytes}));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  cudaFree(ws);
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+  expect_backward_matches(p, c.dtype, fwd, backward_results(c));
+}
+
+}  // namespace
+}  // namespace flashattn::test
