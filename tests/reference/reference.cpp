@@ -105,6 +105,7 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
   const Acc scale = static_cast<Acc>(p.scale), cap = static_cast<Acc>(p.softcap);
   std::vector<RefGrads> result(p.seqs.size());
   std::vector<Acc> dot, score, prob, dp;
+  std::vector<double> dp_abs;  // oracle only: sum of |terms| of each dP
   for (int b = 0; b < static_cast<int>(p.seqs.size()); ++b) {
     const RefSeq& s = p.seqs[sz(b)];
     if (s.dout.size() != s.q.size()) throw std::invalid_argument("reference backward: dout missing");
@@ -131,24 +132,34 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
         const double* doi = &s.dout[sz((i * p.h_q + h) * p.d)];
         prob.assign(sz(s.s_k), Acc(0));
         dp.assign(sz(s.s_k), Acc(0));
+        dp_abs.assign(sz(s.s_k), 0.0);
         for (std::int64_t j = 0; j < s.s_k; ++j) {
           if (score[sz(j)] == static_cast<Acc>(kNegInf)) continue;
           prob[sz(j)] = std::exp(score[sz(j)] - lse);
           if (!p.keep(b, h, i, j)) continue;
           const Acc pk = exact ? prob[sz(j)] * rp : R(prob[sz(j)]);  // naive: rp applied below
           Acc dpj = 0;
+          double dpj_abs = 0;
           for (int c = 0; c < p.d; ++c) {
             const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
             dv[kv] += pk * static_cast<Acc>(doi[c]);
-            if (exact) dv_mag[kv] += std::fabs(double(pk) * doi[c]);
             dpj += static_cast<Acc>(doi[c]) * static_cast<Acc>(s.v[kv]);
+            if (exact) {
+              dv_mag[kv] += std::fabs(double(pk) * doi[c]);
+              dpj_abs += std::fabs(doi[c] * s.v[kv]);
+            }
           }
           dp[sz(j)] = dpj * rp;
+          if (exact) dp_abs[sz(j)] = dpj_abs * double(rp);
         }
         // D_i = sum_j P_ij dP_ij; the naive variant uses rowsum(dO * O) as a backend does.
         Acc delta = 0;
+        double delta_abs = 0;
         if (exact) {
-          for (std::int64_t j = 0; j < s.s_k; ++j) delta += prob[sz(j)] * dp[sz(j)];
+          for (std::int64_t j = 0; j < s.s_k; ++j) {
+            delta += prob[sz(j)] * dp[sz(j)];
+            delta_abs += double(prob[sz(j)]) * dp_abs[sz(j)];
+          }
         } else {
           const double* oi = &(*forward)[sz(b)].out[sz((i * p.h_q + h) * p.d)];
           for (int c = 0; c < p.d; ++c) delta += static_cast<Acc>(doi[c]) * static_cast<Acc>(oi[c]);
@@ -165,9 +176,7 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
           }
           const Acc ds = R(static_cast<Acc>(prob[sz(j)] * (dp[sz(j)] - delta) * dscore));
           if (exact) {
-            const double ds_mag = double(prob[sz(j)]) *
-                                  (std::fabs(double(dp[sz(j)])) + std::fabs(double(delta))) *
-                                  std::fabs(double(dscore));
+            const double ds_mag = double(prob[sz(j)]) * (dp_abs[sz(j)] + delta_abs) * std::fabs(double(dscore));
             for (int c = 0; c < p.d; ++c) {
               const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
               dq_mag[sz((i * p.h_q + h) * p.d + c)] += ds_mag * std::fabs(s.k[kv]);

@@ -57,7 +57,7 @@ struct RefGrads {
   std::vector<double> dk;  // [s_k, h_k, d], summed over the query heads of a group
   std::vector<double> dv;  // [s_k, h_k, d]
   // Oracle only: the same sums taken over the absolute values of their terms
-  // (|dS| bounded by P (|dP| + |D|)). Rounding in any order of summation is a few ulp of
+  // (|dS| bounded by P (|dP| + |D|), each of dP and D itself a sum of |terms|). Rounding in any order of summation is a few ulp of
   // these, which sets the rounding floor of the tolerance rule where cancellation makes
   // the gradient itself tiny (e.g. a row that sees one key has dS = 0 exactly).
   std::vector<double> dq_mag, dk_mag, dv_mag;
