@@ -246,6 +246,43 @@ TEST(CpuForward, BitIdenticalAcrossRuns) {
   }
 }
 
+// q, k, v as slices of one packed qkv buffer [b, s, 3 * h, d]; out written into a
+// buffer with padded rows, whose padding must stay untouched.
+TEST(CpuForward, StridedPackedQkvAndPaddedOut) {
+  FA_SEEDED_RNG(rng);
+  constexpr int kB = 2, kS = 29, kH = 4, kD = 16, kPad = 8;
+  DenseCase c = DenseCase::random(rng, shape_of(kB, kS, kS, kH, kH, kD), DType::kFloat16);
+  c.opts.causal = true;
+  HostTensor qkv(DType::kFloat16, {kB, kS, 3 * kH, kD});
+  for (int b = 0; b < kB; ++b)
+    for (int s = 0; s < kS; ++s)
+      for (int h = 0; h < kH; ++h)
+        for (int e = 0; e < kD; ++e) {
+          qkv.set(qkv.index({b, s, h, e}), c.q.at({b, s, h, e}));
+          qkv.set(qkv.index({b, s, kH + h, e}), c.k.at({b, s, h, e}));
+          qkv.set(qkv.index({b, s, 2 * kH + h, e}), c.v.at({b, s, h, e}));
+        }
+  const std::int64_t row = 3 * kH * kD;
+  auto slice = [&](int part) {
+    return Tensor::strided(static_cast<std::uint16_t*>(qkv.data()) + part * kH * kD, DType::kFloat16,
+                           {kB, kS, kH, kD}, {kS * row, row, kD, 1});
+  };
+  HostTensor out_buf(DType::kFloat16, {kB, kS, kH * kD + kPad});
+  out_buf.fill_nan();
+  const Tensor out = Tensor::strided(out_buf.data(), DType::kFloat16, {kB, kS, kH, kD},
+                                     {kS * (kH * kD + kPad), kH * kD + kPad, kD, 1});
+  c.lse.fill_nan();
+  ASSERT_NO_THROW(forward(slice(0), slice(1), slice(2), out, c.lse.view(), c.call_options()));
+  std::int64_t padding_written = 0;
+  for (int b = 0; b < kB; ++b)
+    for (int s = 0; s < kS; ++s) {
+      for (int e = 0; e < kH * kD; ++e) c.out.set(c.out.index({b, s, e / kD, e % kD}), out_buf.at({b, s, e}));
+      for (int e = kH * kD; e < kH * kD + kPad; ++e) padding_written += !std::isnan(out_buf.at({b, s, e}));
+    }
+  EXPECT_EQ(padding_written, 0) << "out row padding was written";
+  expect_forward_matches(c.problem(), c.dtype, forward_results(c));
+}
+
 // Random shapes and features, all dtypes.
 TEST(CpuForward, RandomShapesAndFeatures) {
   FA_SEEDED_RNG(rng);

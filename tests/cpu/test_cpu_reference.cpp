@@ -191,6 +191,8 @@ struct FeatureCase {
   double dropout;
 };
 
+void PrintTo(const FeatureCase& f, std::ostream* os) { *os << f.name; }
+
 class CpuReferenceGrad : public ::testing::TestWithParam<FeatureCase> {};
 
 TEST_P(CpuReferenceGrad, MatchesFiniteDifferences) {
