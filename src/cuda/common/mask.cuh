@@ -22,6 +22,14 @@ struct TileMask {
     return j < s_k && (left < 0 || j >= diag - left) && (right < 0 || j <= diag + right);
   }
 
+  // The visible keys of row i as the half-open column range [lo, hi) (empty when lo >= hi):
+  // one pair of compares per element instead of the three tests of visible().
+  __device__ __forceinline__ void row_range(int i, int& lo, int& hi) const {
+    const int diag = i + s_k - s_q;
+    lo = left >= 0 ? diag - left : 0;
+    hi = right >= 0 ? min(diag + right + 1, s_k) : s_k;
+  }
+
   // Whether the key tile [n0, n0 + block_n) needs element masking for some query row of
   // [m0, m0 + block_m): it crosses the end of the keys or one of the window edges.
   __device__ __forceinline__ bool tile_needs_mask(int m0, int block_m, int n0, int block_n) const {

@@ -28,6 +28,24 @@ struct SwizzledTile {
     const int swizzle = kBlockCols == 64 ? (row & 7) : ((row >> 1) & 3);
     return block * (kRows * kBlockCols) + row * kBlockCols + ((chunk ^ swizzle) << 3) + (col & 7);
   }
+
+  // ldmatrix addressing split into a per-lane register part and a compile-time part, so a
+  // fully unrolled loop needs kColVariants address registers per tile instead of one per
+  // access (ldmatrix takes [reg + imm]). For a row r = row8 + lane_row (row8 % 8 == 0) and
+  // a column c = col16 + 8 * half (col16 % 16 == 0, half in {0, 1}):
+  //   2 * offset(r, c) == lane_bytes(lane_row, half, variant(col16)) + const_bytes(row8, col16)
+  // because the swizzle only reads row % 8 and col16's chunk is even.
+  static constexpr int kColVariants = kBlockCols / 16;
+  __host__ __device__ __forceinline__ static constexpr int variant(int col16) {
+    return (col16 % kBlockCols) / 16;
+  }
+  __host__ __device__ __forceinline__ static constexpr int const_bytes(int row8, int col16) {
+    return 2 * ((col16 / kBlockCols) * (kRows * kBlockCols) + row8 * kBlockCols);
+  }
+  __host__ __device__ __forceinline__ static int lane_bytes(int lane_row, int half, int var) {
+    const int swizzle = kBlockCols == 64 ? (lane_row & 7) : ((lane_row >> 1) & 3);
+    return 2 * (lane_row * kBlockCols + (((2 * var + half) ^ swizzle) << 3));
+  }
 };
 
 }  // namespace flashattn::detail::cuda

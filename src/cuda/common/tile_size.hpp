@@ -18,10 +18,10 @@ struct FwdTile {
 };
 
 constexpr FwdTile fwd_tile(int head_dim) {
-  if (head_dim <= 32) return {128, 128, 4, 2};
-  if (head_dim <= 64) return {128, 128, 4, 2};
-  if (head_dim <= 96) return {128, 64, 4, 2};
-  if (head_dim <= 128) return {128, 64, 4, 2};
+  if (head_dim <= 32) return {128, 64, 4, 2};
+  if (head_dim <= 64) return {128, 32, 4, 3};
+  if (head_dim <= 96) return {128, 32, 4, 2};
+  if (head_dim <= 128) return {128, 64, 8, 2};
   if (head_dim <= 192) return {128, 64, 8, 2};
   return {128, 32, 8, 2};
 }

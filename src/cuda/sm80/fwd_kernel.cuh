@@ -189,6 +189,24 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     }
   }
 
+  // Per-lane ldmatrix base addresses (stage 0): Q rows as the A operand (rows lane % 16,
+  // column half lane / 16), K as the non-transposed B operand (keys lane % 8 + 8 (lane / 16),
+  // column half (lane / 8) % 2), V as the transposed B operand (keys lane % 16, column
+  // half lane / 16).
+  std::uint32_t q_lane[QTile::kColVariants], k_lane0[KVTile::kColVariants],
+      v_lane0[KVTile::kColVariants];
+#pragma unroll
+  for (int var = 0; var < QTile::kColVariants; ++var) {
+    q_lane[var] = smem_u32(sQ) + QTile::lane_bytes(warp_row0 + (lane & 15), lane >> 4, var);
+  }
+#pragma unroll
+  for (int var = 0; var < KVTile::kColVariants; ++var) {
+    k_lane0[var] = smem_u32(sKV) +
+                   KVTile::lane_bytes((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, var);
+    v_lane0[var] =
+        smem_u32(sKV + KVTile::kElements) + KVTile::lane_bytes(lane & 15, lane >> 4, var);
+  }
+
   for (int it = 0; it < n_tiles; ++it) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
@@ -198,8 +216,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       cp_async_commit();
     }
     const int stage = it % kStages;
-    const Element* sK = sKV + (2 * stage) * KVTile::kElements;
-    const Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    std::uint32_t k_lane[KVTile::kColVariants], v_lane[KVTile::kColVariants];
+#pragma unroll
+    for (int var = 0; var < KVTile::kColVariants; ++var) {
+      k_lane[var] = k_lane0[var] + stage * (2 * KVTile::kBytes);
+      v_lane[var] = v_lane0[var] + stage * (2 * KVTile::kBytes);
+    }
     const int n0 = (tile_end - 1 - it) * kBlockN;
 
     // S[kMTiles][kNTiles] = Q K^T: 16 query rows x 8 keys per (mt, nt).
@@ -215,16 +237,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       std::uint32_t a[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
-        const int row = warp_row0 + mt * 16 + (lane & 15);
-        const int col = ks * 16 + (lane >> 4) * 8;
-        ldmatrix_x4(smem_u32(sQ + QTile::offset(row, col)), a[mt]);
+        ldmatrix_x4(q_lane[QTile::variant(ks * 16)] + QTile::const_bytes(mt * 16, ks * 16), a[mt]);
       }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         std::uint32_t bk[4];  // n-tiles 2np, 2np + 1; k halves 0, 1
-        const int key = np * 16 + (lane & 7) + ((lane >> 4) << 3);
-        const int col = ks * 16 + ((lane >> 3) & 1) * 8;
-        ldmatrix_x4(smem_u32(sK + KVTile::offset(key, col)), bk);
+        ldmatrix_x4(k_lane[KVTile::variant(ks * 16)] + KVTile::const_bytes(np * 16, ks * 16), bk);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_m16n8k16<Element>(s[mt][2 * np], a[mt], bk[0], bk[1]);
@@ -257,13 +275,19 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
+        for (int half = 0; half < 2; ++half) {
+          int lo, hi;  // visible columns of this row, relative to col_base
+          mask.row_range(row_base + mt * 16 + half * 8, lo, hi);
+          lo -= col_base;
+          hi -= col_base;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = row_base + mt * 16 + (e >> 1) * 8;
-            const int j = col_base + nt * 8 + (e & 1);
-            if (!mask.visible(i, j)) s[mt][nt][e] = -INFINITY;
-          }
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = nt * 8 + e;
+              if (j < lo || j >= hi) s[mt][nt][2 * half + e] = -INFINITY;
+            }
+        }
     }
 
     softmax.update(s, acc_o, to_log2);
@@ -283,9 +307,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
 #pragma unroll
       for (int dp = 0; dp < kHeadDim / 16; ++dp) {
         std::uint32_t bv[4];  // k halves 0, 1 of d-tile 2dp, then of d-tile 2dp + 1
-        const int key = kk * 16 + (lane & 15);
-        const int col = dp * 16 + (lane >> 4) * 8;
-        ldmatrix_x4_trans(smem_u32(sV + KVTile::offset(key, col)), bv);
+        ldmatrix_x4_trans(v_lane[KVTile::variant(dp * 16)] + KVTile::const_bytes(kk * 16, dp * 16),
+                          bv);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_m16n8k16<Element>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);

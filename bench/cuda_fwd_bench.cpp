@@ -1,0 +1,136 @@
+// Forward throughput of the CUDA backend on the standard grid of the FlashAttention
+// papers: bf16, batch x seqlen = 16384 tokens, model dim 2048 (heads = 2048 / hdim),
+// hdim 64 / 128 / 256, causal and not, seqlen 512 .. 16k. FLOPs = 4 b h s^2 d, halved
+// when causal. Each configuration is timed with CUDA events per call (median of the
+// repeats, after warm-up), alternating between two input sets so the L2 cache does not
+// carry one call's inputs into the next.
+//
+//   flashattn_cuda_fwd_bench [csv path]     prints a table; also writes CSV when given
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/backend.hpp"
+#include "core/params.hpp"
+
+namespace {
+
+#define BENCH_CHECK(expr)                                                             \
+  do {                                                                                \
+    const cudaError_t e_ = (expr);                                                    \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_));         \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// bf16 bits of values uniform in [-1, 1), from a small xorshift generator.
+std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed) {
+  std::vector<std::uint16_t> x(n);
+  std::uint32_t state = seed | 1u;
+  for (std::size_t i = 0; i < n; ++i) {
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    const float f = static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+    std::uint32_t u;
+    std::memcpy(&u, &f, 4);
+    x[i] = static_cast<std::uint16_t>(u >> 16);
+  }
+  return x;
+}
+
+struct Buffers {
+  void* q = nullptr;
+  void* k = nullptr;
+  void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using flashattn::detail::FwdParams;
+  constexpr int kTokens = 16384, kModelDim = 2048, kSets = 2, kWarmup = 3, kRepeats = 15;
+  const std::size_t elems = std::size_t(kTokens) * kModelDim;
+  Buffers sets[kSets];
+  for (Buffers& s : sets) {
+    BENCH_CHECK(cudaMalloc(&s.q, elems * 2));
+    BENCH_CHECK(cudaMalloc(&s.k, elems * 2));
+    BENCH_CHECK(cudaMalloc(&s.v, elems * 2));
+    BENCH_CHECK(cudaMalloc(&s.out, elems * 2));
+    BENCH_CHECK(cudaMalloc(&s.lse, sizeof(float) * kTokens * 64));
+  }
+  {
+    std::uint32_t seed = 1;
+    for (Buffers& s : sets)
+      for (void* p : {s.q, s.k, s.v}) {
+        const std::vector<std::uint16_t> host = random_bf16(elems, seed++ * 7919u);
+        BENCH_CHECK(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice));
+      }
+  }
+  BENCH_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t start, stop;
+  BENCH_CHECK(cudaEventCreate(&start));
+  BENCH_CHECK(cudaEventCreate(&stop));
+
+  FILE* csv = argc > 1 ? std::fopen(argv[1], "w") : nullptr;
+  if (csv) std::fprintf(csv, "hdim,causal,seqlen,batch,heads,ms,tflops\n");
+  std::printf("%5s %6s %6s %5s %5s %9s %8s\n", "hdim", "causal", "seqlen", "batch", "heads", "ms",
+              "TFLOP/s");
+  for (int d : {64, 128, 256}) {
+    for (int causal : {0, 1}) {
+      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
+        const int b = kTokens / s, h = kModelDim / d;
+        FwdParams p;
+        p.dtype = flashattn::DType::kBFloat16;
+        p.batch = b;
+        p.h_q = p.h_k = h;
+        p.d = d;
+        p.h_ratio = 1;
+        p.seqlen_q = p.seqlen_k = s;
+        // [b, s, h, d] contiguous
+        p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = std::int64_t(h) * d;
+        p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+        p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride =
+            std::int64_t(s) * h * d;
+        p.lse_head_stride = s;
+        p.lse_batch_stride = std::int64_t(h) * s;
+        p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+        p.mask = flashattn::semantics::Mask::make(causal != 0, -1, -1);
+        std::vector<float> ms;
+        for (int r = 0; r < kWarmup + kRepeats; ++r) {
+          const Buffers& in = sets[r % kSets];
+          p.q = in.q;
+          p.k = in.k;
+          p.v = in.v;
+          p.out = in.out;
+          p.lse = in.lse;
+          BENCH_CHECK(cudaEventRecord(start));
+          flashattn::detail::cuda::forward(p);
+          BENCH_CHECK(cudaEventRecord(stop));
+          BENCH_CHECK(cudaEventSynchronize(stop));
+          float t = 0;
+          BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+          if (r >= kWarmup) ms.push_back(t);
+        }
+        std::sort(ms.begin(), ms.end());
+        const double median = ms[ms.size() / 2];
+        const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
+        const double tflops = flops / (median * 1e-3) / 1e12;
+        std::printf("%5d %6d %6d %5d %5d %9.4f %8.1f\n", d, causal, s, b, h, median, tflops);
+        if (csv) std::fprintf(csv, "%d,%d,%d,%d,%d,%.5f,%.2f\n", d, causal, s, b, h, median, tflops);
+      }
+    }
+  }
+  if (csv) std::fclose(csv);
+  return 0;
+}
