@@ -139,7 +139,9 @@ TEST(CpuKVCache, AppendWritesOnlyTheNewRows) {
       const int end = c.s_k(b);
       const std::int64_t rows = c.k_cache.size(1);
       const auto [slot, row] = c.locate(b, end - 1);
-      if (row + 1 < rows) EXPECT_TRUE(std::isnan(c.k_cache.at({slot, row + 1, 0, 0})));
+      if (row + 1 < rows) {
+        EXPECT_TRUE(std::isnan(c.k_cache.at({slot, row + 1, 0, 0})));
+      }
     }
   }
 }

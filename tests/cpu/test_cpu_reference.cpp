@@ -223,7 +223,7 @@ INSTANTIATE_TEST_SUITE_P(
                       FeatureCase{"alibi_batch", 4, 6, 2, 2, false, 2, -1, 0, true, true, 0},
                       FeatureCase{"dropout", 9, 10, 2, 1, false, -1, -1, 0, false, false, 0.4},
                       FeatureCase{"everything", 9, 6, 4, 2, true, 3, -1, 2.0, true, true, 0.25}),
-    [](const ::testing::TestParamInfo<FeatureCase>& info) { return std::string(info.param.name); });
+    [](const ::testing::TestParamInfo<FeatureCase>& i) { return std::string(i.param.name); });
 
 }  // namespace
 }  // namespace flashattn::test

@@ -65,6 +65,7 @@ std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact
     r.out.assign(sz(std::int64_t(s.s_q) * p.h_q * p.d), 0.0);
     r.lse.assign(sz(std::int64_t(p.h_q) * s.s_q), kNegInf);
     r.probs.assign(sz(std::int64_t(p.h_q) * s.s_q * s.s_k), 0.0);
+    if (exact) r.out_mag.assign(r.out.size(), 0.0);
     for (int h = 0; h < p.h_q; ++h) {
       const int g = h / (p.h_q / p.h_k);
       for (std::int64_t i = 0; i < s.s_q; ++i) {
@@ -87,9 +88,15 @@ std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact
         double* o = &r.out[sz((i * p.h_q + h) * p.d)];
         for (int c = 0; c < p.d; ++c) {
           Acc acc = 0;
-          for (std::int64_t j = 0; j < s.s_k; ++j)
-            if (prob[sz(j)] != Acc(0)) acc += prob[sz(j)] * static_cast<Acc>(s.v[sz((j * p.h_k + g) * p.d + c)]);
+          double mag = 0;
+          for (std::int64_t j = 0; j < s.s_k; ++j) {
+            if (prob[sz(j)] == Acc(0)) continue;
+            const double vj = s.v[sz((j * p.h_k + g) * p.d + c)];
+            acc += prob[sz(j)] * static_cast<Acc>(vj);
+            mag += double(prob[sz(j)]) * std::fabs(vj);
+          }
           o[c] = double(R(static_cast<Acc>(acc * rp)));
+          if (exact) r.out_mag[sz((i * p.h_q + h) * p.d + c)] = mag * double(rp);
         }
       }
     }

@@ -50,6 +50,9 @@ struct RefOutput {
   std::vector<double> out;    // [s_q, h_q, d]
   std::vector<double> lse;    // [h_q, s_q]; -inf for rows that see no key
   std::vector<double> probs;  // [h_q, s_q, s_k]: P * keep (no 1/(1-p)); 0 where masked
+  // Oracle only: sum_j P_ij Z_ij |v_j|, the magnitude of the terms each output sums
+  // (the rounding floor of the tolerance rule, as RefGrads::dq_mag for the backward).
+  std::vector<double> out_mag;  // [s_q, h_q, d]
 };
 
 struct RefGrads {

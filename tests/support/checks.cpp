@@ -1,5 +1,6 @@
 #include "support/checks.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <gtest/gtest.h>
@@ -10,6 +11,16 @@ namespace flashattn::test {
 
 namespace {
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
+double max_keys(const RefProblem& p) {
+  int n = 1;
+  for (const RefSeq& s : p.seqs) n = std::max(n, s.s_k);
+  return n;
+}
+double max_queries(const RefProblem& p) {
+  int n = 1;
+  for (const RefSeq& s : p.seqs) n = std::max(n, s.s_q);
+  return n;
+}
 }  // namespace
 
 std::vector<RefOutput> split_forward(const RefProblem& p, const ForwardResults& r) {
@@ -39,11 +50,16 @@ void expect_forward_matches(const RefProblem& p, DType dtype, const ForwardResul
   }
   const std::vector<double> ref_out = concat_out(expectation->ref);
   const std::vector<double> ref_lse = concat_lse(expectation->ref);
+  double out_magnitude = 0;
+  for (const RefOutput& r : expectation->ref)
+    for (double m : r.out_mag) out_magnitude = std::max(out_magnitude, m);
+  const double key_terms = max_keys(p);
   EXPECT_TRUE(fully_written("out", got.out));
   EXPECT_TRUE(fully_written("lse", got.lse));
   EXPECT_TRUE(close_to_reference("out", got.out, ref_out, concat_out(expectation->naive), dtype,
-                                 floor_ulps));
-  EXPECT_TRUE(close_to_reference("lse", got.lse, ref_lse, concat_lse(expectation->naive), DType::kFloat32));
+                                 floor_ulps, out_magnitude, key_terms));
+  EXPECT_TRUE(close_to_reference("lse", got.lse, ref_lse, concat_lse(expectation->naive), DType::kFloat32,
+                                 kDefaultFloorUlps, 0.0, key_terms));
   // Rows that see no key: out exactly 0 and lse -inf (close_to_reference checks the -inf).
   std::size_t o = 0, l = 0, bad = 0;
   for (std::size_t b = 0; b < p.seqs.size(); ++b) {
@@ -82,12 +98,14 @@ void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResu
       for (double x : g.*field) m = std::max(m, x);
     return m;
   };
+  // dq sums over keys; dk and dv over the queries of every head of a group.
+  const double query_terms = max_queries(p) * double(p.h_q / p.h_k);
   EXPECT_TRUE(close_to_reference("dq", got.dq, concat_dq(ref), concat_dq(naive), dtype, kDefaultFloorUlps,
-                                 magnitude(&RefGrads::dq_mag)));
+                                 magnitude(&RefGrads::dq_mag), max_keys(p)));
   EXPECT_TRUE(close_to_reference("dk", got.dk, concat_dk(ref), concat_dk(naive), dtype, kDefaultFloorUlps,
-                                 magnitude(&RefGrads::dk_mag)));
+                                 magnitude(&RefGrads::dk_mag), query_terms));
   EXPECT_TRUE(close_to_reference("dv", got.dv, concat_dv(ref), concat_dv(naive), dtype, kDefaultFloorUlps,
-                                 magnitude(&RefGrads::dv_mag)));
+                                 magnitude(&RefGrads::dv_mag), query_terms));
   // Rows that see no key: dq exactly 0.
   const std::vector<RefOutput> f = reference_forward(p);
   std::size_t o = 0, bad = 0;

@@ -40,14 +40,17 @@ ErrorStats error_stats(const std::vector<double>& got, const std::vector<double>
 ::testing::AssertionResult close_to_reference(const std::string& what, const std::vector<double>& got,
                                               const std::vector<double>& ref,
                                               const std::vector<double>& naive, DType dtype,
-                                              double floor_ulps, double floor_magnitude) {
+                                              double floor_ulps, double floor_magnitude,
+                                              double accum_terms) {
   if (got.size() != ref.size() || naive.size() != ref.size()) {
     return ::testing::AssertionFailure() << what << ": size mismatch (got " << got.size() << ", ref "
                                          << ref.size() << ", naive " << naive.size() << ")";
   }
   const ErrorStats g = error_stats(got, ref);
   const ErrorStats n = error_stats(naive, ref);
-  const double floor = floor_ulps * dtype_epsilon(dtype) * std::max(g.max_abs_ref, floor_magnitude);
+  const double accum_eps = dtype_epsilon(dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
+  const double floor = (floor_ulps * dtype_epsilon(dtype) + std::sqrt(std::max(1.0, accum_terms)) * accum_eps) *
+                       std::max(g.max_abs_ref, floor_magnitude);
   const double bound = 2.0 * n.max_abs_err + floor;
   std::ostringstream msg;
   msg.precision(6);
@@ -61,7 +64,7 @@ ErrorStats error_stats(const std::vector<double>& got, const std::vector<double>
   msg << what << " (" << dtype_name(dtype) << ", " << got.size() << " elements): max abs err "
       << g.max_abs_err << " at [" << g.worst << "] (got " << got[g.worst] << ", ref " << ref[g.worst]
       << ") exceeds bound " << bound << " = 2 x naive err " << n.max_abs_err << " + floor " << floor
-      << " (max|ref| " << g.max_abs_ref << ", magnitude " << floor_magnitude << ")";
+      << " (max|ref| " << g.max_abs_ref << ", magnitude " << floor_magnitude << ", terms " << accum_terms << ")";
   return ::testing::AssertionFailure() << msg.str();
 }
 

@@ -1,8 +1,10 @@
 // The tolerance rule of the suite. A backend's result `got` is compared with the fp64
 // oracle `ref` on the same (dtype-rounded) inputs, and passes when
-//   max |got - ref|  <=  2 * max |naive - ref|  +  floor_ulps * eps(dtype) * max |ref|
-// where `naive` is the naive computation in the same precision (reference.hpp) and
-// eps(dtype) the dtype's ulp at 1. Non-finite reference values (lse = -inf of an empty
+//   max |got - ref|  <=  2 * max |naive - ref|  +  floor
+//   floor = (floor_ulps * eps(dtype) + sqrt(accum_terms) * eps(accum)) * M
+// where `naive` is the naive computation in the same precision (reference.hpp), eps(t)
+// the ulp at 1 of t, accum the accumulation type (fp64 for fp64, else fp32), accum_terms
+// the length of the longest sum behind one result (its order is free), and M = max|ref|. Non-finite reference values (lse = -inf of an empty
 // row) must be matched exactly; where cancellation makes the result much smaller than
 // the terms it sums (gradients), the floor's magnitude is max(max|ref|, floor_magnitude)
 // with floor_magnitude the largest sum of absolute terms; a NaN in `got` always fails. The failure message
@@ -34,7 +36,7 @@ inline constexpr double kDefaultFloorUlps = 4.0;
                                               const std::vector<double>& ref,
                                               const std::vector<double>& naive, DType dtype,
                                               double floor_ulps = kDefaultFloorUlps,
-                                              double floor_magnitude = 0.0);
+                                              double floor_magnitude = 0.0, double accum_terms = 1.0);
 
 // Bit-for-bit equality (NaN == NaN of the same pattern is not needed: any NaN fails).
 ::testing::AssertionResult bitwise_equal(const std::string& what, const std::vector<double>& a,
