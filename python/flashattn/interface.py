@@ -1,0 +1,199 @@
+"""The flash_attn 2.x interface over flashattn's custom ops (a drop-in replacement).
+
+Same names, signatures and return conventions as flash_attn.flash_attn_interface:
+a function returns ``out``, or ``(out, softmax_lse, S_dmask)`` when return_attn_probs
+(flash_attn_with_kvcache: ``(out, softmax_lse)`` when return_softmax_lse). The
+differences are listed in python/README.md; in short: S_dmask is the probabilities
+after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) from the CPU
+backend and None on CUDA; dropout seeds come from torch's default CPU generator;
+errors are flashattn.InvalidArgumentError (a ValueError) / UnsupportedError.
+"""
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from . import ops
+from ._C import UnsupportedError
+from .rotary import rotate
+
+
+def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _rng_state(dropout_p: float) -> Optional[Tensor]:
+    """(seed, offset) for the library's Philox dropout, drawn from torch's default CPU
+    generator (so torch.manual_seed reproduces it); None without dropout."""
+    if dropout_p <= 0.0:
+        return None
+    return torch.randint(0, 1 << 62, (2,), dtype=torch.int64)
+
+
+def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
+    left, right = window_size
+    return int(left), int(right)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic, return_attn_probs):
+    left, right = _window(window_size)
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    out, lse, probs = ops.fwd(q, k, v, alibi_slopes, _rng_state(dropout_p),
+                              _scale(q, softmax_scale), bool(causal), left, right,
+                              float(softcap), float(dropout_p), bool(deterministic), want_probs)
+    if return_attn_probs:
+        return out, lse, probs if want_probs else None
+    return out
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, return_attn_probs, seqused_k=None):
+    left, right = _window(window_size)
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    out, lse, probs = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                     alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
+                                     int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
+                                     left, right, float(softcap), float(dropout_p),
+                                     bool(deterministic), want_probs)
+    if return_attn_probs:
+        return out, lse, probs if want_probs else None
+    return out
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                    return_attn_probs=False):
+    """q [b, s_q, h_q, d], k, v [b, s_k, h_k, d] (h_q % h_k == 0) -> out [b, s_q, h_q, d].
+
+    causal and window_size (left, right) are bottom-right aligned: query i sees key j when
+    i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1 = unbounded). alibi_slopes:
+    fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32.
+    """
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
+                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              deterministic=False, return_attn_probs=False):
+    """qkv [b, s, 3, h, d] -> out [b, s, h, d]. The gradient of qkv is assembled by
+    autograd from dq, dk, dv (the library writes them to separate tensors)."""
+    q, k, v = qkv.unbind(dim=2)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
+                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                             deterministic=False, return_attn_probs=False):
+    """q [b, s_q, h_q, d], kv [b, s_k, 2, h_k, d] -> out [b, s_q, h_q, d]."""
+    k, v = kv.unbind(dim=2)
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
+    -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
+    is not supported (UnsupportedError)."""
+    if block_table is not None:
+        raise UnsupportedError(
+            "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
+            "(a paged KV cache is supported by flash_attn_with_kvcache only), got a tensor")
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=(-1, -1),
+                                     softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv [total, 3, h, d], cu_seqlens int32 [b + 1] -> out [total, h, d]."""
+    q, k, v = qkv.unbind(dim=1)
+    return _varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+                                    causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False,
+                                    return_attn_probs=False):
+    """q [total_q, h_q, d], kv [total_k, 2, h_k, d] -> out [total_q, h_q, d]."""
+    k, v = kv.unbind(dim=1)
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             dropout_p, softmax_scale, causal, window_size, softcap,
+                             alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+                            rotary_sin=None, cache_seqlens: Optional[Union[int, Tensor]] = None,
+                            cache_batch_idx: Optional[Tensor] = None,
+                            cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
+
+    k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
+    block_table int32 [b, max_blocks_per_seq] (paged). k, v [b, s_new, h_k, d] (optional)
+    are written into the caches in place at cache_seqlens .. cache_seqlens + s_new - 1
+    first; cache_seqlens (int or int32 [b]) is not advanced. Sequence i attends to
+    cache_seqlens[i] + s_new keys.
+
+    rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k and v): the new keys are
+    rotated at positions cache_seqlens + t, and q at cache_seqlens + t when causal or
+    windowed, else at cache_seqlens for every query (flash_attn's rule); done in torch
+    before the call, so the cache receives the rotated keys.
+    """
+    if cache_leftpad is not None:
+        raise UnsupportedError(
+            "flashattn.flash_attn_with_kvcache: argument 'cache_leftpad': expected None "
+            "(left-padded caches are not supported), got a tensor")
+    if (k is None) != (v is None):
+        raise ValueError("flashattn.flash_attn_with_kvcache: k and v are given together")
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("flashattn.flash_attn_with_kvcache: argument 'cache_seqlens': "
+                             "expected a tensor or int when k and v are appended, got None")
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    left, right = _window(window_size)
+
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None or k is None:
+            raise ValueError("flashattn.flash_attn_with_kvcache: rotary_cos, rotary_sin, k and v "
+                             "are given together (rotary embeddings rotate the new keys)")
+        base = cache_seqlens.to(torch.long)[:, None]
+        k_pos = base + torch.arange(k.shape[1], device=q.device)[None, :]
+        if causal or (left, right) != (-1, -1):
+            q_pos = base + torch.arange(q.shape[1], device=q.device)[None, :]
+        else:
+            q_pos = base.expand(batch, q.shape[1])
+        q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
+        k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
+
+    out, lse = ops.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
+                               k, v, alibi_slopes, _scale(q, softmax_scale), bool(causal), left,
+                               right, float(softcap), int(num_splits))
+    return (out, lse) if return_softmax_lse else out
+
+
+def apply_rotary_emb(x, cos, sin, interleaved=False, seqlen_offsets=0):
+    """See flashattn.rotary.apply_rotary_emb."""
+    from .rotary import apply_rotary_emb as impl
+
+    return impl(x, cos, sin, interleaved, seqlen_offsets)

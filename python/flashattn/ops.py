@@ -1,0 +1,345 @@
+"""torch.library custom ops over flashattn._C.
+
+    flashattn::fwd, flashattn::bwd                 dense batches
+    flashattn::varlen_fwd, flashattn::varlen_bwd   packed variable-length sequences
+    flashattn::kvcache_fwd                         KV cache (mutates k_cache, v_cache)
+
+Each op has a fake (shape) implementation for torch.compile and the forward ops have
+autograd formulas, so the ops compose with torch.compile(fullgraph=True), torch.func and
+CUDA graphs. Tensors reach the C++ library through DLPack (detached views: no copies
+unless a layout needs one, see _prepare); the CUDA stream is torch's current stream.
+
+Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
+generator (drawn by the caller from torch's default CPU generator); the forward's
+autograd formula hands the same tensor to the backward, which recomputes the same mask.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+_U64 = (1 << 64) - 1
+
+
+def _stream(t: Tensor) -> int:
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
+    """A detached view the library accepts: contiguous last dimension and, on CUDA,
+    16-byte aligned data and rows (strides multiple of 8 elements). Copies otherwise."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dim() == 0:
+        return t
+    ok = t.stride(-1) == 1
+    if ok and t.device.type == "cuda":
+        ok = t.data_ptr() % 16 == 0 and all(
+            st % 8 == 0 for st, sz in zip(t.stride()[:-1], t.shape[:-1]) if sz > 1
+        )
+    if ok:
+        return t
+    fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    fresh.copy_(t)
+    return fresh
+
+
+def _options(
+    q: Tensor,
+    alibi_slopes: Optional[Tensor],
+    rng_state: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> dict:
+    seed = offset = 0
+    if dropout_p > 0.0:
+        if rng_state is None:
+            raise ValueError("flashattn: dropout_p > 0 needs rng_state (int64 [seed, offset])")
+        seed, offset = (int(x) & _U64 for x in rng_state.tolist())
+    return dict(
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=softcap,
+        alibi_slopes=_prepare(alibi_slopes),
+        dropout_p=dropout_p,
+        seed=seed,
+        offset=offset,
+        deterministic=deterministic,
+        stream=_stream(q),
+    )
+
+
+def _empty(shape, like: Tensor, dtype=None) -> Tensor:
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+# ---------------------------------------------------------------- dense
+
+
+def _fwd_outputs(q: Tensor, k: Tensor, return_probs: bool):
+    b, s_q, h_q, _ = q.shape
+    out = _empty(q.shape, q)
+    lse = _empty((b, h_q, s_q), q, torch.float32)
+    probs = _empty((b, h_q, s_q, k.shape[1]) if return_probs else (0,), q, torch.float32)
+    return out, lse, probs
+
+
+@torch.library.custom_op("flashattn::fwd", mutates_args=())
+def fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alibi_slopes: Optional[Tensor],
+    rng_state: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+    return_probs: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0])."""
+    out, lse, probs = _fwd_outputs(q, k, return_probs)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, deterministic)
+    _C.forward(_prepare(q), _prepare(k), _prepare(v), out, lse,
+               return_probs=probs if return_probs else None, **opts)
+    return out, lse, probs
+
+
+@fwd.register_fake
+def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
+      softcap, dropout_p, deterministic, return_probs):
+    return _fwd_outputs(q, k, return_probs)
+
+
+@torch.library.custom_op("flashattn::bwd", mutates_args=())
+def bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    alibi_slopes: Optional[Tensor],
+    rng_state: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv); dk and dv are summed over each GQA group (shapes of k and v)."""
+    dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, deterministic)
+    q, k, v = _prepare(q), _prepare(k), _prepare(v)
+    workspace = None
+    if q.device.type == "cuda":
+        # Scratch from torch's allocator: stream-ordered, and graph-private under capture.
+        nbytes = _C.backward_workspace_size(q, k, v, **opts)
+        if nbytes > 0:
+            workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
+    _C.backward(_prepare(dout), q, k, v, _prepare(out), _prepare(lse), dq, dk, dv, workspace,
+                **opts)
+    return dq, dk, dv
+
+
+@bwd.register_fake
+def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+      window_right, softcap, dropout_p, deterministic):
+    return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
+     softcap, dropout_p, deterministic, _) = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+    ctx.scalars = (softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+                   deterministic)
+
+
+def _fwd_backward(ctx, dout, dlse, dprobs):
+    # lse and probs are outputs without gradients (as in flash_attn): dlse, dprobs ignored.
+    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, alibi_slopes, rng_state, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 10
+
+
+fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---------------------------------------------------------------- varlen
+
+
+def _varlen_fwd_outputs(q: Tensor, max_seqlen_k: int, return_probs: bool):
+    total_q, h_q, _ = q.shape
+    out = _empty(q.shape, q)
+    lse = _empty((h_q, total_q), q, torch.float32)
+    probs = _empty((h_q, total_q, max_seqlen_k) if return_probs else (0,), q, torch.float32)
+    return out, lse, probs
+
+
+@torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())
+def varlen_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    rng_state: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+    return_probs: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0])."""
+    out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, deterministic)
+    _C.varlen_forward(_prepare(q), _prepare(k), _prepare(v), _prepare(cu_seqlens_q),
+                      _prepare(cu_seqlens_k), _prepare(seqused_k), max_seqlen_q, max_seqlen_k,
+                      out, lse, return_probs=probs if return_probs else None, **opts)
+    return out, lse, probs
+
+
+@varlen_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
+      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+      deterministic, return_probs):
+    return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+
+
+@torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())
+def varlen_bwd(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_k: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    rng_state: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    dropout_p: float,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, deterministic)
+    # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
+    # would read cu_seqlens from the device a second time.
+    _C.varlen_backward(_prepare(q), _prepare(k), _prepare(v), _prepare(cu_seqlens_q),
+                       _prepare(cu_seqlens_k), _prepare(seqused_k), max_seqlen_q, max_seqlen_k,
+                       _prepare(dout), _prepare(out), _prepare(lse), dq, dk, dv, None, **opts)
+    return dq, dk, dv
+
+
+@varlen_bwd.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
+      max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+      dropout_p, deterministic):
+    return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
+     max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
+     deterministic, _) = inputs
+    out, lse, _ = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                          alibi_slopes, rng_state)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                   softcap, dropout_p, deterministic)
+
+
+def _varlen_backward(ctx, dout, dlse, dprobs):
+    (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
+     rng_state) = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                            alibi_slopes, rng_state, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 15
+
+
+varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+@torch.library.custom_op("flashattn::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def kvcache_fwd(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Optional[Tensor],
+    cache_batch_idx: Optional[Tensor],
+    k_new: Optional[Tensor],
+    v_new: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
+    caches in place at cache_seqlens (not advanced) before attending."""
+    b, s_q, h_q, _ = q.shape
+    out = _empty(q.shape, q)
+    lse = _empty((b, h_q, s_q), q, torch.float32)
+    opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
+                    softcap, 0.0, False)
+    # The caches are written in place: they go as they are (no copy).
+    _C.kvcache_forward(_prepare(q), k_cache.detach(), v_cache.detach(), _prepare(cache_seqlens),
+                       _prepare(block_table), _prepare(cache_batch_idx), _prepare(k_new),
+                       _prepare(v_new), num_splits, out, lse, None, **opts)
+    return out, lse
+
+
+@kvcache_fwd.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
+      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits):
+    b, s_q, h_q, _ = q.shape
+    return _empty(q.shape, q), _empty((b, h_q, s_q), q, torch.float32)

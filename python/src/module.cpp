@@ -1,0 +1,409 @@
+// flashattn._C: the Python binding of the public C++ API.
+//
+// Tensors arrive as DLPack arrays (nb::ndarray of any dtype and device: numpy arrays,
+// torch tensors, ...); the binding reads their pointer, dtype, shape, strides and device
+// into flashattn::Tensor views and calls the library. Nothing is allocated or copied
+// here: the caller (python/flashattn/*.py) allocates outputs. CUDA calls run on the
+// stream passed as an integer (a cudaStream_t; 0 = the legacy default stream).
+//
+// C++ exceptions become Python exceptions with the same message:
+//   flashattn::Unsupported     -> flashattn.UnsupportedError (InvalidArgumentError and
+//                                 NotImplementedError)
+//   flashattn::InvalidArgument -> flashattn.InvalidArgumentError (ValueError)
+//   flashattn::CudaError       -> flashattn.CudaError (flashattn.Error)
+//   other flashattn::Error     -> flashattn.Error (RuntimeError)
+// The argument errors carry .function, .argument, .expected and .actual.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "flashattn/attention.hpp"
+
+namespace nb = nanobind;
+namespace fa = flashattn;
+
+namespace {
+
+using In = nb::ndarray<nb::ro>;  // an input: read-only arrays are accepted
+using Out = nb::ndarray<>;       // an output: must be writable
+using OptIn = std::optional<In>;
+using OptOut = std::optional<Out>;
+
+// The Python exception types, created once at import.
+PyObject* g_error = nullptr;             // flashattn.Error(RuntimeError)
+PyObject* g_cuda_error = nullptr;        // flashattn.CudaError(Error)
+PyObject* g_invalid_argument = nullptr;  // flashattn.InvalidArgumentError(ValueError)
+PyObject* g_unsupported = nullptr;       // flashattn.UnsupportedError(InvalidArgumentError,
+                                         //                            NotImplementedError)
+
+std::string dlpack_dtype_text(nb::dlpack::dtype t) {
+  using Code = nb::dlpack::dtype_code;
+  std::string name;
+  switch (static_cast<Code>(t.code)) {
+    case Code::Int: name = "int"; break;
+    case Code::UInt: name = "uint"; break;
+    case Code::Float: name = "float"; break;
+    case Code::Bfloat: name = "bfloat"; break;
+    case Code::Complex: name = "complex"; break;
+    case Code::Bool: name = "bool"; break;
+    default: name = "DLPack type code " + std::to_string(t.code) + " of "; break;
+  }
+  name += std::to_string(t.bits);
+  if (t.lanes != 1) name += " x " + std::to_string(t.lanes) + " lanes";
+  return "dtype " + name;
+}
+
+// A dtype the library has no DType for, or a device it does not run: a TypeError / ValueError
+// raised by the binding before the library sees the call.
+[[noreturn]] void binding_error(PyObject* type, const char* argument, const std::string& expected,
+                                const std::string& actual) {
+  const std::string msg = std::string("flashattn: argument '") + argument + "': expected " +
+                          expected + ", got " + actual;
+  PyErr_SetString(type, msg.c_str());
+  throw nb::python_error();
+}
+
+fa::DType to_dtype(nb::dlpack::dtype t, const char* argument) {
+  using Code = nb::dlpack::dtype_code;
+  if (t.lanes == 1) {
+    const auto code = static_cast<Code>(t.code);
+    if (code == Code::Float && t.bits == 16) return fa::DType::kFloat16;
+    if (code == Code::Bfloat && t.bits == 16) return fa::DType::kBFloat16;
+    if (code == Code::Float && t.bits == 32) return fa::DType::kFloat32;
+    if (code == Code::Float && t.bits == 64) return fa::DType::kFloat64;
+    if (code == Code::Float8_E4M3FN && t.bits == 8) return fa::DType::kFloat8E4M3;
+    if (code == Code::Int && t.bits == 32) return fa::DType::kInt32;
+  }
+  binding_error(PyExc_TypeError, argument,
+                "dtype float16, bfloat16, float32, float64, float8_e4m3fn or int32",
+                dlpack_dtype_text(t));
+}
+
+fa::Device to_device(int type, int id, const char* argument) {
+  if (type == nb::device::cpu::value) return fa::Device::cpu();
+  if (type == nb::device::cuda::value) return fa::Device::cuda(id);
+  binding_error(PyExc_ValueError, argument, "a CPU or CUDA array",
+                "DLPack device type " + std::to_string(type));
+}
+
+template <typename Array>
+fa::Tensor to_tensor(const Array& a, const char* argument) {
+  fa::Tensor t;
+  if (a.ndim() < 1 || a.ndim() > static_cast<std::size_t>(fa::kMaxRank)) {
+    binding_error(PyExc_ValueError, argument,
+                  "rank 1 .. " + std::to_string(fa::kMaxRank), "rank " + std::to_string(a.ndim()));
+  }
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  t.dtype = to_dtype(a.dtype(), argument);
+  t.rank = static_cast<int>(a.ndim());
+  for (int i = 0; i < t.rank; ++i) {
+    t.shape[i] = static_cast<std::int64_t>(a.shape(static_cast<std::size_t>(i)));
+    t.stride[i] = a.stride(static_cast<std::size_t>(i));
+  }
+  t.device = to_device(a.device_type(), a.device_id(), argument);
+  return t;
+}
+
+template <typename Array>
+fa::Tensor to_tensor(const std::optional<Array>& a, const char* argument) {
+  return a ? to_tensor(*a, argument) : fa::Tensor{};
+}
+
+// Options shared by every entry point; keyword arguments of the same names in Python.
+struct CommonOptions {
+  std::optional<double> softmax_scale;
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+  double softcap = 0.0;
+  OptIn alibi_slopes;
+  double dropout_p = 0.0;
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+  bool deterministic = false;
+  OptOut return_probs;
+  std::uintptr_t stream = 0;
+  int num_threads = 0;
+
+  fa::Options build() const {
+    fa::Options o;
+    o.softmax_scale = softmax_scale ? static_cast<float>(*softmax_scale)
+                                    : std::numeric_limits<float>::quiet_NaN();
+    o.causal = causal;
+    o.window_left = window_left;
+    o.window_right = window_right;
+    o.softcap = static_cast<float>(softcap);
+    o.alibi_slopes = to_tensor(alibi_slopes, "alibi_slopes");
+    o.dropout_p = static_cast<float>(dropout_p);
+    o.seed = seed;
+    o.offset = offset;
+    o.deterministic = deterministic;
+    o.stream = reinterpret_cast<void*>(stream);
+    o.num_threads = num_threads;
+    o.return_probs = to_tensor(return_probs, "return_probs");
+    return o;
+  }
+};
+
+fa::Workspace to_workspace(const OptOut& ws) {
+  if (!ws) return {};
+  return {ws->data(), ws->nbytes()};
+}
+
+// ------------------------------------------------------------------ exceptions
+
+PyObject* new_exception(nb::module_& m, const char* name, PyObject* bases, const char* doc) {
+  const std::string qualified = std::string("flashattn.") + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, bases, nullptr);
+  if (type == nullptr) throw nb::python_error();
+  m.attr(name) = nb::handle(type);
+  return type;
+}
+
+void raise_argument_error(PyObject* type, const fa::InvalidArgument& e) {
+  nb::object exc = nb::borrow(type)(nb::str(e.what()));
+  exc.attr("function") = nb::str(e.function().c_str());
+  exc.attr("argument") = nb::str(e.argument().c_str());
+  exc.attr("expected") = nb::str(e.expected().c_str());
+  exc.attr("actual") = nb::str(e.actual().c_str());
+  PyErr_SetObject(type, exc.ptr());
+}
+
+void translate(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const fa::Unsupported& e) {
+    raise_argument_error(g_unsupported, e);
+  } catch (const fa::InvalidArgument& e) {
+    raise_argument_error(g_invalid_argument, e);
+  } catch (const fa::CudaError& e) {
+    PyErr_SetString(g_cuda_error, e.what());
+  } catch (const fa::Error& e) {
+    PyErr_SetString(g_error, e.what());
+  }
+}
+
+void register_exceptions(nb::module_& m) {
+  g_error = new_exception(m, "Error", PyExc_RuntimeError,
+                          "A flashattn error that is not about the arguments.");
+  g_cuda_error = new_exception(m, "CudaError", g_error,
+                               "The CUDA runtime reported an error while running a call.");
+  g_invalid_argument = new_exception(
+      m, "InvalidArgumentError", PyExc_ValueError,
+      "An argument is malformed: wrong shape, dtype, stride, alignment, range or aliasing.\n"
+      "Attributes: function, argument, expected, actual.");
+  nb::object unsupported_bases =
+      nb::make_tuple(nb::handle(g_invalid_argument), nb::handle(PyExc_NotImplementedError));
+  g_unsupported = new_exception(
+      m, "UnsupportedError", unsupported_bases.ptr(),
+      "The arguments are well formed but the backend cannot run them (a head dim, dtype\n"
+      "or feature it does not support, or a backend not built).");
+  nb::register_exception_translator(translate);
+}
+
+// ------------------------------------------------------------------ entry points
+
+#define FA_COMMON_ARGS                                                                      \
+  std::optional<double> softmax_scale, bool causal, int window_left, int window_right,      \
+      double softcap, OptIn alibi_slopes, double dropout_p, std::uint64_t seed,             \
+      std::uint64_t offset, bool deterministic, OptOut return_probs, std::uintptr_t stream, \
+      int num_threads
+
+#define FA_COMMON_VALUES                                                                \
+  CommonOptions {                                                                       \
+    softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
+        seed, offset, deterministic, return_probs, stream, num_threads                  \
+  }
+
+// The keyword arguments of CommonOptions, all optional.
+#define FA_COMMON_KWARGS                                                                   \
+  nb::kw_only(), nb::arg("softmax_scale") = nb::none(), nb::arg("causal") = false,         \
+      nb::arg("window_left") = -1, nb::arg("window_right") = -1, nb::arg("softcap") = 0.0, \
+      nb::arg("alibi_slopes") = nb::none(), nb::arg("dropout_p") = 0.0,                    \
+      nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
+      nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
+      nb::arg("num_threads") = 0
+
+fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
+                           const In& cu_seqlens_k, const OptIn& seqused_k, int max_seqlen_q,
+                           int max_seqlen_k) {
+  fa::VarlenArgs a;
+  a.q = to_tensor(q, "q");
+  a.k = to_tensor(k, "k");
+  a.v = to_tensor(v, "v");
+  a.cu_seqlens_q = to_tensor(cu_seqlens_q, "cu_seqlens_q");
+  a.cu_seqlens_k = to_tensor(cu_seqlens_k, "cu_seqlens_k");
+  a.seqused_k = to_tensor(seqused_k, "seqused_k");
+  a.max_seqlen_q = max_seqlen_q;
+  a.max_seqlen_k = max_seqlen_k;
+  return a;
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "flashattn: exact FlashAttention over DLPack arrays (the C++ API, bound by nanobind)";
+  register_exceptions(m);
+
+  m.def("version", [] { return std::string(fa::version()); }, "The library version.");
+  m.def("cuda_available", &fa::cuda_available,
+        "True when this build has the CUDA backend and a CUDA device is visible.");
+
+  m.def(
+      "forward",
+      [](const In& q, const In& k, const In& v, const Out& out, const OptOut& lse,
+         FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        const fa::Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v"),
+                         to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        nb::gil_scoped_release release;
+        fa::forward(tq, tk, tv, to, tl, o);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(),
+      FA_COMMON_KWARGS,
+      "out, lse <- attention(q [b, s_q, h_q, d], k, v [b, s_k, h_k, d]); lse [b, h_q, s_q] "
+      "float32 or None.");
+
+  m.def(
+      "backward",
+      [](const In& dout, const In& q, const In& k, const In& v, const In& out, const In& lse,
+         const Out& dq, const Out& dk, const Out& dv, const OptOut& workspace, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        const fa::Tensor tdo = to_tensor(dout, "dout"), tq = to_tensor(q, "q"),
+                         tk = to_tensor(k, "k"), tv = to_tensor(v, "v"),
+                         to = to_tensor(out, "out"), tl = to_tensor(lse, "lse"),
+                         tdq = to_tensor(dq, "dq"), tdk = to_tensor(dk, "dk"),
+                         tdv = to_tensor(dv, "dv");
+        const fa::Workspace ws = to_workspace(workspace);
+        nb::gil_scoped_release release;
+        fa::backward(tdo, tq, tk, tv, to, tl, tdq, tdk, tdv, o, ws);
+      },
+      nb::arg("dout"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"),
+      nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("workspace").none() = nb::none(),
+      FA_COMMON_KWARGS,
+      "dq, dk, dv <- gradients of forward; dk, dv are summed over each GQA group. "
+      "workspace: a byte array of at least backward_workspace_size bytes, or None.");
+
+  m.def(
+      "backward_workspace_size",
+      [](const In& q, const In& k, const In& v, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        return fa::backward_workspace_size(to_tensor(q, "q"), to_tensor(k, "k"),
+                                           to_tensor(v, "v"), o);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), FA_COMMON_KWARGS,
+      "Bytes of scratch backward wants (0 if none).");
+
+  m.def(
+      "varlen_forward",
+      [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
+         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const Out& out,
+         const OptOut& lse, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                             max_seqlen_q, max_seqlen_k);
+        const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        nb::gil_scoped_release release;
+        fa::varlen_forward(a, to, tl, o);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+      nb::arg("out"), nb::arg("lse").none(), FA_COMMON_KWARGS,
+      "Packed sequences: q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens int32 [b + 1]; "
+      "lse [h_q, total_q].");
+
+  m.def(
+      "varlen_backward",
+      [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
+         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const In& dout,
+         const In& out, const In& lse, const Out& dq, const Out& dk, const Out& dv,
+         const OptOut& workspace, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                             max_seqlen_q, max_seqlen_k);
+        const fa::Tensor tdo = to_tensor(dout, "dout"), to = to_tensor(out, "out"),
+                         tl = to_tensor(lse, "lse"), tdq = to_tensor(dq, "dq"),
+                         tdk = to_tensor(dk, "dk"), tdv = to_tensor(dv, "dv");
+        const fa::Workspace ws = to_workspace(workspace);
+        nb::gil_scoped_release release;
+        fa::varlen_backward(a, tdo, to, tl, tdq, tdk, tdv, o, ws);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+      nb::arg("dout"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"),
+      nb::arg("dv"), nb::arg("workspace").none() = nb::none(), FA_COMMON_KWARGS,
+      "Gradients of varlen_forward.");
+
+  m.def(
+      "varlen_backward_workspace_size",
+      [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
+         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        return fa::varlen_backward_workspace_size(
+            varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
+                        max_seqlen_k),
+            o);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
+      nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
+      FA_COMMON_KWARGS, "Bytes of scratch varlen_backward wants (0 if none).");
+
+  m.def(
+      "kvcache_forward",
+      [](const In& q, const Out& k_cache, const Out& v_cache, const In& cache_seqlens,
+         const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
+         const OptIn& v_new, int num_splits, const Out& out, const OptOut& lse,
+         const OptOut& workspace, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        fa::KVCacheArgs a;
+        a.q = to_tensor(q, "q");
+        a.k_cache = to_tensor(k_cache, "k_cache");
+        a.v_cache = to_tensor(v_cache, "v_cache");
+        a.cache_seqlens = to_tensor(cache_seqlens, "cache_seqlens");
+        a.block_table = to_tensor(block_table, "block_table");
+        a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
+        a.k_new = to_tensor(k_new, "k_new");
+        a.v_new = to_tensor(v_new, "v_new");
+        a.num_splits = num_splits;
+        const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
+        const fa::Workspace ws = to_workspace(workspace);
+        nb::gil_scoped_release release;
+        fa::kvcache_forward(a, to, tl, o, ws);
+      },
+      nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),
+      nb::arg("block_table").none(), nb::arg("cache_batch_idx").none(), nb::arg("k_new").none(),
+      nb::arg("v_new").none(), nb::arg("num_splits"), nb::arg("out"), nb::arg("lse").none(),
+      nb::arg("workspace").none() = nb::none(), FA_COMMON_KWARGS,
+      "Attention against a dense or paged KV cache; k_new/v_new are first written into the "
+      "cache in place at cache_seqlens (which is not advanced).");
+
+  m.def(
+      "kvcache_workspace_size",
+      [](const In& q, const In& k_cache, const In& v_cache, const In& cache_seqlens,
+         const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
+         const OptIn& v_new, int num_splits, FA_COMMON_ARGS) {
+        const fa::Options o = FA_COMMON_VALUES.build();
+        fa::KVCacheArgs a;
+        a.q = to_tensor(q, "q");
+        a.k_cache = to_tensor(k_cache, "k_cache");
+        a.v_cache = to_tensor(v_cache, "v_cache");
+        a.cache_seqlens = to_tensor(cache_seqlens, "cache_seqlens");
+        a.block_table = to_tensor(block_table, "block_table");
+        a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
+        a.k_new = to_tensor(k_new, "k_new");
+        a.v_new = to_tensor(v_new, "v_new");
+        a.num_splits = num_splits;
+        return fa::kvcache_workspace_size(a, o);
+      },
+      nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),
+      nb::arg("block_table").none(), nb::arg("cache_batch_idx").none(), nb::arg("k_new").none(),
+      nb::arg("v_new").none(), nb::arg("num_splits"), FA_COMMON_KWARGS,
+      "Bytes of scratch kvcache_forward wants (0 if none).");
+}
