@@ -6,6 +6,7 @@
 // caller-given workspace keeps allocation out of the timing.
 //
 //   flashattn_cuda_bwd_bench            the grid, one line per cell: "bwd d causal s ms tflops"
+//   flashattn_cuda_bwd_bench --one D C S one cell (hdim D, causal C, seqlen S)
 //   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
 //                                       the device memory the calls add beyond their tensors
 #include <cuda_runtime.h>
@@ -91,12 +92,13 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-void run_grid() {
+void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
+              const std::vector<int>& lens) {
   std::printf("# ours: flashattn CUDA backward, bf16, 16k tokens, model dim 2048\n");
   std::printf("# bwd hdim causal seqlen ms tflops\n");
-  for (int d : {64, 128, 256}) {
-    for (int causal = 0; causal < 2; ++causal) {
-      for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
+  for (int d : dims) {
+    for (int causal : causals) {
+      for (int s : lens) {
         const int b = 16384 / s, h = 2048 / d;
         Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
         flashattn::Options opts;
@@ -182,8 +184,10 @@ void run_memory() {
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "--memory") == 0) {
     run_memory();
+  } else if (argc == 5 && std::strcmp(argv[1], "--one") == 0) {
+    run_grid({std::atoi(argv[2])}, {std::atoi(argv[3])}, {std::atoi(argv[4])});
   } else {
-    run_grid();
+    run_grid({64, 128, 256}, {0, 1}, {512, 1024, 2048, 4096, 8192, 16384});
   }
   return 0;
 }

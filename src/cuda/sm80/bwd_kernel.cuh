@@ -72,55 +72,66 @@ struct BwdTileConfig {
                 "BwdTileConfig: accumulators would not fit in registers");
 };
 
-// Element offset of (R + lr, C + lcc * 8) in a SwizzledTile, given
-// lane_base = Tile::offset(lr, lcc * 8), for R % 8 == 0, C % 16 == 0, lr < 16, lcc < 2.
-// The swizzle XORs the 16-byte chunk index with bits of the row that R cannot change,
-// so moving by C within a column block is an XOR of the lane's base with C % block:
-// one LOP3 per ldmatrix instead of recomputing the swizzle, and few live registers.
-template <class Tile>
-__device__ __forceinline__ int swizzled_offset(int lane_base, int row0, int col0) {
-  return (lane_base ^ (col0 % Tile::kBlockCols)) +
-         (col0 / Tile::kBlockCols) * (Tile::kRows * Tile::kBlockCols) + row0 * Tile::kBlockCols;
-}
+// Address arithmetic of warp_gemm. A SwizzledTile permutes 16-byte chunks by an XOR with
+// bits of the row that a step of 8 rows cannot change, so the address of
+// (row0 + lr, col0 + lcc * 8), row0 % 8 == 0, col0 % 16 == 0, is the lane's base address
+// (of (lr, lcc * 8)) XOR the chunk bits of col0 plus a compile-time row / block offset:
+// one LOP3 per ldmatrix and an immediate, instead of recomputing the swizzle.
+// Whether a warp's column offset (a multiple of the warp tile width kWidth) can be folded
+// into the lane's base offset: the column steps inside the warp tile must then change the
+// swizzled chunk bits by XOR alone, which holds when kWidth is a power of two (the
+// offset's bits and the steps' bits are disjoint, and no step leaves a column block).
+template <int kWidth>
+inline constexpr bool kFoldableColumnOffset = (kWidth & (kWidth - 1)) == 0;
 
 // acc[kM x kN] += A[kM x kK] * B[kK x kN] for one warp, operands in swizzled shared tiles.
 //   A: kATrans = false: stored [m][k] (TileA rows = m); true: stored [k][m] (ldmatrix.trans).
 //   B: kBTrans = false: stored [n][k] (TileB rows = n); true: stored [k][n] (ldmatrix.trans).
-// a_m0 / b_n0 (multiples of 16) select the warp's rows of A / columns of B; k runs 0..kK.
+// a_m0 / b_n0 (multiples of kM / kN) select the warp's rows of A / columns of B; k runs
+// 0..kK. Warp offsets along rows (and power-of-two column offsets) go into the lane base
+// once, so each ldmatrix costs one XOR and an immediate.
 template <typename Element, int kM, int kN, int kK, bool kATrans, bool kBTrans, class TileA,
           class TileB>
 __device__ __forceinline__ void warp_gemm(float (&acc)[kM / 16][kN / 8][4], std::uint32_t a_base,
                                           int a_m0, std::uint32_t b_base, int b_n0, int lane) {
   static_assert(kM % 16 == 0 && kN % 16 == 0 && kK % 16 == 0, "warp_gemm: tile shape");
+  constexpr bool kAFold = !kATrans || kFoldableColumnOffset<kM>;
+  constexpr bool kBFold = !kBTrans || kFoldableColumnOffset<kN>;
   // Lane roles of ldmatrix.x4: the row within a 16-row slab and which 8-column half.
   const int a_lr = kATrans ? (lane >> 4) * 8 + (lane & 7) : (lane & 15);
   const int a_lc = kATrans ? ((lane >> 3) & 1) : (lane >> 4);
   const int b_lr = kBTrans ? ((lane >> 3) & 1) * 8 + (lane & 7) : (lane >> 4) * 8 + (lane & 7);
   const int b_lc = kBTrans ? (lane >> 4) : ((lane >> 3) & 1);
-  const int a_lane = TileA::offset(a_lr, a_lc * 8);
-  const int b_lane = TileB::offset(b_lr, b_lc * 8);
+  // Folded warp offsets: rows of a non-transposed operand, columns of a transposed one.
+  const int a_row_w = kATrans ? 0 : a_m0, a_col_w = kATrans && kAFold ? a_m0 : 0;
+  const int b_row_w = kBTrans ? 0 : b_n0, b_col_w = kBTrans && kBFold ? b_n0 : 0;
+  const std::uint32_t a_lane = a_base + 2u * TileA::offset(a_lr + a_row_w, a_lc * 8 + a_col_w);
+  const std::uint32_t b_lane = b_base + 2u * TileB::offset(b_lr + b_row_w, b_lc * 8 + b_col_w);
+  const int a_col_rt = kATrans && !kAFold ? a_m0 : 0;  // unfolded (run-time) column offsets
+  const int b_col_rt = kBTrans && !kBFold ? b_n0 : 0;
+  auto addr = [](std::uint32_t lane_addr, int row0, int col0, auto tile) -> std::uint32_t {
+    using T = decltype(tile);
+    return (lane_addr ^ (2u * (col0 % T::kBlockCols))) +
+           2u * ((col0 / T::kBlockCols) * (T::kRows * T::kBlockCols) + row0 * T::kBlockCols);
+  };
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     std::uint32_t a[kM / 16][4];
 #pragma unroll
     for (int mt = 0; mt < kM / 16; ++mt) {
       if constexpr (!kATrans) {
-        const int off = swizzled_offset<TileA>(a_lane, a_m0 + mt * 16, kk * 16);
-        ldmatrix_x4(a_base + 2u * off, a[mt]);
+        ldmatrix_x4(addr(a_lane, mt * 16, kk * 16, TileA{}), a[mt]);
       } else {
-        const int off = swizzled_offset<TileA>(a_lane, kk * 16, a_m0 + mt * 16);
-        ldmatrix_x4_trans(a_base + 2u * off, a[mt]);
+        ldmatrix_x4_trans(addr(a_lane, kk * 16, a_col_rt + mt * 16, TileA{}), a[mt]);
       }
     }
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       std::uint32_t bf[4];
       if constexpr (!kBTrans) {
-        const int off = swizzled_offset<TileB>(b_lane, b_n0 + np * 16, kk * 16);
-        ldmatrix_x4(b_base + 2u * off, bf);
+        ldmatrix_x4(addr(b_lane, np * 16, kk * 16, TileB{}), bf);
       } else {
-        const int off = swizzled_offset<TileB>(b_lane, kk * 16, b_n0 + np * 16);
-        ldmatrix_x4_trans(b_base + 2u * off, bf);
+        ldmatrix_x4_trans(addr(b_lane, kk * 16, b_col_rt + np * 16, TileB{}), bf);
       }
 #pragma unroll
       for (int mt = 0; mt < kM / 16; ++mt) {
@@ -411,16 +422,18 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
       __syncthreads();
     }
     {
-      float* dq_base = ws.dq_accum + ((row0_ws + m0) * p.h_q + h) * p.d;
+      const int r0 = wm_dq * 16 + g8, c0 = wd_dq * Cfg::kWarpDdq + 2 * t4;
       const std::int64_t row_pitch = std::int64_t(p.h_q) * p.d;
+      float* const dq_row = ws.dq_accum + ((row0_ws + m0 + r0) * p.h_q + h) * p.d + c0;
+      const bool row_ok[2] = {m0 + r0 < s_q, m0 + r0 + 8 < s_q};
 #pragma unroll
-      for (int nt = 0; nt < kNTdq; ++nt)
+      for (int nt = 0; nt < kNTdq; ++nt) {
+        if (c0 + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int r = wm_dq * 16 + g8 + (e >> 1) * 8;
-          const int c = wd_dq * Cfg::kWarpDdq + nt * 8 + 2 * t4 + (e & 1);
-          if (m0 + r < s_q && c < p.d) atomicAdd(dq_base + r * row_pitch + c, acc_dq[0][nt][e]);
+          if (row_ok[e >> 1]) atomicAdd(dq_row + (e >> 1) * 8 * row_pitch + nt * 8 + (e & 1), acc_dq[0][nt][e]);
         }
+      }
     }
     if (p.deterministic) {
       __threadfence();
