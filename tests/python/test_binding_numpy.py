@@ -1,0 +1,346 @@
+"""flashattn._C with numpy arrays (through DLPack) on the CPU backend, against the fp64
+numpy oracle in reference.py. Needs no torch: this is what CI runs."""
+
+import numpy as np
+import pytest
+
+import flashattn
+from flashattn import _C
+import reference as ref
+
+TOL64 = dict(rtol=1e-10, atol=1e-11)
+
+
+def poisoned(shape, dtype=np.float64):
+    return np.full(shape, np.nan, dtype=dtype)
+
+
+def rand(rng, *shape, dtype=np.float64):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def assert_written(*arrays):
+    for a in arrays:
+        assert not np.isnan(a).any(), "an output element was not written"
+
+
+def dense_problem(rng, b=2, s_q=13, s_k=17, h_q=4, h_k=2, d=24, dtype=np.float64):
+    return rand(rng, b, s_q, h_q, d, dtype=dtype), rand(rng, b, s_k, h_k, d, dtype=dtype), \
+        rand(rng, b, s_k, h_k, d, dtype=dtype)
+
+
+def test_version_and_cuda_flag():
+    assert flashattn.__version__ == _C.version()
+    assert flashattn.__version__.count(".") == 2
+    assert isinstance(_C.cuda_available(), bool)
+
+
+MASKS = [
+    dict(),
+    dict(causal=True),
+    dict(window=(3, 2)),
+    dict(window=(4, -1), causal=True),
+    dict(window=(0, 0)),
+]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: str(m) or "full")
+@pytest.mark.parametrize("shape", [(2, 13, 17, 4, 2, 24), (1, 19, 7, 3, 3, 5), (3, 1, 33, 2, 1, 64)])
+def test_forward_fp64(seed, mask, shape):
+    rng = np.random.default_rng(seed)
+    b, s_q, s_k, h_q, h_k, d = shape
+    q, k, v = dense_problem(rng, b, s_q, s_k, h_q, h_k, d)
+    out, lse = poisoned(q.shape), poisoned((b, h_q, s_q), np.float32)
+    window = mask.get("window", (-1, -1))
+    _C.forward(q, k, v, out, lse, causal=mask.get("causal", False), window_left=window[0],
+               window_right=window[1])
+    want = ref.attention(q, k, v, causal=mask.get("causal", False), window=window)
+    assert_written(out, lse)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    # lse is fp32: its rounding is the tolerance; empty rows must be exactly -inf.
+    np.testing.assert_allclose(lse, want["lse"], rtol=2e-7, atol=0)
+
+
+def test_forward_options_fp64(seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = dense_problem(rng, 2, 11, 29, 6, 3, 16)
+    slopes = rng.uniform(0.05, 0.5, size=(2, 6)).astype(np.float32)
+    out, lse = poisoned(q.shape), poisoned((2, 6, 11), np.float32)
+    kw = dict(softmax_scale=0.3, causal=True, softcap=2.5)
+    _C.forward(q, k, v, out, lse, alibi_slopes=slopes, **kw)
+    want = ref.attention(q, k, v, alibi_slopes=slopes.astype(np.float64), **kw)
+    assert_written(out, lse)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    np.testing.assert_allclose(lse, want["lse"], rtol=2e-7)
+
+
+def test_empty_rows_are_zero_not_nan(seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = dense_problem(rng, 1, 9, 4, 2, 2, 8)  # causal with s_q > s_k: 5 empty rows
+    out, lse = poisoned(q.shape), poisoned((1, 2, 9), np.float32)
+    _C.forward(q, k, v, out, lse, causal=True)
+    assert np.all(out[:, :5] == 0.0)
+    assert np.all(lse[:, :, :5] == -np.inf)
+    assert np.isfinite(out).all() and np.isfinite(lse[:, :, 5:]).all()
+
+
+def test_dropout_matches_philox_oracle(seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = dense_problem(rng, 2, 21, 18, 2, 1, 8)
+    philox_seed = int(rng.integers(0, 1 << 63))
+    philox_offset = int(rng.integers(0, 1 << 63))
+    p = 0.3
+    out, lse = poisoned(q.shape), poisoned((2, 2, 21), np.float32)
+    probs = poisoned((2, 2, 21, 18), np.float32)
+    _C.forward(q, k, v, out, lse, dropout_p=p, seed=philox_seed, offset=philox_offset,
+               return_probs=probs, causal=True)
+    want = ref.attention(q, k, v, dropout_p=p, seed=philox_seed, offset=philox_offset,
+                         causal=True)
+    assert_written(out, lse, probs)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    np.testing.assert_allclose(probs, want["probs"], rtol=2e-7, atol=1e-30)
+    kept = want["probs"] > 0
+    dropped = (want["probs"] == 0) & (ref.attention(q, k, v, causal=True)["probs"] > 0)
+    assert kept.any() and dropped.any()
+    # Another seed gives another mask.
+    probs2 = poisoned(probs.shape, np.float32)
+    _C.forward(q, k, v, poisoned(q.shape), None, dropout_p=p, seed=philox_seed ^ 1,
+               offset=philox_offset, return_probs=probs2, causal=True)
+    assert ((probs2 > 0) != (probs > 0)).any()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, softcap=1.5), dict(window=(2, 3)),
+                                dict(dropout_p=0.25, alibi=True)],
+                         ids=["plain", "causal-softcap", "window", "dropout-alibi"])
+def test_backward_fp64(seed, kw):
+    rng = np.random.default_rng(seed)
+    q, k, v = dense_problem(rng, 2, 14, 19, 4, 2, 12)
+    window = kw.get("window", (-1, -1))
+    slopes = rng.uniform(0.1, 1.0, size=4).astype(np.float32) if kw.get("alibi") else None
+    common = dict(causal=kw.get("causal", False), softcap=kw.get("softcap", 0.0),
+                  dropout_p=kw.get("dropout_p", 0.0), seed=12345, offset=678)
+    out, lse = poisoned(q.shape), poisoned((2, 4, 14), np.float32)
+    _C.forward(q, k, v, out, lse, window_left=window[0], window_right=window[1],
+               alibi_slopes=slopes, **common)
+    dout = rand(rng, *q.shape)
+    dq, dk, dv = poisoned(q.shape), poisoned(k.shape), poisoned(v.shape)
+    _C.backward(dout, q, k, v, out, lse, dq, dk, dv, window_left=window[0],
+                window_right=window[1], alibi_slopes=slopes, **common)
+    want = ref.attention(q, k, v, window=window, dout=dout,
+                         alibi_slopes=None if slopes is None else slopes.astype(np.float64),
+                         **common)
+    assert_written(dq, dk, dv)
+    # The backward reads fp32 lse: its rounding (2^-24 relative) bounds the agreement.
+    tol = dict(rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dq, want["dq"], **tol)
+    np.testing.assert_allclose(dk, want["dk"], **tol)
+    np.testing.assert_allclose(dv, want["dv"], **tol)
+
+
+def test_backward_workspace_size_is_an_int():
+    q = np.zeros((1, 4, 2, 8))
+    assert isinstance(_C.backward_workspace_size(q, q, q), int)
+
+
+@pytest.mark.parametrize("dtype,eps", [(np.float32, 2.0**-24), (np.float16, 2.0**-11)])
+def test_forward_low_precision_within_twice_naive(seed, dtype, eps):
+    rng = np.random.default_rng(seed)
+    q, k, v = dense_problem(rng, 2, 31, 45, 2, 2, 32, dtype=dtype)
+    out = poisoned(q.shape, dtype)
+    _C.forward(q, k, v, out, None, causal=True)
+    assert_written(out)
+    want = ref.attention(q, k, v, causal=True)["out"]
+    # The naive computation in the same precision: S and P rounded to the dtype.
+    s = np.einsum("bqhd,bkhd->bhqk", q, k).astype(dtype) * dtype(1 / np.sqrt(32))
+    s = np.where(ref.visible(31, 45, causal=True), s, -np.inf).astype(dtype)
+    pr = np.exp(s - s.max(-1, keepdims=True)).astype(dtype)
+    pr = (pr / pr.sum(-1, keepdims=True)).astype(dtype)
+    naive = np.einsum("bhqk,bkhd->bqhd", pr, v).astype(dtype)
+    naive_err = np.abs(naive.astype(np.float64) - want).max()
+    err = np.abs(out.astype(np.float64) - want).max()
+    assert err <= 2 * naive_err + eps * np.abs(want).max(), (err, naive_err)
+
+
+def test_strided_views_of_packed_qkv(seed):
+    rng = np.random.default_rng(seed)
+    qkv = rand(rng, 2, 10, 3, 4, 16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    out = poisoned((2, 10, 4, 16))
+    _C.forward(q, k, v, out, None, causal=True)
+    np.testing.assert_allclose(out, ref.attention(q, k, v, causal=True)["out"], **TOL64)
+    # A padded output row: out is a view into a wider buffer.
+    wide = poisoned((2, 10, 4, 24))
+    _C.forward(q, k, v, wide[..., :16], None, causal=True)
+    np.testing.assert_allclose(wide[..., :16], out, **TOL64)
+    assert np.isnan(wide[..., 16:]).all()
+
+
+def varlen_problem(rng, lens_q, lens_k, h_q=4, h_k=2, d=16):
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rand(rng, int(cu_q[-1]), h_q, d)
+    k = rand(rng, int(cu_k[-1]), h_k, d)
+    v = rand(rng, int(cu_k[-1]), h_k, d)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_forward_backward_fp64(seed, causal):
+    rng = np.random.default_rng(seed)
+    lens_q, lens_k = [5, 0, 17, 1], [9, 3, 11, 1]
+    q, k, v, cu_q, cu_k = varlen_problem(rng, lens_q, lens_k)
+    max_q, max_k = max(lens_q), max(lens_k)
+    kw = dict(causal=causal, dropout_p=0.2, seed=99, offset=7)
+    out, lse = poisoned(q.shape), poisoned((4, q.shape[0]), np.float32)
+    probs = poisoned((4, q.shape[0], max_k), np.float32)
+    _C.varlen_forward(q, k, v, cu_q, cu_k, None, max_q, max_k, out, lse, return_probs=probs, **kw)
+    dout = rand(rng, *q.shape)
+    want = ref.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, dout=dout, **kw)
+    assert_written(out, lse)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    np.testing.assert_allclose(lse, want["lse"], rtol=2e-7)
+    np.testing.assert_allclose(probs, want["probs"], rtol=2e-7, atol=1e-30)
+    dq, dk, dv = poisoned(q.shape), poisoned(k.shape), poisoned(v.shape)
+    _C.varlen_backward(q, k, v, cu_q, cu_k, None, max_q, max_k, dout, out, lse, dq, dk, dv,
+                       **kw)
+    assert_written(dq, dk, dv)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_varlen_seqused_k(seed):
+    rng = np.random.default_rng(seed)
+    q, k, v, cu_q, cu_k = varlen_problem(rng, [4, 6], [10, 8])
+    used = np.array([3, 8], dtype=np.int32)
+    out = poisoned(q.shape)
+    _C.varlen_forward(q, k, v, cu_q, cu_k, used, 6, 10, out, None)
+    want = ref.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_kvcache_append_and_attend(seed, paged, num_splits):
+    rng = np.random.default_rng(seed)
+    b, s_q, h_q, h_k, d, s_new = 3, 2, 4, 2, 16, 3
+    cache_seqlens = np.array([5, 0, 12], dtype=np.int32)
+    q = rand(rng, b, s_q, h_q, d)
+    k_new, v_new = rand(rng, b, s_new, h_k, d), rand(rng, b, s_new, h_k, d)
+    if paged:
+        block_size, num_blocks = 4, 13
+        k_cache, v_cache = rand(rng, num_blocks, block_size, h_k, d), rand(rng, num_blocks, block_size, h_k, d)
+        block_table = rng.permutation(num_blocks)[: b * 4].reshape(b, 4).astype(np.int32)
+        batch_idx = None
+    else:
+        k_cache, v_cache = rand(rng, 4, 16, h_k, d), rand(rng, 4, 16, h_k, d)
+        block_table = None
+        batch_idx = np.array([2, 0, 3], dtype=np.int32)
+    want, k_after, v_after = ref.kvcache_attention(
+        q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table=block_table,
+        cache_batch_idx=batch_idx, causal=True)
+    out, lse = poisoned(q.shape), poisoned((b, h_q, s_q), np.float32)
+    _C.kvcache_forward(q, k_cache, v_cache, cache_seqlens, block_table, batch_idx, k_new, v_new,
+                       num_splits, out, lse, causal=True)
+    assert_written(out, lse)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    np.testing.assert_allclose(lse, want["lse"], rtol=2e-7)
+    # The append happened in place, and only there.
+    np.testing.assert_array_equal(k_cache, k_after)
+    np.testing.assert_array_equal(v_cache, v_after)
+    np.testing.assert_array_equal(cache_seqlens, [5, 0, 12])
+
+
+def test_kvcache_without_new_keys(seed):
+    rng = np.random.default_rng(seed)
+    q = rand(rng, 2, 1, 2, 8)
+    k_cache, v_cache = rand(rng, 2, 9, 1, 8), rand(rng, 2, 9, 1, 8)
+    lens = np.array([9, 4], dtype=np.int32)
+    before = k_cache.copy()
+    out = poisoned(q.shape)
+    _C.kvcache_forward(q, k_cache, v_cache, lens, None, None, None, None, 0, out, None,
+                       softcap=3.0)
+    want, _, _ = ref.kvcache_attention(q, k_cache, v_cache, lens, softcap=3.0)
+    np.testing.assert_allclose(out, want["out"], **TOL64)
+    np.testing.assert_array_equal(k_cache, before)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_exception_hierarchy():
+    assert issubclass(flashattn.InvalidArgumentError, ValueError)
+    assert issubclass(flashattn.UnsupportedError, flashattn.InvalidArgumentError)
+    assert issubclass(flashattn.UnsupportedError, NotImplementedError)
+    assert issubclass(flashattn.Error, RuntimeError)
+    assert issubclass(flashattn.CudaError, flashattn.Error)
+    assert not issubclass(flashattn.InvalidArgumentError, RuntimeError)
+
+
+def test_invalid_argument_keeps_the_message():
+    q, k = np.zeros((1, 4, 2, 8)), np.zeros((1, 4, 2, 4))
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.forward(q, k, k, np.zeros_like(q), None)
+    e = info.value
+    assert str(e) == ("flashattn::forward: argument 'k': expected shape[3] == 8 "
+                      "(head dim of q), got 4")
+    assert (e.function, e.argument, e.expected, e.actual) == (
+        "forward", "k", "shape[3] == 8 (head dim of q)", "4")
+    assert isinstance(e, ValueError) and not isinstance(e, NotImplementedError)
+
+
+def test_overlapping_output_is_rejected():
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError, match="memory disjoint from input 'q'"):
+        _C.forward(q, q.copy(), q.copy(), q, None)
+
+
+def test_dtype_mismatch_is_value_error():
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="argument 'k': expected dtype float64"):
+        _C.forward(q, q.astype(np.float32), q, np.zeros_like(q), None)
+
+
+def test_unsupported_maps_to_not_implemented():
+    q = np.zeros((1, 2, 1, 300))
+    with pytest.raises(NotImplementedError, match=r"head dim d in \[1, 256\]") as info:
+        _C.forward(q, q, q, np.zeros_like(q), None)
+    assert isinstance(info.value, flashattn.UnsupportedError)
+    assert isinstance(info.value, ValueError)
+    assert info.value.argument == "q"
+
+
+def test_kvcache_rejects_dropout():
+    q = np.zeros((1, 1, 1, 8))
+    cache = np.zeros((1, 4, 1, 8))
+    with pytest.raises(flashattn.UnsupportedError, match="inference only"):
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([2], np.int32), None, None, None,
+                           None, 0, np.zeros_like(q), None, dropout_p=0.1)
+
+
+def test_unknown_dtype_is_type_error():
+    q = np.zeros((1, 4, 2, 8), dtype=np.int64)
+    with pytest.raises(TypeError, match="argument 'q': expected dtype float16.*got dtype int64"):
+        _C.forward(q, q, q, np.zeros((1, 4, 2, 8)), None)
+
+
+def test_rank_above_four_is_value_error():
+    q = np.zeros((1, 1, 4, 2, 8))
+    with pytest.raises(ValueError, match="argument 'q': expected rank 1 .. 4, got rank 5"):
+        _C.forward(q, q, q, q.copy(), None)
+
+
+def test_read_only_output_is_refused():
+    q = np.zeros((1, 4, 2, 8))
+    out = np.zeros_like(q)
+    out.setflags(write=False)
+    with pytest.raises(TypeError):
+        _C.forward(q, q, q, out, None)
+
+
+def test_options_are_checked():
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError, match="opts.dropout_p"):
+        _C.forward(q, q, q, np.zeros_like(q), None, dropout_p=1.0)
+    with pytest.raises(flashattn.InvalidArgumentError, match="opts.window_left"):
+        _C.forward(q, q, q, np.zeros_like(q), None, window_left=-2)
