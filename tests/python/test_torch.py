@@ -1,0 +1,488 @@
+"""The torch layer: the flash_attn 2.x interface, autograd, gradcheck (fp64, CPU backend),
+torch.library.opcheck, torch.compile(fullgraph=True), dropout through torch's generator,
+the KV-cache call with rotary embeddings, and on CUDA: fp16/bf16 accuracy and CUDA graphs.
+Skipped when torch is not installed (CI without torch runs test_binding_numpy.py)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashattn  # noqa: E402
+from flashattn import (  # noqa: E402
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+    ops,
+)
+import reference as ref  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and flashattn.cuda_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device or a build without CUDA")
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def np64(t):
+    return t.detach().cpu().double().numpy()
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(g, *shape, dtype=torch.float64, device="cpu", requires_grad=False):
+    t = torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    return t.requires_grad_(requires_grad)
+
+
+# ------------------------------------------------------------------ CPU, fp64
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(3, 1)),
+                                dict(softcap=2.0, causal=True), dict(alibi=True)],
+                         ids=["full", "causal", "window", "softcap", "alibi"])
+def test_flash_attn_func_matches_oracle(seed, kw):
+    g = gen(seed)
+    q, k, v = randn(g, 2, 9, 4, 16), randn(g, 2, 12, 2, 16), randn(g, 2, 12, 2, 16)
+    slopes = torch.rand(4, generator=g, dtype=torch.float32) if kw.get("alibi") else None
+    args = {key: val for key, val in kw.items() if key != "alibi"}
+    out, lse, probs = flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True,
+                                      **args)
+    want = ref.attention(np64(q), np64(k), np64(v), causal=args.get("causal", False),
+                         window=args.get("window_size", (-1, -1)),
+                         softcap=args.get("softcap", 0.0),
+                         alibi_slopes=None if slopes is None else np64(slopes))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (2, 4, 9) and lse.dtype == torch.float32
+    assert probs.shape == (2, 4, 9, 12) and probs.dtype == torch.float32
+    np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(np64(lse), want["lse"], rtol=2e-7)
+    np.testing.assert_allclose(np64(probs), want["probs"], rtol=2e-7, atol=1e-30)
+    plain = flash_attn_func(q, k, v, alibi_slopes=slopes, **args)
+    assert torch.equal(plain, out)
+
+
+def test_gradcheck_dense(seed):
+    g = gen(seed)
+    q = randn(g, 2, 5, 4, 8, requires_grad=True)
+    k = randn(g, 2, 7, 2, 8, requires_grad=True)
+    v = randn(g, 2, 7, 2, 8, requires_grad=True)
+    slopes = torch.rand(2, 4, generator=g, dtype=torch.float32)
+    for kw in (dict(causal=True), dict(window_size=(2, 1), softcap=1.5),
+               dict(alibi_slopes=slopes, deterministic=True)):
+        assert torch.autograd.gradcheck(lambda q, k, v: flash_attn_func(q, k, v, **kw),
+                                        (q, k, v)), kw
+
+
+def test_gradcheck_packed(seed):
+    g = gen(seed)
+    qkv = randn(g, 1, 6, 3, 2, 8, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: flash_attn_qkvpacked_func(x, causal=True), (qkv,))
+    q = randn(g, 1, 4, 4, 8, requires_grad=True)
+    kv = randn(g, 1, 6, 2, 2, 8, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, kv: flash_attn_kvpacked_func(q, kv), (q, kv))
+
+
+def test_gradcheck_varlen(seed):
+    g = gen(seed)
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 7, 11], dtype=torch.int32)
+    q = randn(g, 8, 4, 8, requires_grad=True)
+    k = randn(g, 11, 2, 8, requires_grad=True)
+    v = randn(g, 11, 2, 8, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, causal=True), (q, k, v))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qkv = randn(g, 9, 3, 2, 8, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x: flash_attn_varlen_qkvpacked_func(x, cu, 5, softcap=3.0), (qkv,))
+    kv = randn(g, 11, 2, 2, 8, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, kv: flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 5, 5), (q, kv))
+
+
+def test_gradcheck_with_dropout_fixed_rng_state(seed):
+    """With rng_state fixed, dropout is a deterministic function: its gradient checks."""
+    g = gen(seed)
+    q = randn(g, 1, 6, 2, 8, requires_grad=True)
+    k = randn(g, 1, 9, 1, 8, requires_grad=True)
+    v = randn(g, 1, 9, 1, 8, requires_grad=True)
+    rng_state = torch.tensor([seed, seed * 7 + 1], dtype=torch.int64)
+
+    def f(q, k, v):
+        return ops.fwd(q, k, v, None, rng_state, 8**-0.5, False, -1, -1, 0.0, 0.3, False,
+                       False)[0]
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_dropout_uses_torch_generator_and_backward_reuses_the_mask(seed):
+    g = gen(seed)
+    q = randn(g, 2, 7, 2, 8, requires_grad=True)
+    k = randn(g, 2, 10, 2, 8, requires_grad=True)
+    v = randn(g, 2, 10, 2, 8, requires_grad=True)
+    p = 0.4
+    torch.manual_seed(seed)
+    out = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+    torch.manual_seed(seed)
+    rng_seed, rng_offset = torch.randint(0, 1 << 62, (2,), dtype=torch.int64).tolist()
+    dout = randn(g, *out.shape)
+    out.backward(dout)
+    want = ref.attention(np64(q), np64(k), np64(v), causal=True, dropout_p=p, seed=rng_seed,
+                         offset=rng_offset, dout=np64(dout))
+    np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+    for name, t in (("dq", q), ("dk", k), ("dv", v)):
+        np.testing.assert_allclose(np64(t.grad), want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # A fresh draw gives a fresh mask; the same torch seed gives the same output.
+    again = flash_attn_func(q, k, v, dropout_p=p, causal=True)
+    assert not torch.equal(again, out)
+    torch.manual_seed(seed)
+    assert torch.equal(flash_attn_func(q, k, v, dropout_p=p, causal=True), out)
+
+
+def test_return_attn_probs_with_dropout(seed):
+    g = gen(seed)
+    q, k, v = randn(g, 1, 18, 2, 8), randn(g, 1, 18, 2, 8), randn(g, 1, 18, 2, 8)
+    out, lse, probs = flash_attn_func(q, k, v, dropout_p=0.5, return_attn_probs=True)
+    full = flash_attn_func(q, k, v, return_attn_probs=True)[2]
+    kept = probs > 0
+    assert kept.any() and (~kept).any()
+    torch.testing.assert_close(probs[kept], full[kept], rtol=0, atol=0)
+    # out = (probs / (1 - p)) v, per head
+    scaled = probs.double() * float(np.float32(1) / (np.float32(1) - np.float32(0.5)))
+    want = torch.einsum("bhqk,bkhd->bqhd", scaled, v)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)
+
+
+def test_flash_attn_with_kvcache_dense_append_rotary(seed):
+    g = gen(seed)
+    b, s_q, h_q, h_k, d, s_new = 2, 3, 4, 2, 16, 3
+    q = randn(g, b, s_q, h_q, d)
+    k_cache, v_cache = randn(g, b, 20, h_k, d), randn(g, b, 20, h_k, d)
+    k_new, v_new = randn(g, b, s_new, h_k, d), randn(g, b, s_new, h_k, d)
+    lens = torch.tensor([4, 11], dtype=torch.int32)
+    rot = 8
+    angle = torch.rand(32, rot // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angle.cos(), angle.sin()
+    for interleaved in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos,
+                                           rotary_sin=sin, cache_seqlens=lens, causal=True,
+                                           rotary_interleaved=interleaved,
+                                           return_softmax_lse=True)
+        # The oracle: rotate q and k_new by the formula, then the numpy KV-cache reference.
+        qr = rotate_np(np64(q), np64(cos), np64(sin), lens.numpy()[:, None] + np.arange(s_q),
+                       interleaved)
+        kr = rotate_np(np64(k_new), np64(cos), np64(sin),
+                       lens.numpy()[:, None] + np.arange(s_new), interleaved)
+        want, k_after, v_after = ref.kvcache_attention(qr, np64(k_cache), np64(v_cache),
+                                                       lens.numpy(), kr, np64(v_new),
+                                                       causal=True)
+        np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+        np.testing.assert_allclose(np64(lse), want["lse"], rtol=2e-7)
+        np.testing.assert_allclose(np64(kc), k_after, rtol=1e-15, atol=1e-15)
+        np.testing.assert_array_equal(np64(vc), v_after)
+    # Not causal: every query sits at position cache_seqlens.
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                  cache_seqlens=lens)
+    qr = rotate_np(np64(q), np64(cos), np64(sin), np.repeat(lens.numpy()[:, None], s_q, 1), True)
+    kr = rotate_np(np64(k_new), np64(cos), np64(sin), lens.numpy()[:, None] + np.arange(s_new),
+                   True)
+    want, _, _ = ref.kvcache_attention(qr, np64(k_cache), np64(v_cache), lens.numpy(), kr,
+                                       np64(v_new))
+    np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+
+
+def rotate_np(x, cos, sin, pos, interleaved):
+    """Rotary embedding by its definition, one feature pair at a time (the oracle)."""
+    x = x.copy()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for t in range(x.shape[1]):
+            c, s = cos[pos[b, t]], sin[pos[b, t]]
+            for i in range(half):
+                a_idx, b_idx = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+                x1, x2 = x[b, t, :, a_idx].copy(), x[b, t, :, b_idx].copy()
+                x[b, t, :, a_idx] = x1 * c[i] - x2 * s[i]
+                x[b, t, :, b_idx] = x1 * s[i] + x2 * c[i]
+    return x
+
+
+def test_flash_attn_with_kvcache_paged_int_seqlens(seed):
+    g = gen(seed)
+    q = randn(g, 2, 1, 2, 8)
+    k_cache, v_cache = randn(g, 6, 4, 1, 8), randn(g, 6, 4, 1, 8)
+    table = torch.tensor([[5, 0, 3], [1, 4, 2]], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=9, block_table=table,
+                                  num_splits=2)
+    want, _, _ = ref.kvcache_attention(np64(q), np64(k_cache), np64(v_cache), [9, 9],
+                                       block_table=table.numpy())
+    np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+
+
+def test_interface_errors():
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'k'"):
+        flash_attn_func(q, q[..., :4], q[..., :4])
+    with pytest.raises(flashattn.UnsupportedError, match="block_table"):
+        flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
+                               torch.tensor([0, 4], dtype=torch.int32), 4, 4,
+                               block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        flash_attn_with_kvcache(q, q, q, cache_seqlens=1, cache_leftpad=torch.zeros(1))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, q.clone(), q.clone(), q[:, :1], q[:, :1])
+
+
+def test_non_contiguous_last_dim_is_copied(seed):
+    g = gen(seed)
+    q = randn(g, 1, 5, 2, 16).transpose(-1, -3).contiguous().transpose(-1, -3)
+    assert q.stride(-1) != 1
+    out = flash_attn_func(q, q, q)
+    np.testing.assert_allclose(np64(out), ref.attention(np64(q), np64(q), np64(q))["out"],
+                               rtol=1e-10, atol=1e-11)
+
+
+# ------------------------------------------------------------------ custom ops
+
+
+def _opcheck_cases(device, dtype):
+    g = gen(1234)
+    mk = lambda *s, rg=True: randn(g, *s, dtype=dtype, device=device, requires_grad=rg)  # noqa
+    q, k, v = mk(2, 5, 4, 16), mk(2, 7, 2, 16), mk(2, 7, 2, 16)
+    rng_state = torch.tensor([3, 4], dtype=torch.int64)
+    p = 0.2 if device == "cpu" else 0.0
+    yield ops.fwd, (q, k, v, None, rng_state, 0.25, True, -1, -1, 0.0, p, False,
+                    device == "cpu")
+    out, lse, _ = ops.fwd(q, k, v, None, rng_state, 0.25, True, -1, -1, 0.0, p, False, False)
+    dout = mk(*out.shape, rg=False)
+    yield ops.bwd, (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None,
+                    rng_state, 0.25, True, -1, -1, 0.0, p, False)
+    cu_q = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 3, 9], dtype=torch.int32, device=device)
+    vq, vk, vv = mk(6, 4, 16), mk(9, 2, 16), mk(9, 2, 16)
+    yield ops.varlen_fwd, (vq, vk, vv, cu_q, cu_k, None, None, rng_state, 4, 6, 0.25, False,
+                           -1, -1, 1.5, p, False, False)
+    vout, vlse, _ = ops.varlen_fwd(vq, vk, vv, cu_q, cu_k, None, None, rng_state, 4, 6, 0.25,
+                                   False, -1, -1, 1.5, p, False, False)
+    yield ops.varlen_bwd, (mk(6, 4, 16, rg=False), vq.detach(), vk.detach(), vv.detach(),
+                           vout.detach(), vlse.detach(), cu_q, cu_k, None, None, rng_state, 4, 6,
+                           0.25, False, -1, -1, 1.5, p, False)
+    kc, vc = mk(2, 12, 2, 16, rg=False), mk(2, 12, 2, 16, rg=False)
+    lens = torch.tensor([3, 7], dtype=torch.int32, device=device)
+    yield ops.kvcache_fwd, (mk(2, 2, 4, 16, rg=False), kc, vc, lens, None, None,
+                            mk(2, 2, 2, 16, rg=False), mk(2, 2, 2, 16, rg=False), None, 0.25,
+                            True, -1, -1, 0.0, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    dtype = torch.float64 if device == "cpu" else torch.float16
+    for op, args in _opcheck_cases(device, dtype):
+        torch.library.opcheck(op, args)
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.o = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, self.head_dim)
+        kv = self.kv(x).view(b, s, 2, self.kv_heads, self.head_dim)
+        y = flash_attn_kvpacked_func(q, kv, causal=True)
+        return self.o(y.reshape(b, s, -1)) + x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device, seed):
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = TinyAttention().to(device=device, dtype=dtype)
+    x = torch.randn(2, 33, 64, device=device, dtype=dtype, requires_grad=True)
+    # CPU: aot_eager (traces through the fake kernels and autograd, no C++ codegen);
+    # CUDA: inductor.
+    backend = "aot_eager" if device == "cpu" else "inductor"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    y_eager = model(x)
+    (gx_eager,) = torch.autograd.grad(y_eager.sum(), x)
+    y = compiled(x)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(y, y_eager)
+    torch.testing.assert_close(gx, gx_eager)
+
+
+def test_torch_compile_kvcache_and_varlen():
+    torch._dynamo.reset()
+    q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
+    kc, vc = torch.randn(2, 6, 1, 8, dtype=torch.float64), torch.randn(2, 6, 1, 8, dtype=torch.float64)
+    kn, vn = torch.randn(2, 1, 1, 8, dtype=torch.float64), torch.randn(2, 1, 1, 8, dtype=torch.float64)
+    lens = torch.tensor([2, 4], dtype=torch.int32)
+
+    def step(q, kc, vc, kn, vn, lens):
+        return flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc2, vc2, kn, vn, lens)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc, vc, kn, vn, lens)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(kc, kc2, rtol=0, atol=0)  # the in-place append survived
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    x = torch.randn(8, 2, 8, dtype=torch.float64, requires_grad=True)
+    f = lambda x: flash_attn_varlen_func(x, x, x, cu, cu, 5, 5, causal=True).sum()  # noqa
+    (g_eager,) = torch.autograd.grad(f(x), x)
+    (g,) = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x), x)
+    torch.testing.assert_close(g, g_eager)
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+def _naive_same_precision(q, k, v, causal):
+    """An unfused attention in q's dtype (S and P rounded to it), as a framework does."""
+    h_ratio = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(h_ratio, 2)
+    v = v.repeat_interleave(h_ratio, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+    if causal:
+        mask = torch.as_tensor(ref.visible(q.shape[1], k.shape[1], causal=True), device=q.device)
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_forward_backward_within_twice_naive(seed, dtype, causal, d):
+    g = gen(seed)
+    b, s_q, s_k, h_q, h_k = 2, 173, 251, 4, 2
+    q64, k64, v64 = randn(g, b, s_q, h_q, d), randn(g, b, s_k, h_k, d), randn(g, b, s_k, h_k, d)
+    dout64 = randn(g, b, s_q, h_q, d)
+    leaves = [t.to(device="cuda", dtype=dtype).requires_grad_() for t in (q64, k64, v64)]
+    out = flash_attn_func(*leaves, causal=causal)
+    grads = torch.autograd.grad(out, leaves, dout64.to("cuda", dtype))
+    naive_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    naive = _naive_same_precision(*naive_leaves, causal)
+    naive_grads = torch.autograd.grad(naive, naive_leaves, dout64.to("cuda", dtype))
+    want = ref.attention(np64(q64.to(dtype)), np64(k64.to(dtype)), np64(v64.to(dtype)),
+                         causal=causal, dout=np64(dout64.to(dtype)))
+    eps = torch.finfo(dtype).eps
+    for name, got, base in (("out", out, naive), ("dq", grads[0], naive_grads[0]),
+                            ("dk", grads[1], naive_grads[1]), ("dv", grads[2], naive_grads[2])):
+        exact = want[name]
+        err = np.abs(np64(got) - exact).max()
+        naive_err = np.abs(np64(base) - exact).max()
+        assert err <= 2 * naive_err + eps * np.abs(exact).max(), (name, err, naive_err)
+
+
+@needs_cuda
+def test_cuda_graph_captures_forward_and_backward(seed):
+    g = gen(seed)
+    dtype = torch.float16
+    mk = lambda *s: randn(g, *s, dtype=dtype, device="cuda")  # noqa: E731
+    q, k, v, dout = (mk(2, 64, 4, 64), mk(2, 96, 2, 64), mk(2, 96, 2, 64), mk(2, 64, 4, 64))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        out = flash_attn_func(*leaves, causal=True)
+        return (out,) + torch.autograd.grad(out, leaves, dout)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        for t, src in zip(leaves + [dout], (mk(2, 64, 4, 64), mk(2, 96, 2, 64), mk(2, 96, 2, 64),
+                                            mk(2, 64, 4, 64))):
+            with torch.no_grad():
+                t.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for a, b in zip(captured, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_graph_captures_kvcache(seed):
+    g = gen(seed)
+    dtype = torch.bfloat16
+    mk = lambda *s: randn(g, *s, dtype=dtype, device="cuda")  # noqa: E731
+    q, kn, vn = mk(2, 1, 4, 128), mk(2, 1, 2, 128), mk(2, 1, 2, 128)
+    kc, vc = mk(2, 256, 2, 128), mk(2, 256, 2, 128)
+    lens = torch.tensor([17, 100], dtype=torch.int32, device="cuda")
+    try:
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens,
+                                causal=True)
+    except flashattn.UnsupportedError as e:
+        pytest.skip(f"CUDA KV cache not in this build: {e}")
+    kc0, vc0 = kc.clone(), vc.clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    with torch.cuda.graph(graph):
+        out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, causal=True)
+    kc.copy_(kc0)
+    vc.copy_(vc0)
+    graph.replay()
+    torch.cuda.synchronize()
+    kc_e, vc_e = kc0.clone(), vc0.clone()
+    eager = flash_attn_with_kvcache(q, kc_e, vc_e, kn, vn, cache_seqlens=lens, causal=True)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(kc, kc_e, rtol=0, atol=0)
+    # The next decoding step: new lengths and a new token, same graph.
+    lens.add_(1)
+    q.copy_(mk(2, 1, 4, 128))
+    kn.copy_(mk(2, 1, 2, 128))
+    kc_e, vc_e = kc.clone(), vc.clone()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = flash_attn_with_kvcache(q, kc_e, vc_e, kn, vn, cache_seqlens=lens, causal=True)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_kvcache_matches_oracle(seed):
+    g = gen(seed)
+    dtype = torch.float16
+    q = randn(g, 2, 3, 4, 64, dtype=dtype, device="cuda")
+    kc, vc = randn(g, 8, 16, 2, 64, dtype=dtype, device="cuda"), randn(g, 8, 16, 2, 64, dtype=dtype, device="cuda")
+    kn, vn = randn(g, 2, 3, 2, 64, dtype=dtype, device="cuda"), randn(g, 2, 3, 2, 64, dtype=dtype, device="cuda")
+    table = torch.tensor([[7, 2, 5], [0, 6, 1]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([20, 3], dtype=torch.int32, device="cuda")
+    kc0, vc0 = kc.clone(), vc.clone()
+    try:
+        out = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, block_table=table,
+                                      causal=True)
+    except flashattn.UnsupportedError as e:
+        pytest.skip(f"CUDA KV cache not in this build: {e}")
+    want, k_after, v_after = ref.kvcache_attention(np64(q), np64(kc0), np64(vc0), [20, 3],
+                                                   np64(kn), np64(vn),
+                                                   block_table=table.cpu().numpy(), causal=True)
+    np.testing.assert_array_equal(np64(kc), k_after)
+    np.testing.assert_array_equal(np64(vc), v_after)
+    # fp16 output of an fp32-accumulated softmax: a few ulps of the output magnitude.
+    err = np.abs(np64(out) - want["out"]).max()
+    assert err <= 4 * torch.finfo(dtype).eps * np.abs(want["out"]).max(), err
