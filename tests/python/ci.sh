@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# CI for the Python package on a machine without a GPU: install the build and test
+# requirements with pip, build and install the package CPU-only (`pip install .`), and
+# run the pytest suite. The numpy binding suite always runs; the torch-layer suite runs
+# when torch is importable (set FLASHATTN_CI_TORCH=1 to pip-install torch first: about
+# 2.6 GB of wheels and 4.6 GB installed, which is why it is off by default).
+# Exits non-zero on any failure, including pytest finding no test (exit status 5).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+PYTHON=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
+JOBS=${JOBS:-2}
+
+echo "== python: $("$PYTHON" --version)"
+"$PYTHON" -m pip install --quiet numpy nanobind scikit-build-core pytest
+if [[ "${FLASHATTN_CI_TORCH:-0}" == "1" ]]; then
+  "$PYTHON" -m pip install --quiet torch
+fi
+
+echo "== pip install . (CPU backend only)"
+"$PYTHON" -m pip install --quiet --no-build-isolation --no-deps --force-reinstall . \
+  -Ccmake.define.FLASHATTN_CUDA=OFF \
+  -Ccmake.define.FLASHATTN_BUILD_TESTS=OFF \
+  -Ccmake.define.FLASHATTN_BUILD_BENCH=OFF \
+  -Cbuild.tool-args=-j"$JOBS"
+
+echo "== pytest tests/python"
+# From /tmp, so that the installed package is imported (never the source tree).
+repo=$(pwd)
+set +e
+(cd /tmp && "$PYTHON" -m pytest "$repo/tests/python" -q -p no:cacheprovider -rs)
+status=$?
+set -e
+if [[ $status -eq 5 ]]; then
+  echo "tests/python: pytest collected no test" >&2
+  exit 1
+fi
+exit $status
