@@ -5,7 +5,8 @@
 // repeats, after warm-up), alternating between two input sets so the L2 cache does not
 // carry one call's inputs into the next.
 //
-//   flashattn_cuda_fwd_bench [csv path]     prints a table; also writes CSV when given
+//   flashattn_cuda_fwd_bench [csv path|-] [hdim causal seqlen]
+// prints a table (and writes CSV when a path is given); hdim causal seqlen pick one cell.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -82,13 +83,19 @@ int main(int argc, char** argv) {
   BENCH_CHECK(cudaEventCreate(&start));
   BENCH_CHECK(cudaEventCreate(&stop));
 
-  FILE* csv = argc > 1 ? std::fopen(argv[1], "w") : nullptr;
+  FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
+  const int only_d = argc > 4 ? std::atoi(argv[2]) : 0;
+  const int only_causal = argc > 4 ? std::atoi(argv[3]) : -1;
+  const int only_s = argc > 4 ? std::atoi(argv[4]) : 0;
   if (csv) std::fprintf(csv, "hdim,causal,seqlen,batch,heads,ms,tflops\n");
   std::printf("%5s %6s %6s %5s %5s %9s %8s\n", "hdim", "causal", "seqlen", "batch", "heads", "ms",
               "TFLOP/s");
   for (int d : {64, 128, 256}) {
     for (int causal : {0, 1}) {
       for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
+        if ((only_d && d != only_d) || (only_causal >= 0 && causal != only_causal) ||
+            (only_s && s != only_s))
+          continue;
         const int b = kTokens / s, h = kModelDim / d;
         FwdParams p;
         p.dtype = flashattn::DType::kBFloat16;

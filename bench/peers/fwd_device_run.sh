@@ -27,11 +27,20 @@ fi
 if [[ $STEPS == *sass* ]]; then
   cuobjdump --dump-sass $T > /tmp/sass.txt
   echo "HMMA in binary: $(grep -c HMMA /tmp/sass.txt); LDL|STL in binary: $(grep -c -E 'LDL|STL' /tmp/sass.txt)"
-  awk '/Function : /{f=$3} /LDL|STL/{n[f]++} /HMMA/{h[f]++} END{for (k in h) if (k ~ /fwd_kernel/) printf "%s HMMA=%d LDL/STL=%d\n", k, h[k], n[k]}' /tmp/sass.txt | sort > "$OUT/sass_fwd.txt"
+  # Per forward kernel: HMMA count, LDL/STL count, and how many LDL/STL lie between the
+  # first and the last HMMA (the main loop).
+  awk 'function hex(x,  i, v) { v = 0; for (i = 1; i <= length(x); i++) v = v * 16 + index("0123456789abcdef", substr(x, i, 1)) - 1; return v }
+       /Function : /{f=$3} f ~ /fwd_kernel/ && match($0, /\/\*[0-9a-f][0-9a-f][0-9a-f][0-9a-f]+\*\//) {
+         a = hex(substr($0, RSTART + 2, RLENGTH - 4));
+         if ($0 ~ /HMMA/) { h[f]++; if (!(f in lo)) lo[f] = a; hi[f] = a }
+         if ($0 ~ /LDL|STL/) { n[f]++; addr[f, n[f]] = a } }
+       END { for (k in h) { inside = 0; for (i = 1; i <= n[k]; i++) if (addr[k, i] > lo[k] && addr[k, i] < hi[k]) inside++;
+             printf "%s HMMA=%d LDL/STL=%d in_main_loop=%d\n", k, h[k], n[k], inside } }' /tmp/sass.txt | sort > "$OUT/sass_fwd.txt"
   cat "$OUT/sass_fwd.txt"
 fi
 if [[ $STEPS == *bench* ]]; then
-  timeout 150 $B/bench/flashattn_cuda_fwd_bench "$OUT/ours_fwd.csv" > "$OUT/ours_fwd.txt" 2>&1; echo "bench rc=$?"
+  BENCH=${BENCH:-$B/bench/flashattn_cuda_fwd_bench}
+  timeout 150 $BENCH "$OUT/ours_fwd.csv" > "$OUT/ours_fwd.txt" 2>&1; echo "bench rc=$?"
   timeout 200 python3 bench/peers/sdpa_fwd.py "$OUT/peer_fwd.csv" > "$OUT/peer_fwd.txt" 2>&1; echo "peer rc=$?"
   python3 bench/peers/compare.py "$OUT/ours_fwd.csv" "$OUT/peer_fwd.csv" "forward, bf16, $(date -u +%F)" | tee "$OUT/fwd_table.md"
 fi

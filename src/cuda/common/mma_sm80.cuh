@@ -46,18 +46,19 @@ __device__ __forceinline__ void ldmatrix_x2_trans(std::uint32_t addr, std::uint3
 }
 
 // d += a * b on the tensor cores, fp32 accumulate. Element is __half or __nv_bfloat16.
+// Not volatile: a pure function of registers, free to be scheduled among the loads.
 template <typename Element>
 __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t (&a)[4],
                                              std::uint32_t b0, std::uint32_t b1) {
   if constexpr (sizeof(Element) == 2 && __is_same(Element, __half)) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
     static_assert(__is_same(Element, __nv_bfloat16), "mma_m16n8k16: fp16 or bf16");
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

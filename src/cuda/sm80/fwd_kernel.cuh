@@ -73,6 +73,40 @@ __device__ __forceinline__ void load_tile(Element* smem, const RowPtr& row_ptr, 
   }
 }
 
+// The same for rows at a constant stride (dense, varlen, dense KV cache): rows_valid rows
+// from `rows`. When the threads cover whole rows in steps of 8 rows, each thread keeps
+// one column, one source pointer and one shared address, advanced by constants per pass.
+template <class Tile, int kThreads, typename Element>
+__device__ __forceinline__ void load_tile_strided(Element* smem, const Element* rows,
+                                                  std::int64_t row_stride, int rows_valid, int d,
+                                                  const void* any_mapped, int tid) {
+  constexpr int kChunksPerRow = Tile::kCols / 8;
+  if constexpr (kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0) {
+    constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+    constexpr int kPasses = (Tile::kRows + kRowsPerPass - 1) / kRowsPerPass;
+    const int row0 = tid / kChunksPerRow;
+    const int col = (tid % kChunksPerRow) * 8;
+    const Element* src = rows + std::int64_t(row0) * row_stride + col;
+    const std::uint32_t dst = smem_u32(smem + Tile::offset(row0, col));
+    const bool col_ok = col < d;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int row = row0 + pass * kRowsPerPass;
+      if (Tile::kRows % kRowsPerPass == 0 || row < Tile::kRows) {
+        const bool valid = col_ok && row < rows_valid;
+        // the swizzle reads row % 8 only, so a step of kRowsPerPass rows is a constant
+        cp_async_16(dst + pass * kRowsPerPass * Tile::kBlockCols * 2,
+                    valid ? src + pass * kRowsPerPass * row_stride : any_mapped, valid);
+      }
+    }
+  } else {
+    auto row_ptr = [&](int r) -> const Element* {
+      return r < rows_valid ? rows + std::int64_t(r) * row_stride : nullptr;
+    };
+    load_tile<Tile, kThreads>(smem, row_ptr, d, any_mapped, tid);
+  }
+}
+
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -133,19 +167,22 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     const int n0 = tile * kBlockN;
     Element* sK = sKV + (2 * stage) * KVTile::kElements;
     Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    if (!paged) {
+      load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
+                                              p.k_row_stride, s_k - n0, p.d, p.k, tid);
+      load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
+                                              p.v_row_stride, s_k - n0, p.d, p.v, tid);
+      return;
+    }
     auto k_row = [&](int r) -> const Element* {
       const int j = n0 + r;
       if (j >= s_k) return nullptr;
-      return k_base + k_row0 +
-             (paged ? p.kv_row_offset(b, j, p.k_batch_stride, p.k_row_stride)
-                    : std::int64_t(j) * p.k_row_stride);
+      return k_base + k_row0 + p.kv_row_offset(b, j, p.k_batch_stride, p.k_row_stride);
     };
     auto v_row = [&](int r) -> const Element* {
       const int j = n0 + r;
       if (j >= s_k) return nullptr;
-      return v_base + v_row0 +
-             (paged ? p.kv_row_offset(b, j, p.v_batch_stride, p.v_row_stride)
-                    : std::int64_t(j) * p.v_row_stride);
+      return v_base + v_row0 + p.kv_row_offset(b, j, p.v_batch_stride, p.v_row_stride);
     };
     load_tile<KVTile, Tr::kThreads>(sK, k_row, p.d, p.k, tid);
     load_tile<KVTile, Tr::kThreads>(sV, v_row, p.d, p.v, tid);
@@ -176,10 +213,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
   // Key tiles are visited from the last to the first, so the tiles that cross the end
   // of the keys or the causal diagonal come first.
   if (n_tiles > 0) {
-    auto q_row = [&](int r) -> const Element* {
-      return r < rows_here ? q_rows + std::int64_t(r) * p.q_row_stride : nullptr;
-    };
-    load_tile<QTile, Tr::kThreads>(sQ, q_row, p.d, p.q, tid);
+    load_tile_strided<QTile, Tr::kThreads>(sQ, q_rows, p.q_row_stride, rows_here, p.d, p.q, tid);
     load_kv(0, tile_end - 1);
     cp_async_commit();
 #pragma unroll
@@ -215,6 +249,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       if (ahead < n_tiles) load_kv(ahead % kStages, tile_end - 1 - ahead);
       cp_async_commit();
     }
+    const int n0 = (tile_end - 1 - it) * kBlockN;
     const int stage = it % kStages;
     std::uint32_t k_lane[KVTile::kColVariants], v_lane[KVTile::kColVariants];
 #pragma unroll
@@ -222,7 +257,6 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       k_lane[var] = k_lane0[var] + stage * (2 * KVTile::kBytes);
       v_lane[var] = v_lane0[var] + stage * (2 * KVTile::kBytes);
     }
-    const int n0 = (tile_end - 1 - it) * kBlockN;
 
     // S[kMTiles][kNTiles] = Q K^T: 16 query rows x 8 keys per (mt, nt).
     float s[kMTiles][kNTiles][4];
@@ -232,21 +266,40 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      std::uint32_t a[kMTiles][4];
+    // Fragments are double-buffered in registers over the flattened (ks, np) steps: the
+    // ldmatrix of step + 1 (and of the next k-step's Q rows) is issued before the MMAs of
+    // step, so shared-memory latency hides behind tensor work at a cost of 8 registers
+    // for K and 4 kMTiles for Q.
+    constexpr int kKSteps = kHeadDim / 16;
+    constexpr int kNPairs = kNTiles / 2;
+    constexpr int kQKSteps = kKSteps * kNPairs;
+    std::uint32_t qa[2][kMTiles][4], kb[2][4];
+    auto load_q = [&](int ks, std::uint32_t(&a)[kMTiles][4]) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         ldmatrix_x4(q_lane[QTile::variant(ks * 16)] + QTile::const_bytes(mt * 16, ks * 16), a[mt]);
       }
+    };
+    auto load_k = [&](int step, std::uint32_t(&bk)[4]) {  // n-tiles 2np, 2np + 1; k halves 0, 1
+      const int ks = step / kNPairs, np = step % kNPairs;
+      ldmatrix_x4(k_lane[KVTile::variant(ks * 16)] + KVTile::const_bytes(np * 16, ks * 16), bk);
+    };
+    load_q(0, qa[0]);
+    load_k(0, kb[0]);
 #pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        std::uint32_t bk[4];  // n-tiles 2np, 2np + 1; k halves 0, 1
-        ldmatrix_x4(k_lane[KVTile::variant(ks * 16)] + KVTile::const_bytes(np * 16, ks * 16), bk);
+    for (int ks = 0; ks < kKSteps; ++ks) {
+#pragma unroll
+      for (int np = 0; np < kNPairs; ++np) {
+        const int step = ks * kNPairs + np;
+        if (step + 1 < kQKSteps) {
+          if (np + 1 == kNPairs) load_q(ks + 1, qa[(ks + 1) & 1]);
+          load_k(step + 1, kb[(step + 1) & 1]);
+        }
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_m16n8k16<Element>(s[mt][2 * np], a[mt], bk[0], bk[1]);
-          mma_m16n8k16<Element>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+          mma_m16n8k16<Element>(s[mt][2 * np], qa[ks & 1][mt], kb[step & 1][0], kb[step & 1][1]);
+          mma_m16n8k16<Element>(s[mt][2 * np + 1], qa[ks & 1][mt], kb[step & 1][2],
+                                kb[step & 1][3]);
         }
       }
     }
@@ -293,7 +346,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     softmax.update(s, acc_o, to_log2);
     if (has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
 
-    // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk.
+    // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk. The V
+    // fragments (k halves 0, 1 of d-tiles 2dp, 2dp + 1) are double-buffered over the
+    // flattened (kk, dp) steps.
+    constexpr int kDSteps = kHeadDim / 16;
+    constexpr int kPVSteps = (kBlockN / 16) * kDSteps;
+    std::uint32_t vb[2][4];
+    auto load_v = [&](int step, std::uint32_t(&bv)[4]) {
+      const int kk = step / kDSteps, dp = step % kDSteps;
+      ldmatrix_x4_trans(v_lane[KVTile::variant(dp * 16)] + KVTile::const_bytes(kk * 16, dp * 16), bv);
+    };
+    load_v(0, vb[0]);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       std::uint32_t a[kMTiles][4];
@@ -305,14 +368,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
         a[mt][3] = pack2<Element>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
       }
 #pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-        std::uint32_t bv[4];  // k halves 0, 1 of d-tile 2dp, then of d-tile 2dp + 1
-        ldmatrix_x4_trans(v_lane[KVTile::variant(dp * 16)] + KVTile::const_bytes(kk * 16, dp * 16),
-                          bv);
+      for (int dp = 0; dp < kDSteps; ++dp) {
+        const int step = kk * kDSteps + dp;
+        if (step + 1 < kPVSteps) load_v(step + 1, vb[(step + 1) & 1]);
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_m16n8k16<Element>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          mma_m16n8k16<Element>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+          mma_m16n8k16<Element>(acc_o[mt][2 * dp], a[mt], vb[step & 1][0], vb[step & 1][1]);
+          mma_m16n8k16<Element>(acc_o[mt][2 * dp + 1], a[mt], vb[step & 1][2], vb[step & 1][3]);
         }
       }
     }
