@@ -44,7 +44,7 @@ def __getattr__(name):
         from . import interface
 
         return getattr(interface, name)
-    if name in ("interface", "ops", "rotary"):
+    if name in ("interface", "ops", "rotary", "hf"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)
