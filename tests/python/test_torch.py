@@ -281,14 +281,20 @@ def _opcheck_cases(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(device):
+@pytest.mark.parametrize("case", range(5), ids=["fwd", "bwd", "varlen_fwd", "varlen_bwd",
+                                                "kvcache_fwd"])
+def test_opcheck(device, case):
     dtype = torch.float64 if device == "cpu" else torch.float16
-    for op, args in _opcheck_cases(device, dtype):
-        torch.library.opcheck(op, args)
+    op, args = list(_opcheck_cases(device, dtype))[case]
+    try:
+        op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    except flashattn.UnsupportedError as e:
+        pytest.skip(f"{op} on {device} not in this build: {e}")
+    torch.library.opcheck(op, args)
 
 
 class TinyAttention(torch.nn.Module):
-    def __init__(self, dim=64, heads=4, kv_heads=2):
+    def __init__(self, dim=256, heads=4, kv_heads=2):  # head dim 64: in every CUDA build
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
         self.q = torch.nn.Linear(dim, dim)
@@ -309,7 +315,7 @@ def test_torch_compile_fullgraph(device, seed):
     torch.manual_seed(seed)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = TinyAttention().to(device=device, dtype=dtype)
-    x = torch.randn(2, 33, 64, device=device, dtype=dtype, requires_grad=True)
+    x = torch.randn(2, 33, 256, device=device, dtype=dtype, requires_grad=True)
     # CPU: aot_eager (traces through the fake kernels and autograd, no C++ codegen);
     # CUDA: inductor.
     backend = "aot_eager" if device == "cpu" else "inductor"
@@ -318,8 +324,12 @@ def test_torch_compile_fullgraph(device, seed):
     (gx_eager,) = torch.autograd.grad(y_eager.sum(), x)
     y = compiled(x)
     (gx,) = torch.autograd.grad(y.sum(), x)
-    torch.testing.assert_close(y, y_eager)
-    torch.testing.assert_close(gx, gx_eager)
+    # Inductor fuses the linear layers' epilogues differently from eager: in bf16 the two
+    # agree to a few roundings of the values' magnitude.
+    eps = torch.finfo(dtype).eps
+    for got, want in ((y, y_eager), (gx, gx_eager)):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=4 * eps, atol=4 * eps * scale)
 
 
 def test_torch_compile_kvcache_and_varlen():
@@ -396,7 +406,7 @@ def test_cuda_graph_captures_forward_and_backward(seed):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
     def step():
-        out = flash_attn_func(*leaves, causal=True)
+        out = flash_attn_func(*leaves, causal=True, deterministic=True)
         return (out,) + torch.autograd.grad(out, leaves, dout)
 
     stream = torch.cuda.Stream()
@@ -483,6 +493,9 @@ def test_cuda_kvcache_matches_oracle(seed):
                                                    block_table=table.cpu().numpy(), causal=True)
     np.testing.assert_array_equal(np64(kc), k_after)
     np.testing.assert_array_equal(np64(vc), v_after)
-    # fp16 output of an fp32-accumulated softmax: a few ulps of the output magnitude.
+    # fp32 accumulation; P rounded to fp16 before P.V (relative eps/2 per term, sum P = 1:
+    # at most eps/2 * max|v|) and the output rounded to fp16 (eps/2 * |out|).
     err = np.abs(np64(out) - want["out"]).max()
-    assert err <= 4 * torch.finfo(dtype).eps * np.abs(want["out"]).max(), err
+    eps = torch.finfo(dtype).eps
+    bound = eps * (np.abs(v_after).max() + np.abs(want["out"]).max())
+    assert err <= bound, (err, bound)

@@ -14,7 +14,8 @@ def _model(attn, device, dtype, sliding_window=None):
     torch.manual_seed(0)
     config_cls = transformers.MistralConfig if sliding_window else transformers.LlamaConfig
     kw = dict(sliding_window=sliding_window) if sliding_window else {}
-    config = config_cls(vocab_size=97, hidden_size=64, intermediate_size=128,
+    # head dim 256 / 4 = 64: compiled into every CUDA build
+    config = config_cls(vocab_size=97, hidden_size=256, intermediate_size=256,
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=128, **kw)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
