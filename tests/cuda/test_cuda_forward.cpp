@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -270,6 +271,58 @@ TEST(CudaForward, ExtremeLogits) {
     check_dense(c);
     const ForwardResults r = forward_results(c);
     EXPECT_TRUE(all_finite("out", r.out));
+  }
+}
+
+// Any strides with 16-byte aligned rows: q, k, v are slices of one packed [b, s, 3, h, d]
+// buffer and out has padded rows; the padding must stay untouched.
+TEST(CudaForward, PackedQkvAndPaddedOut) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    const std::int64_t b = 2, s = 157, h = 3, d = 64, pad = 24;
+    DenseCase c = DenseCase::random(rng, shape_of(2, 157, 157, 3, 3, 64), dtype);
+    c.opts.causal = true;
+    c.poison_forward();
+    const std::int64_t packed_row = 3 * h * d, out_row = h * d + pad;
+    std::vector<std::uint16_t> packed(std::size_t(b * s * packed_row));
+    const HostTensor* parts[3] = {&c.q, &c.k, &c.v};
+    for (std::int64_t t = 0; t < 3; ++t)
+      for (std::int64_t r = 0; r < b * s; ++r)
+        for (std::int64_t e = 0; e < h * d; ++e)
+          packed[std::size_t(r * packed_row + t * h * d + e)] = parts[t]->as<std::uint16_t>()[r * h * d + e];
+    // 0xffff is a NaN in both fp16 and bf16
+    std::vector<std::uint16_t> out_host(std::size_t(b * s * out_row), 0xffffu);
+    std::uint16_t* qkv_dev = nullptr;
+    std::uint16_t* out_dev = nullptr;
+    FA_CUDA_OK(cudaMalloc(&qkv_dev, packed.size() * 2));
+    FA_CUDA_OK(cudaMalloc(&out_dev, out_host.size() * 2));
+    FA_CUDA_OK(cudaMemcpy(qkv_dev, packed.data(), packed.size() * 2, cudaMemcpyHostToDevice));
+    FA_CUDA_OK(cudaMemcpy(out_dev, out_host.data(), out_host.size() * 2, cudaMemcpyHostToDevice));
+    auto slice = [&](std::int64_t t) {
+      return Tensor::strided(qkv_dev + t * h * d, dtype, {b, s, h, d}, {s * packed_row, packed_row, d, 1},
+                             Device::cuda(0));
+    };
+    const Tensor out = Tensor::strided(out_dev, dtype, {b, s, h, d}, {s * out_row, out_row, d, 1},
+                                       Device::cuda(0));
+    DeviceCopy lse(c.lse);
+    ASSERT_NO_THROW(flashattn::forward(slice(0), slice(1), slice(2), out, lse.view(), c.call_options()));
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    FA_CUDA_OK(cudaMemcpy(out_host.data(), out_dev, out_host.size() * 2, cudaMemcpyDeviceToHost));
+    lse.download(c.lse);
+    cudaFree(qkv_dev);
+    cudaFree(out_dev);
+    std::int64_t padding_written = 0;
+    for (std::int64_t r = 0; r < b * s; ++r) {
+      for (std::int64_t e = 0; e < h * d; ++e)
+        c.out.as<std::uint16_t>()[r * h * d + e] = out_host[std::size_t(r * out_row + e)];
+      for (std::int64_t e = h * d; e < out_row; ++e) padding_written += out_host[std::size_t(r * out_row + e)] != 0xffffu;
+    }
+    EXPECT_EQ(padding_written, 0) << "elements of the out row padding were written";
+    const ForwardResults got = forward_results(c);
+    EXPECT_TRUE(fully_written("out", got.out));
+    EXPECT_TRUE(fully_written("lse", got.lse));
+    expect_forward_matches(c.problem(), c.dtype, got);
   }
 }
 
