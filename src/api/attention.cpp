@@ -47,7 +47,7 @@ Target check_dense_options(const Check& c, const Options& opts, const DenseDims&
                            const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q, dims.d, p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
-  detail::api::check_supported(c, target, q.dtype, dims.d);
+  detail::api::check_supported(c, target, q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;
 }

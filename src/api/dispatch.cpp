@@ -60,7 +60,7 @@ Target resolve_target(const Check& check, const Options& opts, Device device) {
   return Target::kCUDA;
 }
 
-void check_supported(const Check& check, Target target, DType dtype, int d) {
+void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q) {
   if (dtype == DType::kFloat8E4M3) {
     check.unsupported("q", "dtype float16, bfloat16, float32 or float64 (float8_e4m3 is reserved)",
                       dtype_name(dtype));
@@ -73,6 +73,14 @@ void check_supported(const Check& check, Target target, DType dtype, int d) {
       check.unsupported("q", "head dim d in [1, 256] (CPU backend)", "d = " + std::to_string(d));
     }
     return;
+  }
+  constexpr int kMaxGridYZ = 65535;  // the kernels index heads and sequences by grid y and z
+  if (batch > kMaxGridYZ) {
+    check.unsupported("q", "at most 65535 sequences per call (CUDA backend)",
+                      std::to_string(batch) + " sequences");
+  }
+  if (h_q > kMaxGridYZ) {
+    check.unsupported("q", "at most 65535 query heads (CUDA backend)", std::to_string(h_q) + " heads");
   }
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
     check.unsupported("q", "dtype float16 or bfloat16 (CUDA backend)", dtype_name(dtype));

@@ -22,7 +22,8 @@ enum class Target : std::uint8_t { kCPU, kCUDA };
 Target resolve_target(const Check& check, const Options& opts, Device device);
 
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
-void check_supported(const Check& check, Target target, DType dtype, int d);
+// Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
+void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q);
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

@@ -176,7 +176,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                   std::to_string(opts.dropout_p));
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});

@@ -123,7 +123,7 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
                          const Options& opts, FwdParams& p) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   check_varlen_contents(c, a, dims, target, opts.stream);
   return target;

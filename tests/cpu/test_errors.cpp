@@ -510,7 +510,7 @@ TEST_F(ErrorsDense, WorkspaceSizeChecksItsArguments) {
 TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60, 2, 8);
     FAIL() << "d = 60 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
@@ -522,10 +522,28 @@ TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
 TEST(ErrorsCudaRules, OnlyHalfPrecision) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 2, 8);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected dtype float16 or bfloat16 (CUDA backend), got float32"));
+  }
+}
+
+TEST(ErrorsCudaRules, GridLimits) {
+  const fa::detail::api::Check check("varlen_forward");
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
+                                     70000, 8);
+    FAIL() << "70000 sequences accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected at most 65535 sequences per call (CUDA backend), got 70000 sequences"));
+  }
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
+                                     2, 65536);
+    FAIL() << "65536 heads accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("expected at most 65535 query heads (CUDA backend), got 65536 heads"));
   }
 }
 

@@ -15,6 +15,10 @@
 // varlen, KV cache, paged KV) is a uniform run-time branch.
 #pragma once
 
+#include <string>
+
+#include "flashattn/error.hpp"
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -432,6 +436,19 @@ void run_fwd(const FwdParams& p) {
   auto kernel = fwd_kernel<kHeadDim, Element>;
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
+    // The tiles are sized for A100/H100-class parts; a GPU with less shared memory per block
+    // (sm86/sm89: 99 KiB) gets a clear error rather than a failed launch.
+    int device = 0, optin = 0;
+    FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
+    FLASHATTN_CUDA_CHECK(
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (optin < kSmem) {
+      throw Unsupported("flashattn::forward", "q",
+                        "a GPU with at least " + std::to_string(kSmem) +
+                            " bytes of shared memory per block for head-dim bucket " +
+                            std::to_string(kHeadDim),
+                        std::to_string(optin) + " bytes on this GPU");
+    }
     FLASHATTN_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
