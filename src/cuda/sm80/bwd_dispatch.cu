@@ -81,8 +81,10 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
   }
 }
 
-// dq[b, i, h, :] = scale * dq_accum[row(b, i), h, :] in the output type, every row of
-// every sequence (rows no key tile reached hold the zeros of the memset).
+// dq[b, i, h, :] = scale * dq_accum[(b, i / kBwdBlockM, h), (i % kBwdBlockM, :)] in the
+// output type, every row of every sequence (rows no key tile reached hold the zeros of
+// the memset). A thread converts one 8-column slab of a row: in the fragment order of
+// dq_accum those are four float2 at a 16-byte stride.
 template <typename Element>
 __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p,
                                                              const BwdWorkspace ws) {
@@ -90,19 +92,19 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
   const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kRowThreads;
   const int sub = threadIdx.x % kRowThreads;
   if (i >= p.seq_len_q(b)) return;
-  const std::int64_t row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
-  const float* acc = ws.dq_accum + ((row0 + i) * p.h_q + h) * p.d;
+  const float* tile = ws.dq_accum + dq_accum_tile(ws, b, i / kBwdBlockM, h, p.h_q, p.d);
+  const int r = i % kBwdBlockM;
   Element* dq = static_cast<Element*>(p.dq) + p.dq_offset(b) + std::int64_t(i) * p.dq_row_stride +
                 std::int64_t(h) * p.dq_head_stride;
   for (int c = sub * 8; c < p.d; c += kRowThreads * 8) {
-    const float4 lo = *reinterpret_cast<const float4*>(acc + c);
-    const float4 hi = *reinterpret_cast<const float4*>(acc + c + 4);
-    uint4 u;
-    u.x = pack2_rn<Element>(lo.x * p.scale, lo.y * p.scale);
-    u.y = pack2_rn<Element>(lo.z * p.scale, lo.w * p.scale);
-    u.z = pack2_rn<Element>(hi.x * p.scale, hi.y * p.scale);
-    u.w = pack2_rn<Element>(hi.z * p.scale, hi.w * p.scale);
-    *reinterpret_cast<uint4*>(dq + c) = u;
+    const float* slab = tile + dq_accum_index(r, c);  // columns c, c + 1; c + 2k at + 4k
+    std::uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 v = *reinterpret_cast<const float2*>(slab + 4 * k);
+      w[k] = pack2_rn<Element>(v.x * p.scale, v.y * p.scale);
+    }
+    *reinterpret_cast<uint4*>(dq + c) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 

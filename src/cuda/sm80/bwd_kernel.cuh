@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -154,20 +155,42 @@ __device__ __forceinline__ void zero_acc(float (&acc)[kM][kN][4]) {
 
 // rows x kCols tile from global memory (row stride in elements) into a swizzled tile;
 // rows >= rows_valid and columns >= d are zero-filled, so padded rows and the head-dim
-// padding of a bucket contribute exact zeros to every product.
+// padding of a bucket contribute exact zeros to every product. When the row's 16-byte
+// chunks divide the thread count, each thread owns one column chunk and every
+// kRowsPerPass-th row: a pass moves kRowsPerPass (a multiple of 8) rows, which leaves the
+// swizzle unchanged, so the shared address of pass k is the thread's first address plus a
+// constant. Other widths (d = 96, 160, 192, 224) walk the chunks generically.
 template <class Tile, int kNThreads, typename Element>
 __device__ __forceinline__ void load_tile_async(std::uint32_t s_base, const Element* g_base,
                                                 std::int64_t row_stride, int rows_valid, int d,
                                                 int tid) {
   constexpr int kChunksPerRow = Tile::kCols / 8;
-  constexpr int kChunks = Tile::kRows * kChunksPerRow;
+  constexpr int kRowsPerPass = kNThreads / kChunksPerRow;
+  if constexpr (kNThreads % kChunksPerRow == 0 && kRowsPerPass % 8 == 0 &&
+                Tile::kRows % kRowsPerPass == 0) {
+    const int row = tid / kChunksPerRow;
+    const int col = (tid % kChunksPerRow) * 8;
+    const bool col_ok = col < d;
+    const std::uint32_t s_thread = s_base + 2u * Tile::offset(row, col);
+    const Element* const g_thread = g_base + row * row_stride + col;
 #pragma unroll
-  for (int c = tid; c < kChunks; c += kNThreads) {
-    const int row = c / kChunksPerRow;
-    const int col = (c % kChunksPerRow) * 8;
-    const bool valid = row < rows_valid && col < d;
-    const Element* src = valid ? g_base + row * row_stride + col : g_base;
-    cp_async_16(s_base + 2u * Tile::offset(row, col), src, valid);
+    for (int k = 0; k < Tile::kRows / kRowsPerPass; ++k) {
+      const bool valid = col_ok && row + k * kRowsPerPass < rows_valid;
+      const Element* src = valid ? g_thread + k * kRowsPerPass * row_stride : g_base;
+      cp_async_16(s_thread + 2u * (k * kRowsPerPass * Tile::kBlockCols), src, valid);
+    }
+  } else {
+    constexpr int kChunks = Tile::kRows * kChunksPerRow;
+#pragma unroll
+    for (int c0 = 0; c0 < kChunks; c0 += kNThreads) {
+      const int c = c0 + tid;
+      if (kChunks % kNThreads != 0 && c >= kChunks) break;
+      const int row = c / kChunksPerRow;
+      const int col = (c % kChunksPerRow) * 8;
+      const bool valid = row < rows_valid && col < d;
+      const Element* src = valid ? g_base + row * row_stride + col : g_base;
+      cp_async_16(s_base + 2u * Tile::offset(row, col), src, valid);
+    }
   }
 }
 
@@ -239,22 +262,25 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
   const Element* const do_ptr = static_cast<const Element*>(p.dout);
   const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
 
-  auto load_q_do = [&](int it, int stage) {
-    const int h = kv_head * p.h_ratio + it / num_m;
-    const int m0 = (m_begin + it % num_m) * kBlockM;
+  // Per-sequence bases, read once (varlen offsets come from global memory).
+  const Element* const q_seq = q_ptr + p.q_offset(b);
+  const Element* const do_seq = do_ptr + p.do_offset(b);
+  const float* const lse_seq = p.lse + p.lse_offset(b, 0);
+  const float* const dsum_seq = ws.dpsum + row0_ws;
+  // Q, dO, lse and D of (query head, query tile) into a stage.
+  auto load_q_do = [&](int head, int tile, int stage) {
+    const int m0 = tile * kBlockM;
     const std::uint32_t s_dst = s_q_tile0 + stage * Cfg::kSmemQdOStage;
     const int rows = s_q - m0;
-    load_tile_async<TileQ, kNThreads>(
-        s_dst, q_ptr + p.q_offset(b) + h * p.q_head_stride + m0 * p.q_row_stride, p.q_row_stride,
-        rows, p.d, tid);
-    load_tile_async<TileQ, kNThreads>(
-        s_dst + TileQ::kBytes,
-        do_ptr + p.do_offset(b) + h * p.do_head_stride + m0 * p.do_row_stride, p.do_row_stride,
-        rows, p.d, tid);
+    load_tile_async<TileQ, kNThreads>(s_dst, q_seq + head * p.q_head_stride + m0 * p.q_row_stride,
+                                      p.q_row_stride, rows, p.d, tid);
+    load_tile_async<TileQ, kNThreads>(s_dst + TileQ::kBytes,
+                                      do_seq + head * p.do_head_stride + m0 * p.do_row_stride,
+                                      p.do_row_stride, rows, p.d, tid);
     if (tid < 2 * kBlockM) {
       const int r = tid % kBlockM;
-      const float* src = tid < kBlockM ? p.lse + p.lse_offset(b, h) + m0
-                                       : ws.dpsum + h * ws.rows_total + row0_ws + m0;
+      const float* src = tid < kBlockM ? lse_seq + head * p.lse_head_stride + m0
+                                       : dsum_seq + head * ws.rows_total + m0;
       const bool valid = r < rows;
       cp_async_4(s_dst + 2 * TileQ::kBytes + 4 * tid, valid ? src + r : src, valid);
     }
@@ -273,7 +299,7 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
     load_tile_async<TileK, kNThreads>(
         s_v_tile, static_cast<const Element*>(p.v) + p.v_offset(b, n0, kv_head), p.v_row_stride,
         rows_k, p.d, tid);
-    load_q_do(0, 0);
+    load_q_do(kv_head * p.h_ratio, m_begin, 0);
   }
   cp_async_commit();
 
@@ -289,22 +315,26 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
   const int wm_dq = warp >> 1, wd_dq = warp & 1;
   const int g8 = lane >> 2, t4 = lane & 3;
 
+  // (query head, query tile) of this pair and of the next, walked tile-major per head.
+  int h = kv_head * p.h_ratio, m_block = m_begin;
   for (int it = 0; it < n_iter; ++it) {
     const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
-    const int h = kv_head * p.h_ratio + it / num_m;
-    const int m_block = m_begin + it % num_m;
+    const bool next_tile_same_head = m_block + 1 < m_end;
+    const int h_next = next_tile_same_head ? h : h + 1;
+    const int m_block_next = next_tile_same_head ? m_block + 1 : m_begin;
     const int m0 = m_block * kBlockM;
     const std::uint32_t s_q_cur = s_q_tile0 + stage * Cfg::kSmemQdOStage;
     const std::uint32_t s_do_cur = s_q_cur + TileQ::kBytes;
 
-    if constexpr (Cfg::kStages == 2) {
-      if (it + 1 < n_iter) load_q_do(it + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    // This pair's Q / dO (the only group in flight) lands; after the barrier every warp
+    // is done with the previous pair, so with two stages its buffer takes the next pair,
+    // and P / dS may be overwritten.
+    cp_async_wait<0>();
     __syncthreads();
+    if constexpr (Cfg::kStages == 2) {
+      if (it + 1 < n_iter) load_q_do(h_next, m_block_next, stage ^ 1);
+      cp_async_commit();
+    }
     const float* const s_lse = reinterpret_cast<const float*>(
         smem + (s_q_cur - s_k_tile) + 2 * TileQ::kBytes);
     const float* const s_dsum = s_lse + kBlockM;
@@ -337,58 +367,79 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
         dsum[mt][hf] = s_dsum[r];
       }
 
+    // P, dS from S, dP. kGeneral: softcap, ALiBi or dropout; kMasked: a boundary tile.
+    // The common cases (plain scores, interior or boundary tile) get their own unrolled
+    // copies without per-element branches.
+    auto scores_to_p_ds = [&](auto general_tag, auto masked_tag) {
+      constexpr bool kGeneral = decltype(general_tag)::value;
+      constexpr bool kMasked = decltype(masked_tag)::value;
 #pragma unroll
-    for (int mt = 0; mt < kMTs; ++mt)
+      for (int mt = 0; mt < kMTs; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNTs; ++nt) {
-        const int i0 = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8;      // i0 & 8 == 0
-        const int j0 = n0 + wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;  // even
-        semantics::Philox4 rnd{{0u, 0u, 0u, 0u}};
-        if (has_dropout) rnd = p.rng.block(bh, i0, j0);
+        for (int nt = 0; nt < kNTs; ++nt) {
+          const int i0 = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8;      // i0 & 8 == 0
+          const int j0 = n0 + wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;  // even
+          semantics::Philox4 rnd{{0u, 0u, 0u, 0u}};
+          if (kGeneral && has_dropout) rnd = p.rng.block(bh, i0, j0);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hf = e >> 1;
-          const int i = i0 + hf * 8, j = j0 + (e & 1);
-          float prob;
-          float cap_grad = 1.0f;
-          if (plain) {
-            prob = fast_exp2(acc_s[mt][nt][e] * scale_log2 - lse2[mt][hf]);
-          } else {
-            float x = acc_s[mt][nt][e] * p.scale;
-            if (has_softcap) {
-              const float capped = p.softcap * tanhf(x * inv_softcap);
-              cap_grad = semantics::softcap_grad(capped, p.softcap);
-              x = capped;
+          for (int e = 0; e < 4; ++e) {
+            const int hf = e >> 1;
+            const int i = i0 + hf * 8, j = j0 + (e & 1);
+            float prob;
+            float cap_grad = 1.0f;
+            if (!kGeneral) {
+              prob = fast_exp2(acc_s[mt][nt][e] * scale_log2 - lse2[mt][hf]);
+            } else {
+              float x = acc_s[mt][nt][e] * p.scale;
+              if (has_softcap) {
+                const float capped = p.softcap * tanhf(x * inv_softcap);
+                cap_grad = semantics::softcap_grad(capped, p.softcap);
+                x = capped;
+              }
+              if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
+              prob = fast_exp2(x * kLog2e - lse2[mt][hf]);
             }
-            if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
-            prob = fast_exp2(x * kLog2e - lse2[mt][hf]);
+            if (kMasked) {
+              const bool visible = i < s_q && j < s_k &&
+                                   (left < 0 || j >= i + diag_off - left) &&
+                                   (right < 0 || j <= i + diag_off + right);
+              if (!visible) prob = 0.0f;
+            }
+            float dp = acc_dp[mt][nt][e];
+            float prob_dropped = prob;
+            if (kGeneral && has_dropout) {
+              const bool keep = rnd.x[e] >= p.rng.threshold;
+              dp = keep ? dp * p.rp_dropout : 0.0f;
+              prob_dropped = keep ? prob * p.rp_dropout : 0.0f;
+            }
+            if (kGeneral) {
+              acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]) * cap_grad;  // dS
+            } else {
+              acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]);
+            }
+            acc_s[mt][nt][e] = prob_dropped;
           }
-          if (!full) {
-            const bool visible = i < s_q && j < s_k && (left < 0 || j >= i + diag_off - left) &&
-                                 (right < 0 || j <= i + diag_off + right);
-            if (!visible) prob = 0.0f;
-          }
-          float dp = acc_dp[mt][nt][e];
-          float prob_dropped = prob;
-          if (has_dropout) {
-            const bool keep = rnd.x[e] >= p.rng.threshold;
-            dp = keep ? dp * p.rp_dropout : 0.0f;
-            prob_dropped = keep ? prob * p.rp_dropout : 0.0f;
-          }
-          acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]) * cap_grad;  // dS
-          acc_s[mt][nt][e] = prob_dropped;
+          const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + g8;
+          const int c = wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;
+          *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r, c)) =
+              pack2<Element>(acc_s[mt][nt][0], acc_s[mt][nt][1]);
+          *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r + 8, c)) =
+              pack2<Element>(acc_s[mt][nt][2], acc_s[mt][nt][3]);
+          *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r, c)) =
+              pack2<Element>(acc_dp[mt][nt][0], acc_dp[mt][nt][1]);
+          *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r + 8, c)) =
+              pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]);
         }
-        const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + g8;
-        const int c = wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;
-        *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r, c)) =
-            pack2<Element>(acc_s[mt][nt][0], acc_s[mt][nt][1]);
-        *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r + 8, c)) =
-            pack2<Element>(acc_s[mt][nt][2], acc_s[mt][nt][3]);
-        *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r, c)) =
-            pack2<Element>(acc_dp[mt][nt][0], acc_dp[mt][nt][1]);
-        *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r + 8, c)) =
-            pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]);
+    };
+    if (plain && !has_dropout) {
+      if (full) {
+        scores_to_p_ds(std::false_type{}, std::false_type{});
+      } else {
+        scores_to_p_ds(std::false_type{}, std::true_type{});
       }
+    } else {
+      scores_to_p_ds(std::true_type{}, std::true_type{});
+    }
     __syncthreads();
 
     // dV += P_dropped^T dO, dK += dS^T Q: A operands are the transposed [BM, BN] tiles.
@@ -399,7 +450,7 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
 
     if constexpr (Cfg::kStages == 1) {
       __syncthreads();  // Q and dO consumed: refill them while dQ is computed
-      if (it + 1 < n_iter) load_q_do(it + 1, 0);
+      if (it + 1 < n_iter) load_q_do(h_next, m_block_next, 0);
       cp_async_commit();
     }
 
@@ -422,17 +473,22 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
       __syncthreads();
     }
     {
-      const int r0 = wm_dq * 16 + g8, c0 = wd_dq * Cfg::kWarpDdq + 2 * t4;
-      const std::int64_t row_pitch = std::int64_t(p.h_q) * p.d;
-      float* const dq_row = ws.dq_accum + ((row0_ws + m0 + r0) * p.h_q + h) * p.d + c0;
-      const bool row_ok[2] = {m0 + r0 < s_q, m0 + r0 + 8 < s_q};
+      // Fragment (wm_dq, slab) of the tile: 128 floats, this lane's four at lane * 4.
+      // Rows past s_q add the zeros their dS rows hold; slabs past d do not exist.
+      float* const dq_tile = ws.dq_accum + dq_accum_tile(ws, b, m_block, h, p.h_q, p.d);
 #pragma unroll
       for (int nt = 0; nt < kNTdq; ++nt) {
-        if (c0 + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
+        const int c = wd_dq * Cfg::kWarpDdq + nt * 8;
+        if (c >= p.d) continue;  // head-dim padding of the bucket
+        float* const dst = dq_tile + dq_accum_index(wm_dq * 16, c) + lane * 4;
+#if __CUDA_ARCH__ >= 900
+        atomicAdd(reinterpret_cast<float4*>(dst),
+                  make_float4(acc_dq[0][nt][0], acc_dq[0][nt][1], acc_dq[0][nt][2],
+                              acc_dq[0][nt][3]));
+#else
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (row_ok[e >> 1]) atomicAdd(dq_row + (e >> 1) * 8 * row_pitch + nt * 8 + (e & 1), acc_dq[0][nt][e]);
-        }
+        for (int e = 0; e < 4; ++e) atomicAdd(dst + e, acc_dq[0][nt][e]);
+#endif
       }
     }
     if (p.deterministic) {
@@ -440,7 +496,8 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
       __syncthreads();
       if (tid == 0) atomicAdd(sem, 1u);
     }
-    __syncthreads();  // P, dS (and with two stages the other Q/dO buffer) are reused next
+    h = h_next;
+    m_block = m_block_next;
   }
   cp_async_wait<0>();
 

@@ -18,13 +18,18 @@ namespace flashattn::detail::cuda::sm80 {
 inline constexpr int kBwdBlockM = 64;
 
 // Workspace, one allocation, each part 256-byte aligned:
-//   dq_accum [rows_total, h_q, d]      fp32, sum over key tiles of dS K (scale not applied)
+//   dq_accum [batch, m_blocks, h_q, kBwdBlockM * d]  fp32, sum over key tiles of dS K (scale
+//                                      not applied), each query tile's [kBwdBlockM, d] block
+//                                      in mma.sync accumulator order (dq_accum_index), so a
+//                                      warp adds a whole 16 x 8 fragment (512 contiguous
+//                                      bytes) with one vector red per lane
 //   dpsum    [h_q, rows_total]         fp32, D = rowsum(dO * O)
 //   dq_sem   [batch, h_q, m_blocks]    uint32, deterministic mode only: how many key tiles
 //                                      have added their dQ contribution to a query tile
 // rows_total = batch * seqlen_q (dense) or batch * max_seqlen_q (varlen: an upper bound of
 // total_q that the host knows without reading cu_seqlens); row of (b, i) is
-// cu_seqlens_q[b] + i (varlen) or b * seqlen_q + i (dense).
+// cu_seqlens_q[b] + i (varlen) or b * seqlen_q + i (dense). m_blocks = ceil(seqlen_q /
+// kBwdBlockM) with seqlen_q the (maximum) query length.
 struct BwdWorkspace {
   float* dq_accum = nullptr;
   float* dpsum = nullptr;
@@ -32,6 +37,22 @@ struct BwdWorkspace {
   std::int64_t rows_total = 0;
   int m_blocks = 0;
 };
+
+// First float of query tile m_block of (sequence b, query head h) in dq_accum.
+__host__ __device__ inline std::int64_t dq_accum_tile(const BwdWorkspace& ws, int b, int m_block,
+                                                      int h, int h_q, int d) {
+  return ((std::int64_t(b) * ws.m_blocks + m_block) * h_q + h) * std::int64_t(kBwdBlockM) * d;
+}
+
+// Offset inside a tile of element (r, c), r < kBwdBlockM, c < d (d % 8 == 0): the 16 x 8
+// accumulator fragment (r / 16, c / 8) occupies 128 floats, lane (g, t) of the mma C
+// layout holds its four values (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1) contiguously.
+__host__ __device__ inline int dq_accum_index(int r, int c) {
+  const int fragment = (c / 8) * (kBwdBlockM / 16) + r / 16;
+  const int lane = (r % 8) * 4 + (c % 8) / 2;
+  const int e = ((r / 8) % 2) * 2 + c % 2;
+  return fragment * 128 + lane * 4 + e;
+}
 
 struct BwdWorkspaceLayout {
   std::size_t dq_accum_bytes = 0, dpsum_bytes = 0, sem_bytes = 0;
@@ -46,7 +67,8 @@ inline BwdWorkspaceLayout bwd_workspace_layout(const BwdParams& p) {
   BwdWorkspaceLayout l;
   l.rows_total = std::int64_t(p.batch) * p.seqlen_q;
   l.m_blocks = (p.seqlen_q + kBwdBlockM - 1) / kBwdBlockM;
-  l.dq_accum_bytes = bwd_align256(std::size_t(l.rows_total) * p.h_q * p.d * sizeof(float));
+  l.dq_accum_bytes = bwd_align256(std::size_t(p.batch) * l.m_blocks * p.h_q * kBwdBlockM * p.d *
+                                  sizeof(float));
   l.dpsum_bytes = bwd_align256(std::size_t(l.rows_total) * p.h_q * sizeof(float));
   l.sem_bytes = p.deterministic
                     ? bwd_align256(std::size_t(p.batch) * p.h_q * l.m_blocks * sizeof(unsigned))
