@@ -34,9 +34,15 @@ namespace flashattn::detail::cuda::sm80 {
 //   d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64.
 // Per-thread fp32 accumulators: dK + dV = 2 * BN * d / 256, S + dP = 2 * BM * BN / 256,
 // dQ = BM * d / 256 (live only after S/dP are consumed), at most ~224 at d = 128 / 256.
-template <int kHeadDim_>
+// Opt-in shared memory per block: sm80's 163 KiB (the default build target) and sm90's
+// 227 KiB, which gives the d = 224 / 256 buckets a second Q / dO stage.
+inline constexpr int kSm80SmemLimit = 163 * 1024;
+inline constexpr int kSm90SmemLimit = 227 * 1024;
+
+template <int kHeadDim_, int kSmemLimit_ = kSm80SmemLimit>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kSmemLimit = kSmemLimit_;
   static constexpr int kBlockM = kBwdBlockM;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kNWarps = 8;
@@ -59,16 +65,16 @@ struct BwdTileConfig {
   static constexpr int kSmemPdS = 2 * TileP::kBytes;
   // A stage: Q, dO, and the tile's lse and D rows (fp32).
   static constexpr int kSmemQdOStage = 2 * TileQ::kBytes + 2 * kBlockM * 4;
-  // Two Q/dO stages (prefetch the next pair during this one) when they fit in sm80's
-  // 163 KiB; otherwise one, refilled as soon as dK's product has consumed it.
-  static constexpr int kStages = kSmemKV + kSmemPdS + 2 * kSmemQdOStage <= 163 * 1024 ? 2 : 1;
+  // Two Q/dO stages (prefetch the next pair during this one) when they fit in
+  // kSmemLimit; otherwise one, refilled as soon as dK's product has consumed it.
+  static constexpr int kStages = kSmemKV + kSmemPdS + 2 * kSmemQdOStage <= kSmemLimit ? 2 : 1;
   static constexpr int kSmemBytes = kSmemKV + kSmemPdS + kStages * kSmemQdOStage;
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "BwdTileConfig: head-dim bucket");
   static_assert(kWarpNsdp % 16 == 0 && kWarpDdkv % 16 == 0 && kWarpDdq % 16 == 0 &&
                     kWarpNdkv % 16 == 0 && kWarpMdq == 16,
                 "BwdTileConfig: warp tiles must be whole m16 / n16 pairs");
-  static_assert(kSmemBytes <= 163 * 1024, "BwdTileConfig: shared memory beyond sm80's limit");
+  static_assert(kSmemBytes <= kSmemLimit, "BwdTileConfig: shared memory beyond the limit");
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
                 "BwdTileConfig: accumulators would not fit in registers");
 };
@@ -207,10 +213,9 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
   return v;
 }
 
-template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
-    bwd_main_kernel(const __grid_constant__ BwdParams p, const BwdWorkspace ws) {
-  using Cfg = BwdTileConfig<kHeadDim>;
+template <typename Element, int kHeadDim, int kSmemLimit>
+__device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWorkspace& ws) {
+  using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
   using TileQ = typename Cfg::TileQ;
   using TileK = typename Cfg::TileK;
   using TileP = typename Cfg::TileP;
@@ -521,10 +526,26 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim>::kNThreads, 1)
       }
 }
 
-template <typename Element, int kHeadDim>
-void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  using Cfg = BwdTileConfig<kHeadDim>;
-  auto kernel = bwd_main_kernel<Element, kHeadDim>;
+// The kernel; a variant sized for sm90's shared memory traps if it ever ran below sm90
+// (the host only launches it on devices that grant its shared memory), so its sm80
+// compilation is empty.
+template <typename Element, int kHeadDim, int kSmemLimit>
+__global__ void __launch_bounds__(BwdTileConfig<kHeadDim, kSmemLimit>::kNThreads, 1)
+    bwd_main_kernel(const __grid_constant__ BwdParams p, const BwdWorkspace ws) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (kSmemLimit > kSm80SmemLimit) {
+    __trap();
+  } else
+#endif
+  {
+    bwd_main_block<Element, kHeadDim, kSmemLimit>(p, ws);
+  }
+}
+
+template <typename Element, int kHeadDim, int kSmemLimit>
+void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
+  auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Cfg::kSmemBytes);
   if (err != cudaSuccess) {
@@ -539,6 +560,23 @@ void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t strea
     throw CudaError(std::string("flashattn::backward: main kernel launch failed: ") +
                     cudaGetErrorString(err));
   }
+}
+
+template <typename Element, int kHeadDim>
+void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Sm90Cfg = BwdTileConfig<kHeadDim, kSm90SmemLimit>;
+  if constexpr (Sm90Cfg::kStages > BwdTileConfig<kHeadDim>::kStages) {
+    int device = 0, major = 0, optin = 0;
+    if (cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+            cudaSuccess &&
+        major >= 9 && optin >= Sm90Cfg::kSmemBytes) {
+      launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
+      return;
+    }
+  }
+  launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
 }
 
 }  // namespace flashattn::detail::cuda::sm80
