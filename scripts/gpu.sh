@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in one call: builds what is missing (preset h200: sm90
+# SASS, every head dim), runs the CUDA tests, compute-sanitizer on a small filter, the
+# SASS checks, the main job, the forward and backward benchmarks next to PyTorch SDPA's
+# FLASH_ATTENTION backend measured in the same run, optionally the Python suite, and
+# prints a short table last. Logs and CSVs go to $OUT (default ./out).
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,python
+#                                 (default: all but python)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STEPS=${1:-tests,sanitize,sass,main,fwd,bwd,memory}
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+B=${BUILD:-build/h200}
+T=$B/tests/flashattn_cuda_tests
+summary=()
+add() { summary+=("$1"); }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ ! -x "$T" ] || [ ! -x "$B/bench/flashattn_main" ]; then
+  echo "== building $B"
+  t0=$(date +%s)
+  cmake --preset h200 >/dev/null && cmake --build --preset h200 -j"$(nproc)" >"$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  add "build (h200 preset, $(nproc) cores): $(( $(date +%s) - t0 )) s"
+fi
+
+if [[ $STEPS == *tests* ]]; then
+  timeout 300 "$T" --gtest_brief=1 >"$OUT/cuda_tests.txt" 2>&1; rc=$?
+  grep -E "FAILED|Failure" "$OUT/cuda_tests.txt" | head -20
+  add "CUDA tests: rc=$rc, $(grep -E '^\[  PASSED  \]' "$OUT/cuda_tests.txt" | sed 's/\[  PASSED  \] //') passed, $(grep -c '^\[  FAILED  \]' "$OUT/cuda_tests.txt") failed lines"
+fi
+if [[ $STEPS == *sanitize* ]]; then
+  f='Cuda/CudaForwardFeature.MatchesOracle/everything:Cuda/CudaBackwardFeature.MatchesOracle/plain:CudaForward.VarlenWith*'
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" --gtest_filter="$f" >"$OUT/memcheck.txt" 2>&1
+  add "memcheck: rc=$? $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.txt")"
+  timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
+    --gtest_filter='Cuda/CudaForwardFeature.MatchesOracle/plain:Cuda/CudaBackwardFeature.MatchesOracle/plain' >"$OUT/racecheck.txt" 2>&1
+  add "racecheck: rc=$? $(grep -m1 -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.txt")"
+fi
+if [[ $STEPS == *sass* ]]; then
+  cuobjdump --dump-sass "$T" >/tmp/sass.txt 2>/dev/null
+  add "SASS: HMMA $(grep -c HMMA /tmp/sass.txt), LDL/STL $(grep -c -E 'LDL|STL' /tmp/sass.txt) (whole test binary)"
+fi
+if [[ $STEPS == *main* ]]; then
+  timeout 120 "$B/bench/flashattn_main" >"$OUT/main_gpu.txt" 2>&1
+  cat "$OUT/main_gpu.txt"
+fi
+if [[ $STEPS == *fwd* ]]; then
+  timeout 150 "$B/bench/flashattn_cuda_fwd_bench" "$OUT/ours_fwd.csv" >"$OUT/ours_fwd.txt" 2>&1
+  timeout 200 python3 bench/peers/sdpa_fwd.py "$OUT/peer_fwd.csv" >"$OUT/peer_fwd.txt" 2>&1
+  python3 bench/peers/compare.py "$OUT/ours_fwd.csv" "$OUT/peer_fwd.csv" "forward, bf16" >"$OUT/fwd_table.md"
+fi
+if [[ $STEPS == *bwd* ]]; then
+  timeout 120 "$B/bench/flashattn_cuda_bwd_bench" >"$OUT/ours_bwd.txt" 2>&1
+  timeout 200 python3 bench/peers/sdpa_bwd.py --ours "$OUT/ours_bwd.txt" >"$OUT/bwd_table.md" 2>&1
+fi
+if [[ $STEPS == *memory* ]]; then
+  timeout 60 "$B/bench/flashattn_cuda_bwd_bench" --memory >"$OUT/memory.txt" 2>&1
+  add "$(grep 'peak fwd+bwd' "$OUT/memory.txt")"
+fi
+if [[ $STEPS == *python* ]]; then
+  timeout 280 bash tests/python/run_gpu_tests.sh >"$OUT/python.txt" 2>&1
+  add "python (CUDA): rc=$? $(tail -1 "$OUT/python.txt")"
+fi
+
+echo
+[ -f "$OUT/fwd_table.md" ] && cat "$OUT/fwd_table.md"
+[ -f "$OUT/bwd_table.md" ] && grep -v '^#' "$OUT/bwd_table.md"
+echo
+printf '%s\n' "${summary[@]}"
