@@ -31,9 +31,13 @@
 namespace flashattn::detail::cuda::sm80 {
 
 // Tile shapes of the backward per head-dim bucket (8 warps always).
-//   d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64.
+//   d <= 64: BM 128 x BN 128;  d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64.
 // Per-thread fp32 accumulators: dK + dV = 2 * BN * d / 256, S + dP = 2 * BM * BN / 256,
 // dQ = BM * d / 256 (live only after S/dP are consumed), at most ~224 at d = 128 / 256.
+// d <= 64 takes 128 query rows: with 64 its pair did half the d = 128 pair's products
+// for the same fixed cost (two barriers, lse / D, loop head, atomics); 128 x 128 brings
+// its accumulators (S + dP 128, dK + dV 64) to the d = 128 footprint. The workspace stays
+// in 64-row tiles (kBwdBlockM), so a 128-row query tile covers two of them.
 // Opt-in shared memory per block: sm80's 163 KiB (the default build target) and sm90's
 // 227 KiB, which gives the d = 224 / 256 buckets a second Q / dO stage.
 inline constexpr int kSm80SmemLimit = 163 * 1024;
@@ -43,18 +47,21 @@ template <int kHeadDim_, int kSmemLimit_ = kSm80SmemLimit>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kSmemLimit = kSmemLimit_;
-  static constexpr int kBlockM = kBwdBlockM;
+  static constexpr int kBlockM = kHeadDim <= 64 ? 2 * kBwdBlockM : kBwdBlockM;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kWorkspaceTilesPerM = kBlockM / kBwdBlockM;  // dq_accum tiles per Q tile
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
-  // S and dP [kBlockM x kBlockN]: 2 (rows) x 4 (keys) warps.
+  // S and dP [kBlockM x kBlockN]: 2 (rows) x 4 (keys) warps. (For 128 rows, 4 x 2 warps
+  // spilled 76 bytes at d = 64 where 2 x 4 spills nothing; ptxas, sm_90.)
   static constexpr int kWarpsNsdp = 4;
-  static constexpr int kWarpMsdp = kBlockM / 2;           // 32 query rows
-  static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;  // 32 or 16 keys
+  static constexpr int kWarpMsdp = kBlockM / (kNWarps / kWarpsNsdp);  // 32 or 64 query rows
+  static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;              // 32 or 16 keys
   // dK and dV [kBlockN x kHeadDim]: 4 (keys) x 2 (head-dim halves) warps.
   static constexpr int kWarpNdkv = kBlockN / 4;
   static constexpr int kWarpDdkv = kHeadDim / 2;
-  // dQ [kBlockM x kHeadDim]: 4 (rows) x 2 (head-dim halves) warps.
+  // dQ [kBlockM x kHeadDim]: 4 (rows) x 2 (head-dim halves) warps; a warp's 16 or 32
+  // rows lie in one 64-row workspace tile.
   static constexpr int kWarpMdq = kBlockM / 4;
   static constexpr int kWarpDdq = kHeadDim / 2;
 
@@ -72,8 +79,10 @@ struct BwdTileConfig {
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "BwdTileConfig: head-dim bucket");
   static_assert(kWarpNsdp % 16 == 0 && kWarpDdkv % 16 == 0 && kWarpDdq % 16 == 0 &&
-                    kWarpNdkv % 16 == 0 && kWarpMdq == 16,
+                    kWarpNdkv % 16 == 0 && kWarpMdq % 16 == 0 && kWarpMsdp % 16 == 0,
                 "BwdTileConfig: warp tiles must be whole m16 / n16 pairs");
+  static_assert(kBlockM % kBwdBlockM == 0 && kBwdBlockM % kWarpMdq == 0,
+                "BwdTileConfig: a query tile is whole workspace tiles, a dQ warp tile in one");
   static_assert(kSmemBytes <= kSmemLimit, "BwdTileConfig: shared memory beyond the limit");
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
                 "BwdTileConfig: accumulators would not fit in registers");
@@ -224,7 +233,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   constexpr int kNThreads = Cfg::kNThreads;
   constexpr int kMTs = Cfg::kWarpMsdp / 16, kNTs = Cfg::kWarpNsdp / 8;      // S / dP tiles
   constexpr int kMTkv = Cfg::kWarpNdkv / 16, kNTkv = Cfg::kWarpDdkv / 8;  // dK / dV tiles
-  constexpr int kNTdq = Cfg::kWarpDdq / 8;                                // dQ tiles
+  constexpr int kMTdq = Cfg::kWarpMdq / 16, kNTdq = Cfg::kWarpDdq / 8;    // dQ tiles
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -460,16 +469,19 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     }
 
     // dQ_m += dS K_n.
-    float acc_dq[1][kNTdq][4];
+    float acc_dq[kMTdq][kNTdq][4];
     zero_acc(acc_dq);
-    warp_gemm<Element, 16, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK>(
-        acc_dq, s_ds_tile, wm_dq * 16, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
+    warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK>(
+        acc_dq, s_ds_tile, wm_dq * Cfg::kWarpMdq, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
 
     unsigned* sem = nullptr;
     if (p.deterministic) {
       // Key tiles add to a query tile in ascending order: this one is the
-      // (n_block - first)-th of the contiguous run of tiles that see query tile m.
-      sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + m_block;
+      // (n_block - first)-th of the contiguous run of tiles that see query tile m. Every
+      // key tile that visits a query tile adds to all of its workspace tiles, so the
+      // counter of the first one orders them all.
+      sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
+            m_block * Cfg::kWorkspaceTilesPerM;
       const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
       const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
       if (tid == 0) {
@@ -477,23 +489,32 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
       }
       __syncthreads();
     }
-    {
-      // Fragment (wm_dq, slab) of the tile: 128 floats, this lane's four at lane * 4.
-      // Rows past s_q add the zeros their dS rows hold; slabs past d do not exist.
-      float* const dq_tile = ws.dq_accum + dq_accum_tile(ws, b, m_block, h, p.h_q, p.d);
+    // The warp's rows [m0 + wm_dq * kWarpMdq, + kWarpMdq) lie in one 64-row workspace
+    // tile; a warp whose rows all lie past s_q skips (that tile may not exist when the
+    // last 128-row query tile has fewer than 65 rows).
+    const int dq_row0 = m0 + wm_dq * Cfg::kWarpMdq;
+    if (dq_row0 < s_q) {
+      // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
+      // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not exist.
+      float* const dq_tile =
+          ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d);
+      const int r_ws = dq_row0 % kBwdBlockM;
 #pragma unroll
       for (int nt = 0; nt < kNTdq; ++nt) {
         const int c = wd_dq * Cfg::kWarpDdq + nt * 8;
         if (c >= p.d) continue;  // head-dim padding of the bucket
-        float* const dst = dq_tile + dq_accum_index(wm_dq * 16, c) + lane * 4;
+#pragma unroll
+        for (int mt = 0; mt < kMTdq; ++mt) {
+          float* const dst = dq_tile + dq_accum_index(r_ws + mt * 16, c) + lane * 4;
 #if __CUDA_ARCH__ >= 900
-        atomicAdd(reinterpret_cast<float4*>(dst),
-                  make_float4(acc_dq[0][nt][0], acc_dq[0][nt][1], acc_dq[0][nt][2],
-                              acc_dq[0][nt][3]));
+          atomicAdd(reinterpret_cast<float4*>(dst),
+                    make_float4(acc_dq[mt][nt][0], acc_dq[mt][nt][1], acc_dq[mt][nt][2],
+                                acc_dq[mt][nt][3]));
 #else
 #pragma unroll
-        for (int e = 0; e < 4; ++e) atomicAdd(dst + e, acc_dq[0][nt][e]);
+          for (int e = 0; e < 4; ++e) atomicAdd(dst + e, acc_dq[mt][nt][e]);
 #endif
+        }
       }
     }
     if (p.deterministic) {
