@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/params.hpp"
 #include "cuda/common/cuda_check.hpp"
@@ -111,6 +112,42 @@ __device__ __forceinline__ void load_tile_strided(Element* smem, const Element* 
   }
 }
 
+// Per-thread copy plan of a [Tile::kRows x kHeadDim] tile whose rows all exist and lie at a
+// constant stride (a key tile below the last one of a dense, varlen or dense-cache call):
+// each thread copies one 16-byte column chunk of every kRowsPerPass-th row, so a tile is
+// the thread's source pointer plus a per-pass stride and no per-row test. A thread whose
+// column lies at or past d reads nothing (src-size 0 zero-fills) from the mapped column 0.
+template <class Tile, int kThreads>
+struct FullTileCopy {
+  static constexpr int kChunksPerRow = Tile::kCols / 8;
+  static constexpr bool kApplies =
+      kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0 &&
+      Tile::kRows % (kThreads / kChunksPerRow) == 0;
+  static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
+  static constexpr int kPasses = Tile::kRows / kRowsPerPass;
+
+  __device__ __forceinline__ static int row(int tid) { return tid / kChunksPerRow; }
+  __device__ __forceinline__ static int col(int tid) { return (tid % kChunksPerRow) * 8; }
+
+  // src: this thread's chunk in the tile's first row; dst: its shared address.
+  template <typename Element>
+  __device__ __forceinline__ static void issue(std::uint32_t dst, const Element* src,
+                                               std::int64_t row_stride, bool col_ok) {
+    const std::int64_t pass_stride = kRowsPerPass * row_stride;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      // the swizzle reads row % 8 only, so a step of kRowsPerPass rows is a constant
+      cp_async_16(dst + pass * kRowsPerPass * Tile::kBlockCols * 2, src, col_ok);
+      src += pass_stride;
+    }
+  }
+};
+
+// The compile-time copies of the key-tile step (see key_tile in fwd_kernel).
+enum class FwdMode { kGeneral, kPlainMasked, kPlainInterior };
+template <FwdMode kMode>
+using FwdModeTag = std::integral_constant<FwdMode, kMode>;
+
 template <int kHeadDim, typename Element>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -167,17 +204,41 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
       std::int64_t(g) * p.v_head_stride;
 
-  auto load_kv = [&](int stage, int tile) {
+  auto load_kv_dense = [&](int stage, int tile) {
     const int n0 = tile * kBlockN;
     Element* sK = sKV + (2 * stage) * KVTile::kElements;
     Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
+                                            p.k_row_stride, s_k - n0, p.d, p.k, tid);
+    load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
+                                            p.v_row_stride, s_k - n0, p.d, p.v, tid);
+  };
+  // Key tiles below the last are full, which is every tile the main loop refills.
+  using FullKV = FullTileCopy<KVTile, Tr::kThreads>;
+  const int full_row = FullKV::row(tid);
+  const bool full_col_ok = FullKV::col(tid) < p.d;
+  const int full_col = full_col_ok ? FullKV::col(tid) : 0;
+  const Element* const k_full = k_base + k_row0 + std::int64_t(full_row) * p.k_row_stride + full_col;
+  const Element* const v_full = v_base + v_row0 + std::int64_t(full_row) * p.v_row_stride + full_col;
+  const std::uint32_t kv_full_dst = smem_u32(sKV + KVTile::offset(full_row, FullKV::col(tid)));
+  auto load_kv_full = [&](int stage, int tile) {
+    if constexpr (FullKV::kApplies) {
+      const std::int64_t n0 = std::int64_t(tile) * kBlockN;
+      const std::uint32_t dst = kv_full_dst + stage * (2 * KVTile::kBytes);
+      FullKV::issue(dst, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
+      FullKV::issue(dst + KVTile::kBytes, v_full + n0 * p.v_row_stride, p.v_row_stride, full_col_ok);
+    } else {
+      load_kv_dense(stage, tile);
+    }
+  };
+  auto load_kv = [&](int stage, int tile) {
     if (!paged) {
-      load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
-                                              p.k_row_stride, s_k - n0, p.d, p.k, tid);
-      load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                              p.v_row_stride, s_k - n0, p.d, p.v, tid);
+      load_kv_dense(stage, tile);
       return;
     }
+    const int n0 = tile * kBlockN;
+    Element* sK = sKV + (2 * stage) * KVTile::kElements;
+    Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
     auto k_row = [&](int r) -> const Element* {
       const int j = n0 + r;
       if (j >= s_k) return nullptr;
@@ -202,6 +263,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
   const bool has_dropout = p.rng.threshold != 0u;
   const std::uint32_t dropout_bh = p.dropout_bh(b, h);
   const int shift = s_k - s_q;
+  const bool general_path = paged || !raw_scores || has_dropout;
 
   OnlineSoftmax<kMTiles> softmax;
   softmax.init();
@@ -245,12 +307,26 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
         smem_u32(sKV + KVTile::kElements) + KVTile::lane_bytes(lane & 15, lane >> 4, var);
   }
 
-  for (int it = 0; it < n_tiles; ++it) {
+  // One key tile: wait for it, refill the ring, S = Q K^T, scores, mask, online softmax,
+  // dropout, O += P V. kMode picks a compile-time copy: kGeneral carries every feature as
+  // a uniform run-time branch (paged loads, softcap, ALiBi, non-positive scale, dropout,
+  // the per-tile mask test); the plain copies (dense loads, raw scores with the scale in
+  // exp2, no dropout) either mask every element (kPlainMasked, boundary tiles) or nothing
+  // (kPlainInterior), so the interior loop has no feature or mask branch at all.
+  auto key_tile = [&](int it, auto mode_tag) {
+    constexpr FwdMode kMode = decltype(mode_tag)::value;
+    constexpr bool kGeneral = kMode == FwdMode::kGeneral;
     cp_async_wait<kStages - 2>();
     __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
     {
       const int ahead = it + kStages - 1;
-      if (ahead < n_tiles) load_kv(ahead % kStages, tile_end - 1 - ahead);
+      if (ahead < n_tiles) {
+        if constexpr (kGeneral) {
+          load_kv(ahead % kStages, tile_end - 1 - ahead);
+        } else {
+          load_kv_full(ahead % kStages, tile_end - 1 - ahead);
+        }
+      }
       cp_async_commit();
     }
     const int n0 = (tile_end - 1 - it) * kBlockN;
@@ -311,7 +387,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     // Scores: scale, softcap, ALiBi (semantics::score order), then the mask.
     const int row_base = m0 + warp_row0 + (lane >> 2);  // sequence row of c0 in m-tile 0
     const int col_base = n0 + (lane & 3) * 2;           // sequence column of c0 in n-tile 0
-    if (!raw_scores) {
+    if (kGeneral && !raw_scores) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -328,7 +404,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
             s[mt][nt][e] = x;
           }
     }
-    if (mask.tile_needs_mask(m0, kBlockM, n0, kBlockN)) {
+    if (kMode == FwdMode::kPlainMasked ||
+        (kGeneral && mask.tile_needs_mask(m0, kBlockM, n0, kBlockN))) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -348,7 +425,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
     }
 
     softmax.update(s, acc_o, to_log2);
-    if (has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
+    if (kGeneral && has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
 
     // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk. The V
     // fragments (k halves 0, 1 of d-tiles 2dp, 2dp + 1) are double-buffered over the
@@ -379,6 +456,27 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
         for (int mt = 0; mt < kMTiles; ++mt) {
           mma_m16n8k16<Element>(acc_o[mt][2 * dp], a[mt], vb[step & 1][0], vb[step & 1][1]);
           mma_m16n8k16<Element>(acc_o[mt][2 * dp + 1], a[mt], vb[step & 1][2], vb[step & 1][3]);
+        }
+      }
+    }
+  };
+
+  // Plain calls: the tiles that cross the end of the keys or the causal / right window
+  // edge come first in visit order and those crossing the left window edge last, so the
+  // visit is masked tiles, one interior run, masked tiles.
+  if (general_path) {
+    for (int it = 0; it < n_tiles; ++it) key_tile(it, FwdModeTag<FwdMode::kGeneral>{});
+  } else {
+    auto interior = [&](int it) {
+      return !mask.tile_needs_mask(m0, kBlockM, (tile_end - 1 - it) * kBlockN, kBlockN);
+    };
+    for (int it = 0; it < n_tiles;) {
+      if (!interior(it)) {
+        key_tile(it, FwdModeTag<FwdMode::kPlainMasked>{});
+        ++it;
+      } else {
+        for (; it < n_tiles && interior(it); ++it) {
+          key_tile(it, FwdModeTag<FwdMode::kPlainInterior>{});
         }
       }
     }
