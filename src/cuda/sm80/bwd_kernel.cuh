@@ -188,6 +188,18 @@ __device__ __forceinline__ void load_tile_async(std::uint32_t s_base, const Elem
     const bool col_ok = col < d;
     const std::uint32_t s_thread = s_base + 2u * Tile::offset(row, col);
     const Element* const g_thread = g_base + row * row_stride + col;
+    if (rows_valid >= Tile::kRows && d >= Tile::kCols) {
+      // Interior tile (block-uniform): every chunk is valid, so no per-pass row test and
+      // no clamped source address; the pointer steps by a uniform pass stride.
+      const Element* src = g_thread;
+      const std::int64_t pass_stride = kRowsPerPass * row_stride;
+#pragma unroll
+      for (int k = 0; k < Tile::kRows / kRowsPerPass; ++k) {
+        cp_async_16(s_thread + 2u * (k * kRowsPerPass * Tile::kBlockCols), src, true);
+        src += pass_stride;
+      }
+      return;
+    }
 #pragma unroll
     for (int k = 0; k < Tile::kRows / kRowsPerPass; ++k) {
       const bool valid = col_ok && row + k * kRowsPerPass < rows_valid;
@@ -496,16 +508,20 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     if (dq_row0 < s_q) {
       // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
       // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not exist.
-      float* const dq_tile =
-          ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d);
-      const int r_ws = dq_row0 % kBwdBlockM;
+      // Fragment (r / 16, c / 8) starts at dq_accum_index(r, c) = 128 * fragment for
+      // r % 16 == 0, c % 8 == 0, linear in both steps: one base pointer per warp and
+      // compile-time offsets (immediates of the red instruction).
+      constexpr int kFragmentsPerSlab = kBwdBlockM / 16;  // fragments of one 8-column slab
+      float* const dq_warp =
+          ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
+          dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
 #pragma unroll
       for (int nt = 0; nt < kNTdq; ++nt) {
         const int c = wd_dq * Cfg::kWarpDdq + nt * 8;
         if (c >= p.d) continue;  // head-dim padding of the bucket
 #pragma unroll
         for (int mt = 0; mt < kMTdq; ++mt) {
-          float* const dst = dq_tile + dq_accum_index(r_ws + mt * 16, c) + lane * 4;
+          float* const dst = dq_warp + (nt * kFragmentsPerSlab + mt) * 128;
 #if __CUDA_ARCH__ >= 900
           atomicAdd(reinterpret_cast<float4*>(dst),
                     make_float4(acc_dq[mt][nt][0], acc_dq[mt][nt][1], acc_dq[mt][nt][2],
