@@ -5,8 +5,9 @@
 //
 // Scores arrive in any unit; `to_log2` turns them into log2 units (scale * log2(e) when
 // the raw dot products come in, log2(e) when they are already scaled), so each
-// probability is one FFMA and one ex2; to_log2 must be > 0. A row whose scores so far are all -inf keeps max
-// -inf; its exponent base is taken as 0 so that exp2(-inf - base) = 0, never NaN.
+// probability is one FFMA and one ex2; to_log2 must be > 0. A row whose scores so far are
+// all -inf keeps max -inf; its exponent base is taken as 0 so that exp2(-inf - base) = 0,
+// never NaN.
 #pragma once
 
 #include <cmath>
@@ -18,7 +19,7 @@ namespace flashattn::detail::cuda {
 template <int kMTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows held per thread: (mt, half)
-  float row_max[kRows];                      // in score units
+  float row_max[kRows];                      // max in score units (update_lazy: a reference <= it)
   float row_sum[kRows];                      // this thread's partial sum (quad-reduced at the end)
 
   __device__ __forceinline__ void init() {
@@ -41,6 +42,7 @@ struct OnlineSoftmax {
   // Folds the tile s[kMTiles][kNTiles][4] into the running max and sum: rescales the
   // output accumulator o[kMTiles][kOTiles][4] and the sums by exp2(old max - new max)
   // and replaces s by the unnormalised probabilities exp2(s * to_log2 - max * to_log2).
+  // The reference is always the true max; no branch, the fewest live registers.
   template <int kNTiles, int kOTiles>
   __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4],
                                          float (&o)[kMTiles][kOTiles][4], float to_log2) {
@@ -70,6 +72,73 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNTiles; ++nt) {
           const float p0 = sm80::fast_exp2(s[mt][nt][2 * half] * to_log2 - base);
           const float p1 = sm80::fast_exp2(s[mt][nt][2 * half + 1] * to_log2 - base);
+          s[mt][nt][2 * half] = p0;
+          s[mt][nt][2 * half + 1] = p1;
+          sum += p0 + p1;
+        }
+        row_sum[r] += sum;
+      }
+    }
+  }
+
+  // The reference max of a row moves only when the row's max exceeds it by more than
+  // kRescaleLog2 (log2 units): probabilities are then at most 2^kRescaleLog2 = 256, far
+  // inside fp32 / fp16 / bf16 range and with the same relative rounding as values <= 1,
+  // and the sum and lse use the same reference, so the result is the same softmax. On
+  // most tiles no row of a warp moves, and the rescale of o (one FMUL per accumulator
+  // element, as many as the tile's MMAs) is skipped by a warp vote.
+  static constexpr float kRescaleLog2 = 8.0f;
+
+  // update_lazy folds the tile s[kMTiles][kNTiles][4] into the running reference max and
+  // sum: where a row's reference moves, rescales its o[kMTiles][kOTiles][4] and sum by
+  // exp2(old - new); replaces s by the unnormalised probabilities
+  // exp2(s * to_log2 - reference * to_log2). The vote is warp-uniform: every lane of the
+  // warp calls update_lazy() together.
+  template <int kNTiles, int kOTiles>
+  __device__ __forceinline__ void update_lazy(float (&s)[kMTiles][kNTiles][4],
+                                              float (&o)[kMTiles][kOTiles][4], float to_log2) {
+    float correction[kRows], base[kRows];
+    bool rescale = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        float m = row_max[r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        m = quad_max(m);
+        // -inf - -inf is NaN and compares false: a row that saw no key yet keeps -inf.
+        // The first finite max moves the reference; o and the sum are 0 then.
+        const bool move = (m - row_max[r]) * to_log2 > kRescaleLog2;
+        const float old_base = row_max[r] * to_log2;
+        if (move) row_max[r] = m;
+        base[r] = row_max[r] == -INFINITY ? 0.0f : row_max[r] * to_log2;
+        correction[r] = move ? sm80::fast_exp2(old_base - base[r]) : 1.0f;
+        rescale = rescale || move;
+        row_sum[r] *= correction[r];
+      }
+    }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int ot = 0; ot < kOTiles; ++ot)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][ot][e] *= correction[2 * mt + (e >> 1)];
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          const float p0 = sm80::fast_exp2(s[mt][nt][2 * half] * to_log2 - base[r]);
+          const float p1 = sm80::fast_exp2(s[mt][nt][2 * half + 1] * to_log2 - base[r]);
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;

@@ -424,7 +424,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
         }
     }
 
-    softmax.update(s, acc_o, to_log2);
+    if constexpr (kGeneral) {
+      softmax.update(s, acc_o, to_log2);
+    } else {
+      softmax.update_lazy(s, acc_o, to_log2);
+    }
     if (kGeneral && has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
 
     // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk. The V
