@@ -49,6 +49,12 @@ struct FwdTraits {
   static constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row tiles per warp
   static constexpr int kNTiles = kBlockN / 8;              // 8-key tiles of S per warp row tile
   static constexpr int kOTiles = kHeadDim / 8;             // 8-dim tiles of O
+  // The lazy O rescale (OnlineSoftmax::update_lazy) saves kMTiles * kOTiles * 4 FMULs per
+  // tile but costs ~45 instructions of address rematerialisation around its branch
+  // (SASS, sm_90): worth it where the rescale is at least one FMUL per MMA of the tile
+  // (hdim 128: 128 vs 128, 578 -> ~533 instructions; hdim 64: 64 vs 128, 643 -> ~668).
+  static constexpr int kTileMmas = kMTiles * (kNTiles * kHeadDim / 16 + kOTiles * kBlockN / 16);
+  static constexpr bool kLazyRescale = kMTiles * kOTiles * 4 >= kTileMmas;
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
@@ -424,7 +430,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
         }
     }
 
-    if constexpr (kGeneral) {
+    if constexpr (kGeneral || !Tr::kLazyRescale) {
       softmax.update(s, acc_o, to_log2);
     } else {
       softmax.update_lazy(s, acc_o, to_log2);
