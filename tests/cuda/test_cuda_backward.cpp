@@ -125,7 +125,8 @@ TEST_P(CudaBackwardFeature, MatchesOracle) {
   }
 }
 
-// Lengths chosen to straddle the 64-row query tiles and 64/128-key tiles.
+// Lengths chosen to straddle the 64-row query tiles (128-row at d <= 64, e.g. 129 and 131
+// leave one and three rows in the last) and the 64/128-key tiles.
 INSTANTIATE_TEST_SUITE_P(
     Cuda, CudaBackwardFeature,
     ::testing::Values(Feature{"plain", 2, 131, 197, 2, 2, 64, false, -1, -1, 0, 0, 0},
@@ -197,11 +198,17 @@ TEST(CudaBackward, ExtremeLogitsStayFinite) {
 }
 
 // Deterministic mode: two runs give the same bits (dq is ordered across key tiles).
+// s_q = 141 leaves 13 rows in the last 128-row query tile of the d <= 64 buckets, whose
+// second 64-row dq workspace tile does not exist; a window exercises the ordering of key
+// tiles that start after key 0.
 TEST(CudaBackward, DeterministicRunsAreBitIdentical) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  for (bool causal : {false, true}) {
-    DenseCase c = DenseCase::random(rng, shape_of(2, 333, 517, 4, 2, 64), DType::kBFloat16);
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool causal = variant == 1;
+    const int s_q = variant == 2 ? 141 : 333;
+    DenseCase c = DenseCase::random(rng, shape_of(2, s_q, 517, 4, 2, 64), DType::kBFloat16);
+    if (variant == 2) c.opts.window_left = 150;
     c.opts.causal = causal;
     c.opts.deterministic = true;
     c.opts.dropout_p = 0.1f;
