@@ -13,13 +13,38 @@ interface hands it None (no padding: dense flash_attn_func) or the 2D padding ma
 sequences for flash_attn_varlen_func and the output is scattered back (zeros at padded
 query positions). sliding_window w becomes window_size (w - 1, w - 1) with causal masking,
 softcap and scaling pass through. Attention sinks (s_aux) are not supported.
+
+With a flashattn.generation.PagedKVCache as past_key_values, the cache hands the new keys
+and values over unchanged and this function attends them through flash_attn_with_kvcache
+against the cache's paged pools (see flashattn/generation.py).
 """
+
+import threading
 
 import torch
 
 from .interface import flash_attn_func, flash_attn_varlen_func
 
 NAME = "fused_attention"
+
+_registered = set()
+
+# The (PagedLayer, key tensor) of the last PagedKVCache.update on this thread: the
+# attention call that receives exactly that key tensor runs on the paged cache.
+_paged_calls = threading.local()
+
+
+def registered_names():
+    """The names register() has registered in this process."""
+    return frozenset(_registered)
+
+
+def _take_paged_layer(key):
+    pending = getattr(_paged_calls, "pending", None)
+    if pending is None or pending[1] is not key:
+        return None
+    _paged_calls.pending = None
+    return pending[0]
 
 
 def _unpad(x, index, batch, length):
@@ -39,6 +64,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     returns (out [b, s_q, h_q, d], None)."""
     if s_aux is not None:
         raise NotImplementedError("flashattn: attention sinks (s_aux) are not supported")
+    paged = _take_paged_layer(key)
+    if paged is not None:
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
+        return paged.attend(query, key, value, attention_mask, scaling, window,
+                            softcap or 0.0), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = (-1, -1)
@@ -72,4 +102,5 @@ def register(name: str = NAME) -> str:
 
     AttentionInterface.register(name, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, flash_attention_mask)
+    _registered.add(name)
     return name
