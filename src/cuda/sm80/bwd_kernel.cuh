@@ -57,13 +57,20 @@ struct BwdTileConfig {
   static constexpr int kWarpsNsdp = 4;
   static constexpr int kWarpMsdp = kBlockM / (kNWarps / kWarpsNsdp);  // 32 or 64 query rows
   static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;              // 32 or 16 keys
-  // dK and dV [kBlockN x kHeadDim]: 4 (keys) x 2 (head-dim halves) warps.
-  static constexpr int kWarpNdkv = kBlockN / 4;
-  static constexpr int kWarpDdkv = kHeadDim / 2;
-  // dQ [kBlockM x kHeadDim]: 4 (rows) x 2 (head-dim halves) warps; a warp's 16 or 32
-  // rows lie in one 64-row workspace tile.
-  static constexpr int kWarpMdq = kBlockM / 4;
-  static constexpr int kWarpDdq = kHeadDim / 2;
+  // dK / dV [kBlockN x kHeadDim] and dQ [kBlockM x kHeadDim]: (8 / kWarpsD) row groups x
+  // kWarpsD head-dim parts. Rows or keys of a 64-wide tile split 4 ways would give
+  // 16-row warp tiles that reload their B fragments (the wide side) for a single m16 tile:
+  // at 64 x 256 a 16 x 128 tile needs 9 ldmatrix per 8 mma, a 32 x 64 tile 6. So a
+  // 64-wide side is split 2 ways and the head dim 4 ways where d / 4 is a whole n16 pair
+  // (d % 64 == 0); other buckets keep 2 head-dim halves.
+  static constexpr int kWarpsDdkv = kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
+  static constexpr int kWarpNdkv = kBlockN / (kNWarps / kWarpsDdkv);  // 32 or 16 keys
+  static constexpr int kWarpDdkv = kHeadDim / kWarpsDdkv;
+  // A dQ warp's 16 or 32 rows lie in one 64-row workspace tile. (At d = 128, BN 128, a
+  // 32 x 32 dQ tile spilled 100 B / 232 B against 28 / 36 for 16 x 64: kept 2 ways there.)
+  static constexpr int kWarpsDdq = kBlockM == 64 && kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
+  static constexpr int kWarpMdq = kBlockM / (kNWarps / kWarpsDdq);  // 32 or 16 rows
+  static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
 
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
   using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]
@@ -337,8 +344,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
 
   // Warp coordinates in the three products.
   const int wm_s = warp / Cfg::kWarpsNsdp, wn_s = warp % Cfg::kWarpsNsdp;
-  const int wn_kv = warp >> 1, wd_kv = warp & 1;
-  const int wm_dq = warp >> 1, wd_dq = warp & 1;
+  const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
+  const int wn_kv = uwarp / Cfg::kWarpsDdkv, wd_kv = uwarp % Cfg::kWarpsDdkv;
+  const int wm_dq = uwarp / Cfg::kWarpsDdq, wd_dq = uwarp % Cfg::kWarpsDdq;
   const int g8 = lane >> 2, t4 = lane & 3;
 
   // (query head, query tile) of this pair and of the next, walked tile-major per head.
