@@ -21,8 +21,11 @@ struct FwdTile {
 // shared by both) beat one wherever the accumulators fit in 255 registers without
 // spilling: hdim 64 at 128 x 64 (274 TFLOP/s vs 224 for 128 x 32 / 3 stages), hdim 128 at
 // 128 x 32 (289 vs 243 for 128 x 64 / 8 warps; 128 x 64 / 4 warps spills). From 160 up the
-// O accumulator alone needs one tile per warp, 8 warps, 1 block per SM; hdim 256 gains
-// 1.5-2.5% from a third stage (160 KiB, still within sm80's 163 KiB).
+// O accumulator alone needs one tile per warp. hdim 256 measured 226-234 TFLOP/s at
+// 128 x 32 / 8 warps / 3 stages (160 KiB, one block of 8 warps per SM whose warps all
+// meet at every tile barrier); it now runs 64 x 32 / 4 warps / 2 stages (96 KiB: two
+// independent blocks per H200 SM, the occupancy shape of FlashAttention-2's H100 choice;
+// one block per SM on sm80's 164 KiB), not yet measured on the device.
 constexpr FwdTile fwd_tile(int head_dim) {
   if (head_dim <= 32) return {128, 64, 4, 2};
   if (head_dim <= 64) return {128, 64, 4, 2};
@@ -31,7 +34,7 @@ constexpr FwdTile fwd_tile(int head_dim) {
   if (head_dim <= 160) return {128, 64, 8, 2};
   if (head_dim <= 192) return {128, 32, 8, 2};
   if (head_dim <= 224) return {128, 32, 8, 2};
-  return {128, 32, 8, 3};
+  return {64, 32, 4, 2};
 }
 
 constexpr int fwd_smem_bytes(int head_dim) {

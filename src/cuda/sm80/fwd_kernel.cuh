@@ -121,29 +121,38 @@ __device__ __forceinline__ void load_tile_strided(Element* smem, const Element* 
 // Per-thread copy plan of a [Tile::kRows x kHeadDim] tile whose rows all exist and lie at a
 // constant stride (a key tile below the last one of a dense, varlen or dense-cache call):
 // each thread copies one 16-byte column chunk of every kRowsPerPass-th row, so a tile is
-// the thread's source pointer plus a per-pass stride and no per-row test. A thread whose
-// column lies at or past d reads nothing (src-size 0 zero-fills) from the mapped column 0.
+// the thread's source pointer plus a per-pass stride and no per-row test. The swizzle
+// reads row % 8 only, so the shared address of a pass is one of kDstVariants per-thread
+// addresses (the passes within 8 rows) plus a constant. A thread whose column lies at or
+// past d reads nothing (src-size 0 zero-fills) from the mapped column 0.
 template <class Tile, int kThreads>
 struct FullTileCopy {
   static constexpr int kChunksPerRow = Tile::kCols / 8;
-  static constexpr bool kApplies =
-      kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0 &&
-      Tile::kRows % (kThreads / kChunksPerRow) == 0;
   static constexpr int kRowsPerPass = kThreads / kChunksPerRow;
-  static constexpr int kPasses = Tile::kRows / kRowsPerPass;
+  static constexpr bool kApplies = kThreads % kChunksPerRow == 0 && kRowsPerPass > 0 &&
+                                   (kRowsPerPass % 8 == 0 || 8 % kRowsPerPass == 0) &&
+                                   Tile::kRows % kRowsPerPass == 0 && Tile::kRows % 8 == 0;
+  static constexpr int kPasses = kApplies ? Tile::kRows / kRowsPerPass : 0;
+  static constexpr int kDstVariants = kRowsPerPass >= 8 ? 1 : 8 / (kRowsPerPass > 0 ? kRowsPerPass : 1);
 
   __device__ __forceinline__ static int row(int tid) { return tid / kChunksPerRow; }
   __device__ __forceinline__ static int col(int tid) { return (tid % kChunksPerRow) * 8; }
+  // Shared byte offset of this thread's chunk in pass `variant` (< kDstVariants).
+  __device__ __forceinline__ static int dst_bytes(int tid, int variant) {
+    return 2 * Tile::offset(row(tid) + variant * kRowsPerPass, col(tid));
+  }
 
-  // src: this thread's chunk in the tile's first row; dst: its shared address.
+  // src: this thread's chunk in the tile's first row; dst: dst_bytes() + the tile's base.
   template <typename Element>
-  __device__ __forceinline__ static void issue(std::uint32_t dst, const Element* src,
+  __device__ __forceinline__ static void issue(const std::uint32_t (&dst)[kDstVariants],
+                                               std::uint32_t base, const Element* src,
                                                std::int64_t row_stride, bool col_ok) {
     const std::int64_t pass_stride = kRowsPerPass * row_stride;
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
-      // the swizzle reads row % 8 only, so a step of kRowsPerPass rows is a constant
-      cp_async_16(dst + pass * kRowsPerPass * Tile::kBlockCols * 2, src, col_ok);
+      constexpr int kGroupBytes = kDstVariants * kRowsPerPass * Tile::kBlockCols * 2;
+      cp_async_16(dst[pass % kDstVariants] + base + (pass / kDstVariants) * kGroupBytes, src,
+                  col_ok);
       src += pass_stride;
     }
   }
@@ -226,13 +235,18 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
   const int full_col = full_col_ok ? FullKV::col(tid) : 0;
   const Element* const k_full = k_base + k_row0 + std::int64_t(full_row) * p.k_row_stride + full_col;
   const Element* const v_full = v_base + v_row0 + std::int64_t(full_row) * p.v_row_stride + full_col;
-  const std::uint32_t kv_full_dst = smem_u32(sKV + KVTile::offset(full_row, FullKV::col(tid)));
+  std::uint32_t kv_full_dst[FullKV::kDstVariants];
+#pragma unroll
+  for (int v = 0; v < FullKV::kDstVariants; ++v) {
+    kv_full_dst[v] = smem_u32(sKV) + FullKV::dst_bytes(tid, v);
+  }
   auto load_kv_full = [&](int stage, int tile) {
     if constexpr (FullKV::kApplies) {
       const std::int64_t n0 = std::int64_t(tile) * kBlockN;
-      const std::uint32_t dst = kv_full_dst + stage * (2 * KVTile::kBytes);
-      FullKV::issue(dst, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
-      FullKV::issue(dst + KVTile::kBytes, v_full + n0 * p.v_row_stride, p.v_row_stride, full_col_ok);
+      const std::uint32_t base = stage * (2 * KVTile::kBytes);
+      FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
+      FullKV::issue(kv_full_dst, base + KVTile::kBytes, v_full + n0 * p.v_row_stride,
+                    p.v_row_stride, full_col_ok);
     } else {
       load_kv_dense(stage, tile);
     }
