@@ -256,21 +256,31 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
       load_kv_dense(stage, tile);
       return;
     }
+    // Paged rows: one block-table lookup (a load and a division) per chunk serves K and V.
     const int n0 = tile * kBlockN;
-    Element* sK = sKV + (2 * stage) * KVTile::kElements;
-    Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
-    auto k_row = [&](int r) -> const Element* {
-      const int j = n0 + r;
-      if (j >= s_k) return nullptr;
-      return k_base + k_row0 + p.kv_row_offset(b, j, p.k_batch_stride, p.k_row_stride);
-    };
-    auto v_row = [&](int r) -> const Element* {
-      const int j = n0 + r;
-      if (j >= s_k) return nullptr;
-      return v_base + v_row0 + p.kv_row_offset(b, j, p.v_batch_stride, p.v_row_stride);
-    };
-    load_tile<KVTile, Tr::kThreads>(sK, k_row, p.d, p.k, tid);
-    load_tile<KVTile, Tr::kThreads>(sV, v_row, p.d, p.v, tid);
+    const std::uint32_t sK = smem_u32(sKV + (2 * stage) * KVTile::kElements);
+    const std::uint32_t sV = sK + KVTile::kBytes;
+    constexpr int kChunksPerRow = KVTile::kCols / 8;
+    constexpr int kChunks = KVTile::kRows * kChunksPerRow;
+#pragma unroll
+    for (int idx = tid; idx < kChunks; idx += Tr::kThreads) {
+      const int row = idx / kChunksPerRow;
+      const int col = (idx % kChunksPerRow) * 8;
+      const int j = n0 + row;
+      const bool valid = j < s_k && col < p.d;
+      const Element* k_src = k_base;
+      const Element* v_src = v_base;
+      if (valid) {
+        const std::int64_t blk =
+            p.block_table[std::int64_t(b) * p.block_table_batch_stride + j / p.block_size];
+        const int in_block = j % p.block_size;
+        k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
+        v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
+      }
+      const std::uint32_t off = 2 * KVTile::offset(row, col);
+      cp_async_16(sK + off, k_src, valid);
+      cp_async_16(sV + off, v_src, valid);
+    }
   };
 
   // ---- score mode: raw dot products with the scale folded into exp2 (the common
