@@ -21,16 +21,17 @@ struct FwdTile {
 // shared by both) beat one wherever the accumulators fit in 255 registers without
 // spilling: hdim 64 at 128 x 64 (274 TFLOP/s vs 224 for 128 x 32 / 3 stages), hdim 128 at
 // 128 x 32 (289 vs 243 for 128 x 64 / 8 warps; 128 x 64 / 4 warps spills). From 160 up the
-// O accumulator alone needs one tile per warp. hdim 256 measured 226-234 TFLOP/s at
-// 128 x 32 / 8 warps / 3 stages (160 KiB, one block of 8 warps per SM whose warps all
-// meet at every tile barrier); it now runs 64 x 32 / 4 warps / 2 stages (96 KiB: two
-// independent blocks per H200 SM, the occupancy shape of FlashAttention-2's H100 choice;
-// one block per SM on sm80's 164 KiB), not yet measured on the device.
+// O accumulator alone needs one tile per warp.
+// Not yet measured on the device: hdim 128 with 3 stages (80 KiB, still two blocks per
+// SM; the third stage gave hdim 256 1.5-2.5%); hdim 256 at 64 x 32 / 4 warps / 2 stages
+// (96 KiB: two independent blocks per H200 SM, the occupancy shape FlashAttention-2 picks
+// on H100; one block per SM on sm80's 164 KiB) instead of 128 x 32 / 8 warps / 3 stages
+// (226-234 TFLOP/s; 160 KiB, one block whose 8 warps all meet at every tile barrier).
 constexpr FwdTile fwd_tile(int head_dim) {
   if (head_dim <= 32) return {128, 64, 4, 2};
   if (head_dim <= 64) return {128, 64, 4, 2};
   if (head_dim <= 96) return {128, 32, 4, 2};
-  if (head_dim <= 128) return {128, 32, 4, 2};
+  if (head_dim <= 128) return {128, 32, 4, 3};
   if (head_dim <= 160) return {128, 64, 8, 2};
   if (head_dim <= 192) return {128, 32, 8, 2};
   if (head_dim <= 224) return {128, 32, 8, 2};
