@@ -8,16 +8,19 @@
 //   P  = exp2(S * scale * log2e - lse * log2e)           (scores recomputed from lse)
 //   dS = P * (dP * keep / (1 - p) - D) * softcap'        (D = rowsum(dO * O), preprocess)
 //   P * keep / (1 - p) and dS go to shared memory as 16-bit tiles, then
-//   dV += P_dropped^T dO_m,  dK += dS^T Q_m              (warps 4 x 2 over [BN x d])
-//   dQ_m += dS K_n                                        (warps 4 x 2 over [BM x d])
+//   dV += P_dropped^T dO_m,  dK += dS^T Q_m              (warps 4 x 2 or 2 x 4 over [BN x d])
+//   dQ_m += dS K_n                                        (warps 4 x 2 or 2 x 4 over [BM x d])
 // with dQ added to the fp32 workspace by red.global.add (or, deterministic, in key-tile
 // order behind a per-query-tile counter). All products run on mma.sync m16n8k16 fed by
 // ldmatrix(.trans) from swizzled tiles; the element mask runs only on boundary tiles.
+// Between the P / dS stores and the products that read them, warps sync in small groups
+// (named barriers) where the bucket allows, else all together.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_runtime.h>
 
@@ -71,6 +74,11 @@ struct BwdTileConfig {
   static constexpr int kWarpsDdq = kBlockM == 64 && kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
   static constexpr int kWarpMdq = kBlockM / (kNWarps / kWarpsDdq);  // 32 or 16 rows
   static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
+  // Named barriers after the P / dS stores (bwd_named_barriers) renumber the dK / dV warps;
+  // at d = 128 and 224 ptxas then spills (sm_90 bf16: 44 B st / 100 B ld against 24 / 40 at
+  // d = 128, 216 B against 24 B in the one-stage d = 224 kernel), so those keep one
+  // __syncthreads.
+  static constexpr bool kNamedBarriersFit = kHeadDim != 128 && kHeadDim != 224;
 
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
   using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]
@@ -94,6 +102,51 @@ struct BwdTileConfig {
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
                 "BwdTileConfig: accumulators would not fit in registers");
 };
+
+// Named barriers between the P / dS stores and their readers. S / dP warp
+// w = wm * kWarpsNsdp + wn writes P / dS rows wm, keys wn (kWarpNsdp wide). dV / dK warps
+// are numbered so that warp w works on the key slice that contains its own S / dP keys
+// ("key group" wn / r, r = kWarpNdkv / kWarpNsdp), head-dim part wm * r + wn % r: the
+// warps of a key group are then exactly the writers and the readers of that slice of P /
+// dS. dQ warp w reads its rows over all keys, written by the kWarpsNsdp warps of its S /
+// dP row slab, which are also the dQ warps of those rows ("row group"). Each group syncs
+// itself (2 or 4 warps) instead of one barrier of all 8, so a warp waits for the warps
+// whose data it reads, not for the slowest of 8. The top-of-pair __syncthreads still
+// orders every warp past the previous pair (P / dS and the Q / dO stage are free).
+// Barrier 0 is __syncthreads; key groups take 1.., row groups follow.
+template <class Cfg>
+constexpr int bwd_key_group(int w) {
+  return (w % Cfg::kWarpsNsdp) / (Cfg::kWarpNdkv / Cfg::kWarpNsdp);
+}
+template <class Cfg>
+constexpr int bwd_key_group_part(int w) {
+  constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
+  return (w / Cfg::kWarpsNsdp) * r + (w % Cfg::kWarpsNsdp) % r;
+}
+template <class Cfg>
+constexpr bool bwd_named_barriers() {
+  // S / dP key slices nest in dK / dV key slices, one key group per dK / dV key slice
+  // holding kWarpsDdkv warps, and every dQ warp's rows in its own S / dP slab.
+  if (Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0) return false;
+  constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
+  if ((Cfg::kNWarps / Cfg::kWarpsNsdp) * r != Cfg::kWarpsDdkv) return false;
+  for (int w = 0; w < Cfg::kNWarps; ++w)
+    if ((w / Cfg::kWarpsDdq) * Cfg::kWarpMdq / Cfg::kWarpMsdp != w / Cfg::kWarpsNsdp) return false;
+  return Cfg::kNamedBarriersFit &&
+         1 + Cfg::kNWarps / Cfg::kWarpsDdkv + Cfg::kNWarps / Cfg::kWarpsNsdp <= 16;
+}
+
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+// bar.sync (kFirstId + group), warp-uniform group < sizeof...(kGroups), with immediate
+// operands: a register id would hold one more register across the loop.
+template <int kFirstId, int kThreads, int... kGroups>
+__device__ __forceinline__ void named_barrier_sync_group(int group,
+                                                         std::integer_sequence<int, kGroups...>) {
+  ((group == kGroups ? named_barrier_sync<kFirstId + kGroups, kThreads>() : void()), ...);
+}
 
 // Address arithmetic of warp_gemm. A SwizzledTile permutes 16-byte chunks by an XOR with
 // bits of the row that a step of 8 rows cannot change, so the address of
@@ -344,8 +397,11 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
 
   // Warp coordinates in the three products.
   const int wm_s = warp / Cfg::kWarpsNsdp, wn_s = warp % Cfg::kWarpsNsdp;
+  // dK / dV: with named barriers, warp w takes the key slice of its own S / dP keys.
+  constexpr bool kNamedBarriers = bwd_named_barriers<Cfg>();
   const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
-  const int wn_kv = uwarp / Cfg::kWarpsDdkv, wd_kv = uwarp % Cfg::kWarpsDdkv;
+  const int wn_kv = kNamedBarriers ? bwd_key_group<Cfg>(uwarp) : uwarp / Cfg::kWarpsDdkv;
+  const int wd_kv = kNamedBarriers ? bwd_key_group_part<Cfg>(uwarp) : uwarp % Cfg::kWarpsDdkv;
   const int wm_dq = uwarp / Cfg::kWarpsDdq, wd_dq = uwarp % Cfg::kWarpsDdq;
   const int g8 = lane >> 2, t4 = lane & 3;
 
@@ -474,7 +530,12 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     } else {
       scores_to_p_ds(std::true_type{}, std::true_type{});
     }
-    __syncthreads();
+    if constexpr (kNamedBarriers) {
+      named_barrier_sync_group<1, 32 * Cfg::kWarpsDdkv>(  // this warp's key group
+          wn_kv, std::make_integer_sequence<int, Cfg::kNWarps / Cfg::kWarpsDdkv>{});
+    } else {
+      __syncthreads();
+    }
 
     // dV += P_dropped^T dO, dK += dS^T Q: A operands are the transposed [BM, BN] tiles.
     warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ>(
@@ -488,7 +549,12 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
       cp_async_commit();
     }
 
-    // dQ_m += dS K_n.
+    // dQ_m += dS K_n. (With one stage the barrier above already ordered every warp.)
+    if constexpr (kNamedBarriers && Cfg::kStages == 2) {
+      constexpr int kKeyGroups = Cfg::kNWarps / Cfg::kWarpsDdkv;
+      named_barrier_sync_group<1 + kKeyGroups, 32 * Cfg::kWarpsNsdp>(  // its row group
+          wm_s, std::make_integer_sequence<int, Cfg::kNWarps / Cfg::kWarpsNsdp>{});
+    }
     float acc_dq[kMTdq][kNTdq][4];
     zero_acc(acc_dq);
     warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK>(
