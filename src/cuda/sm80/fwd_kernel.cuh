@@ -133,7 +133,8 @@ struct FullTileCopy {
                                    (kRowsPerPass % 8 == 0 || 8 % kRowsPerPass == 0) &&
                                    Tile::kRows % kRowsPerPass == 0 && Tile::kRows % 8 == 0;
   static constexpr int kPasses = kApplies ? Tile::kRows / kRowsPerPass : 0;
-  static constexpr int kDstVariants = kRowsPerPass >= 8 ? 1 : 8 / (kRowsPerPass > 0 ? kRowsPerPass : 1);
+  // passes per 8 rows (1 when a pass covers 8 or more rows)
+  static constexpr int kDstVariants = kApplies && kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
 
   __device__ __forceinline__ static int row(int tid) { return tid / kChunksPerRow; }
   __device__ __forceinline__ static int col(int tid) { return (tid % kChunksPerRow) * 8; }
