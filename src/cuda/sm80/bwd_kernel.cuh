@@ -464,7 +464,20 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
       constexpr bool kGeneral = decltype(general_tag)::value;
       constexpr bool kMasked = decltype(masked_tag)::value;
 #pragma unroll
-      for (int mt = 0; mt < kMTs; ++mt)
+      for (int mt = 0; mt < kMTs; ++mt) {
+        // Boundary tiles: the visible keys of rows i0 and i0 + 8 as one interval
+        // [vis_lo, vis_hi] (empty past s_q), so an element costs two compares and a
+        // select instead of the branchy window test (the masked copy was twice the
+        // interior one's instructions, sm_90 SASS).
+        int vis_lo[2] = {0, 0}, vis_hi[2] = {0, 0};
+        if (kMasked) {
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8 + hf * 8;
+            vis_lo[hf] = left >= 0 ? i + diag_off - left : 0;
+            vis_hi[hf] = i >= s_q ? -1 : (right >= 0 ? min(s_k - 1, i + diag_off + right) : s_k - 1);
+          }
+        }
 #pragma unroll
         for (int nt = 0; nt < kNTs; ++nt) {
           const int i0 = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8;      // i0 & 8 == 0
@@ -490,10 +503,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
               prob = fast_exp2(x * kLog2e - lse2[mt][hf]);
             }
             if (kMasked) {
-              const bool visible = i < s_q && j < s_k &&
-                                   (left < 0 || j >= i + diag_off - left) &&
-                                   (right < 0 || j <= i + diag_off + right);
-              if (!visible) prob = 0.0f;
+              // semantics::key_visible for a row i < s_q, else nothing
+              const bool visible = (j >= vis_lo[hf]) & (j <= vis_hi[hf]);
+              prob = visible ? prob : 0.0f;
             }
             float dp = acc_dp[mt][nt][e];
             float prob_dropped = prob;
@@ -520,6 +532,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
           *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r + 8, c)) =
               pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]);
         }
+      }
     };
     if (plain && !has_dropout) {
       if (full) {
