@@ -75,8 +75,8 @@ struct BwdTileConfig {
   static constexpr int kWarpMdq = kBlockM / (kNWarps / kWarpsDdq);  // 32 or 16 rows
   static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
   // Named barriers after the P / dS stores (bwd_named_barriers) renumber the dK / dV warps;
-  // at d = 128 and 224 ptxas then spills (sm_90 bf16: 44 B st / 100 B ld against 24 / 40 at
-  // d = 128, 216 B against 24 B in the one-stage d = 224 kernel), so those keep one
+  // at d = 128 and 224 ptxas then spills (sm_90 bf16: 24 B st / 40 B ld against none at
+  // d = 128, 204 B against 8 B in the one-stage d = 224 kernel), so those keep one
   // __syncthreads.
   static constexpr bool kNamedBarriersFit = kHeadDim != 128 && kHeadDim != 224;
 
