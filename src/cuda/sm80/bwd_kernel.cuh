@@ -69,9 +69,9 @@ struct BwdTileConfig {
   static constexpr int kWarpsDdkv = kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
   static constexpr int kWarpNdkv = kBlockN / (kNWarps / kWarpsDdkv);  // 32 or 16 keys
   static constexpr int kWarpDdkv = kHeadDim / kWarpsDdkv;
-  // A dQ warp's 16 or 32 rows lie in one 64-row workspace tile. (At d = 128, BN 128, a
-  // 32 x 32 dQ tile spilled 100 B / 232 B against 28 / 36 for 16 x 64: kept 2 ways there.)
-  static constexpr int kWarpsDdq = kBlockM == 64 && kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
+  // A dQ warp's 16 or 32 rows lie in one 64-row workspace tile. (d = 128 takes 32 x 32
+  // since the interval mask freed registers; before it, 32 x 32 spilled 100 B / 232 B.)
+  static constexpr int kWarpsDdq = kBlockM == 64 && kHeadDim % 64 == 0 ? 4 : 2;
   static constexpr int kWarpMdq = kBlockM / (kNWarps / kWarpsDdq);  // 32 or 16 rows
   static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
   // Named barriers after the P / dS stores (bwd_named_barriers) renumber the dK / dV warps;
