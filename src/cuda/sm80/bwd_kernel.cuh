@@ -288,6 +288,18 @@ __device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* 
                "r"(src_bytes));
 }
 
+#if __CUDA_ARCH__ >= 900
+// Four 8 x 8 16-bit matrices to shared memory; register k holds matrix k in the mma
+// fragment layout (lane l: row l / 4, columns 2 (l % 4), +1), lane l addresses row l % 8 of
+// matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t addr, std::uint32_t r0, std::uint32_t r1,
+                                            std::uint32_t r2, std::uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+#endif
+
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -521,6 +533,28 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
             }
             acc_s[mt][nt][e] = prob_dropped;
           }
+#if __CUDA_ARCH__ >= 900
+          // sm90: one stmatrix.x4 per (m16 x n16) of P and of dS once both n8 tiles are
+          // done. Matrix q of the four: rows + 8 * (q & 1), columns + 8 * (q >> 1), i.e.
+          // the registers (nt-1: c0c1, c2c3; nt: c0c1, c2c3) of the mma C layout; lane l
+          // gives the address of row l % 8 of matrix l / 8 (a whole 16-byte chunk, which
+          // the swizzle keeps together).
+          if (nt % 2 == 1) {
+            const int q = lane >> 3;
+            const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + (q & 1) * 8 + (lane & 7);
+            const int c = wn_s * Cfg::kWarpNsdp + (nt - 1) * 8 + (q >> 1) * 8;
+            const std::uint32_t off = 2u * TileP::offset(r, c);
+            stmatrix_x4(s_p_tile + off, pack2<Element>(acc_s[mt][nt - 1][0], acc_s[mt][nt - 1][1]),
+                        pack2<Element>(acc_s[mt][nt - 1][2], acc_s[mt][nt - 1][3]),
+                        pack2<Element>(acc_s[mt][nt][0], acc_s[mt][nt][1]),
+                        pack2<Element>(acc_s[mt][nt][2], acc_s[mt][nt][3]));
+            stmatrix_x4(s_ds_tile + off,
+                        pack2<Element>(acc_dp[mt][nt - 1][0], acc_dp[mt][nt - 1][1]),
+                        pack2<Element>(acc_dp[mt][nt - 1][2], acc_dp[mt][nt - 1][3]),
+                        pack2<Element>(acc_dp[mt][nt][0], acc_dp[mt][nt][1]),
+                        pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]));
+          }
+#else
           const int r = wm_s * Cfg::kWarpMsdp + mt * 16 + g8;
           const int c = wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4;
           *reinterpret_cast<std::uint32_t*>(smem_p + 2 * TileP::offset(r, c)) =
@@ -531,6 +565,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
               pack2<Element>(acc_dp[mt][nt][0], acc_dp[mt][nt][1]);
           *reinterpret_cast<std::uint32_t*>(smem_ds + 2 * TileP::offset(r + 8, c)) =
               pack2<Element>(acc_dp[mt][nt][2], acc_dp[mt][nt][3]);
+#endif
         }
       }
     };
