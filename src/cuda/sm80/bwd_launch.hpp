@@ -13,8 +13,9 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
-// Query rows per tile of the backward; every bucket uses the same value so that the
-// workspace layout (the deterministic-mode semaphores) does not depend on the bucket.
+// Query rows per dq_accum tile and per deterministic-mode counter; every bucket uses the
+// same value so that the workspace layout does not depend on the bucket. The main
+// kernel's query tile is a whole number of these (128 rows = two at d <= 64).
 inline constexpr int kBwdBlockM = 64;
 
 // Workspace, one allocation, each part 256-byte aligned:
