@@ -246,6 +246,25 @@ fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_s
   return a;
 }
 
+// The cache is writable for kvcache_forward (the append) and read-only for the size query.
+template <typename Cache>
+fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_cache,
+                             const In& cache_seqlens, const OptIn& block_table,
+                             const OptIn& cache_batch_idx, const OptIn& k_new,
+                             const OptIn& v_new, int num_splits) {
+  fa::KVCacheArgs a;
+  a.q = to_tensor(q, "q");
+  a.k_cache = to_tensor(k_cache, "k_cache");
+  a.v_cache = to_tensor(v_cache, "v_cache");
+  a.cache_seqlens = to_tensor(cache_seqlens, "cache_seqlens");
+  a.block_table = to_tensor(block_table, "block_table");
+  a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
+  a.k_new = to_tensor(k_new, "k_new");
+  a.v_new = to_tensor(v_new, "v_new");
+  a.num_splits = num_splits;
+  return a;
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -362,16 +381,8 @@ NB_MODULE(_C, m) {
          const OptIn& v_new, int num_splits, const Out& out, const OptOut& lse,
          const OptOut& workspace, FA_COMMON_ARGS) {
         const fa::Options o = FA_COMMON_VALUES.build();
-        fa::KVCacheArgs a;
-        a.q = to_tensor(q, "q");
-        a.k_cache = to_tensor(k_cache, "k_cache");
-        a.v_cache = to_tensor(v_cache, "v_cache");
-        a.cache_seqlens = to_tensor(cache_seqlens, "cache_seqlens");
-        a.block_table = to_tensor(block_table, "block_table");
-        a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
-        a.k_new = to_tensor(k_new, "k_new");
-        a.v_new = to_tensor(v_new, "v_new");
-        a.num_splits = num_splits;
+        const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
+                                               cache_batch_idx, k_new, v_new, num_splits);
         const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const fa::Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
@@ -390,16 +401,8 @@ NB_MODULE(_C, m) {
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, int num_splits, FA_COMMON_ARGS) {
         const fa::Options o = FA_COMMON_VALUES.build();
-        fa::KVCacheArgs a;
-        a.q = to_tensor(q, "q");
-        a.k_cache = to_tensor(k_cache, "k_cache");
-        a.v_cache = to_tensor(v_cache, "v_cache");
-        a.cache_seqlens = to_tensor(cache_seqlens, "cache_seqlens");
-        a.block_table = to_tensor(block_table, "block_table");
-        a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
-        a.k_new = to_tensor(k_new, "k_new");
-        a.v_new = to_tensor(v_new, "v_new");
-        a.num_splits = num_splits;
+        const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
+                                               cache_batch_idx, k_new, v_new, num_splits);
         return fa::kvcache_workspace_size(a, o);
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),
