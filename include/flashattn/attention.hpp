@@ -120,6 +120,20 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // Sequence i then attends to s_k = cache_seqlens[i] + s_new keys. cache_seqlens is not
 // updated: the caller advances it. num_splits splits the keys for split-KV decoding
 // (1 = no split, 0 = heuristic); partial results are merged by their log-sum-exp.
+//
+// Quantized cache: k_cache / v_cache of dtype float8_e4m3 (q, k_new, v_new, out stay
+// float16 / bfloat16). The value of a cached element is float(e4m3) * scale, with fp32
+//   k_scale, v_scale  [h_k]             one scale per KV head, or
+//                     [cache_rows, h_k] one per (block, KV head); cache_rows = k_cache.shape[0]
+//                                       (num_blocks when paged, b_cache when dense).
+// Scales are required for an fp8 cache and must be undefined otherwise. k_new / v_new
+// are quantized into the cache on append: e4m3(x / scale), round to nearest even,
+// saturating at +-448.
+//
+// Speculative decoding with a draft tree: tree_mask int32 [b, s_q, ceil(s_q / 32)].
+// The last s_q keys of each sequence are the draft tokens; query i sees draft t (key
+// s_k - s_q + t) only when bit t % 32 of tree_mask[b][i][t / 32] is set. Earlier keys
+// follow the other masks only; the tree rule is and-ed with causal / window.
 struct KVCacheArgs {
   Tensor q;
   Tensor k_cache, v_cache;
@@ -128,6 +142,8 @@ struct KVCacheArgs {
   Tensor cache_batch_idx;
   Tensor k_new, v_new;
   int num_splits = 0;
+  Tensor k_scale, v_scale;  // fp8 cache only
+  Tensor tree_mask;         // optional
 };
 
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,

@@ -241,6 +241,7 @@ RowStrides row_strides(const Tensor& t) {
 void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   const int head_dim = q.rank - 2;
   p.dtype = q.dtype;
+  p.kv_dtype = k.dtype;
   p.h_q = to_int(q.shape[head_dim]);
   p.h_k = to_int(k.shape[head_dim]);
   p.d = to_int(q.shape[head_dim + 1]);

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/check.hpp"
@@ -92,6 +93,11 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
     c.device("k_new", a.k_new, q.device, "same as q");
     c.layout("k_new", a.k_new);
     c.like("v_new", a.v_new, "k_new", a.k_new);
+  }
+  // Interim until the fp8 cache and the tree mask land in the backends (issue 4).
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
+                                {"v_scale", a.v_scale}, {"tree_mask", a.tree_mask}}) {
+    if (t.defined()) c.unsupported(name, "an undefined tensor (not implemented yet)", shape_string(t));
   }
   if (a.num_splits < 0 || a.num_splits > kMaxSplits) {
     c.fail("num_splits", "a value in [0, 256] (0 = heuristic)", std::to_string(a.num_splits));

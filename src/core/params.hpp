@@ -56,6 +56,21 @@ struct FwdParams {
   std::int64_t block_table_batch_stride = 0;
   int block_size = 0;  // rows per block (paged only)
 
+  // fp8 (e4m3) KV cache: k/v hold e4m3 bytes and k_scale/v_scale are non-null; the value
+  // of key j of sequence b, KV head g, is e4m3 * scale[kv_block(b, j) * scale_block_stride + g]
+  // (scale_block_stride is 0 for per-head scales [h_k], h_k for [cache_rows, h_k]).
+  // Otherwise kv_dtype == dtype and the scales are null.
+  DType kv_dtype = DType::kFloat16;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  std::int64_t scale_block_stride = 0;
+
+  // Tree mask (speculative decoding), int32 words or null: query i of sequence b sees
+  // draft key t (key s_k - s_q + t) only when bit t % 32 of
+  // tree_mask[b * tree_batch_stride + i * tree_row_stride + t / 32] is set.
+  const std::uint32_t* tree_mask = nullptr;
+  std::int64_t tree_batch_stride = 0, tree_row_stride = 0;
+
   // Scores.
   float scale = 1.0f;
   float softcap = 0.0f;  // 0 = off
@@ -129,6 +144,12 @@ struct FwdParams {
     }
     if (cu_seqlens_k) return (std::int64_t(cu_seqlens_k[b]) + j) * row_stride;
     return std::int64_t(cache_row(b)) * batch_stride + j * row_stride;
+  }
+  // The block (paged) or cache row (dense) holding key j of sequence b: the first
+  // index of per-(block, head) fp8 scales.
+  FA_HD std::int64_t kv_block(int b, std::int64_t j) const {
+    if (block_table) return block_table[std::int64_t(b) * block_table_batch_stride + j / block_size];
+    return cache_row(b);
   }
   FA_HD float alibi_slope(int b, int h) const {
     return alibi_slopes ? alibi_slopes[std::int64_t(b) * alibi_batch_stride + h] : 0.0f;

@@ -22,6 +22,10 @@ void forward(const FwdParams& p) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
   }
+  if (p.kv_dtype != p.dtype || p.k_scale != nullptr || p.tree_mask != nullptr) {
+    throw Unsupported(kFn, "k_cache", "a float16/bfloat16 cache without tree mask on CUDA (for now)",
+                      dtype_name(p.kv_dtype));
+  }
   if (p.num_splits > 1) {
     throw Unsupported(kFn, "num_splits",
                       "num_splits == 1 (num_splits > 1 on CUDA comes with the inference path)",
