@@ -1,0 +1,602 @@
+"""The unified benchmark (issue 6): flashattn against PyTorch SDPA's FLASH_ATTENTION,
+CUDNN_ATTENTION, EFFICIENT_ATTENTION and MATH backends and a naive unfused computation
+(matmul, softmax, matmul), all in this one process, on
+
+- the standard grid of the FlashAttention papers: bf16 and fp16, 16k tokens, model dim
+  2048 (heads = 2048 / hdim), hdim 64 / 128 / 256, causal and not, seqlen 512 .. 16k;
+  forward, backward and forward + backward, in TFLOP/s (4 b h s^2 d, halved when causal;
+  backward 2.5x, forward + backward 3.5x);
+- the decode grid: bf16, batch 8, 32 query heads over 8 KV heads, hdim 128, one query
+  token, contexts 4k / 32k / 128k, in TB/s of K and V read (flashattn through
+  flash_attn_with_kvcache; SDPA CUDNN and FLASH on the same dense cache);
+- a memory sweep: peak memory of forward + backward, batch 1, 16 heads, hdim 128, naive
+  against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory).
+
+With --cpu: the CPU backend against the naive computation and torch's CPU SDPA on a small
+grid. Results (CSV, JSON with metadata, report.md, PNG plots when matplotlib is present) go
+to --out (default build/bench-results/<date>-<device>/); the report with the ratio of flashattn
+to every peer in every cell is printed last. `--plot DIR` redraws the plots from
+DIR/results.json (for a machine with matplotlib).
+
+    python3 bench/suite.py [--cpu] [--quick] [--out DIR] [--grids standard,decode,memory]
+    python3 bench/suite.py --plot DIR
+
+Method: CUDA events around every call (host clock on the CPU), one warm-up call, one call
+to estimate the time, then as many timed calls as fit a budget per measurement (default
+25 ms, at least 3 and at most 30), median; inputs rotate among 3 sets (1 set where one
+call's s x s intermediate alone is larger than the L2). Forward is timed without autograd;
+backward is torch.autograd.grad over a retained forward graph; forward + backward is both.
+"""
+
+import argparse
+import datetime
+import gc
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import suite_report as R  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------- metadata
+
+
+def _run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20,
+                              cwd=REPO).stdout.strip()
+    except Exception:
+        return ""
+
+
+def metadata(torch, cpu, args):
+    import flashattn
+
+    commit = os.environ.get("FLASHATTN_COMMIT") or _run(["git", "rev-parse", "--short", "HEAD"])
+    meta = dict(
+        commit=commit or "unknown",
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        mode="cpu" if cpu else "cuda",
+        quick=bool(args.quick),
+        torch=torch.__version__,
+        flashattn=flashattn.__version__,
+        python=platform.python_version(),
+        budget_ms=args.budget_ms,
+        min_reps=args.min_reps,
+        max_reps=args.max_reps,
+        input_sets=args.sets,
+    )
+    if cpu:
+        model = ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        model = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        meta.update(device=model or platform.processor() or "CPU",
+                    threads=torch.get_num_threads(), cores=os.cpu_count())
+    else:
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm",
+                    "--format=csv,noheader"]).splitlines()
+        fields = [x.strip() for x in smi[0].split(",")] if smi else []
+        meta.update(
+            device=torch.cuda.get_device_name(),
+            driver=fields[0] if fields else "",
+            sm_clock=fields[1] if len(fields) > 1 else "",
+            sm_clock_max=fields[2] if len(fields) > 2 else "",
+            cuda=torch.version.cuda,
+            cudnn=str(torch.backends.cudnn.version()),
+            memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+            l2_mib=round(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) / 2**20, 1),
+        )
+    return meta
+
+
+# ----------------------------------------------------------------- timing
+
+
+class Timer:
+    """Times a list of calls, rotating among them: CUDA events around every call (host
+    clock on the CPU), a warm-up call, a call to estimate, then repeats within a budget."""
+
+    def __init__(self, torch, cpu, budget_ms, min_reps, max_reps):
+        self.torch, self.cpu = torch, cpu
+        self.budget_ms, self.min_reps, self.max_reps = budget_ms, min_reps, max_reps
+
+    def sync(self):
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+
+    def _times(self, calls, n):
+        if self.cpu:
+            out = []
+            for i in range(n):
+                t0 = time.perf_counter()
+                calls[i % len(calls)]()
+                out.append((time.perf_counter() - t0) * 1e3)
+            return out
+        ev = [(self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True))
+              for _ in range(n)]
+        for i in range(n):
+            ev[i][0].record()
+            calls[i % len(calls)]()
+            ev[i][1].record()
+        self.torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in ev]
+
+    def time(self, calls):
+        calls[0]()                                   # warm-up (plans, handles, first touch)
+        self.sync()
+        est = self._times(calls[1 % len(calls):] + calls[: 1 % len(calls)], 1)[0]
+        reps = R.repeats_for(est, self.budget_ms, self.min_reps, self.max_reps)
+        return R.median(self._times(calls, reps)), reps
+
+
+def is_oom(exc):
+    text = str(exc)
+    return (type(exc).__name__ == "OutOfMemoryError" or "out of memory" in text.lower()
+            or "ALLOC_FAILED" in text or "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE" in text)
+
+
+def reason_of(exc, caught):
+    msgs = [str(w.message).strip() for w in caught]
+    msgs = [m for m in msgs if m and "not used because" not in m]
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if is_oom(exc):
+        return "out of memory"
+    return R.short_reason(("; ".join(msgs[:2]) + " | " if msgs else "") + first, 200)
+
+
+# ----------------------------------------------------------------- implementations
+
+
+class Impls:
+    """Forward functions over [b, s, h, d] inputs; each returns (out, dout layout flag)."""
+
+    def __init__(self, torch, cpu):
+        self.torch, self.cpu = torch, cpu
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from flashattn import flash_attn_func, flash_attn_with_kvcache
+
+        self.F, self.sdpa_kernel = F, sdpa_kernel
+        self.fa, self.fa_kvcache = flash_attn_func, flash_attn_with_kvcache
+        self.backends = {
+            "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+            "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "sdpa_math": SDPBackend.MATH,
+        }
+        self._masks = {}
+
+    def context(self, impl):
+        """The SDPA backend context for an implementation (a null context otherwise)."""
+        import contextlib
+
+        if impl in self.backends:
+            return self.sdpa_kernel([self.backends[impl]])
+        return contextlib.nullcontext()
+
+    def bhsd(self, impl):
+        """Whether the implementation's output (and so dout) is [b, h, s, d]."""
+        return impl != R.OURS
+
+    def _mask(self, s, device):
+        key = (s, str(device))
+        if key not in self._masks:
+            self._masks.clear()
+            self._masks[key] = self.torch.ones(s, s, dtype=self.torch.bool,
+                                               device=device).triu_(1)
+        return self._masks[key]
+
+    def forward(self, impl, q, k, v, causal):
+        if impl == R.OURS:
+            return self.fa(q, k, v, causal=causal)
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if impl == "naive":
+            s = self.torch.matmul(qt, kt.transpose(-2, -1))
+            s.mul_(q.shape[-1] ** -0.5)
+            if causal:
+                s.masked_fill_(self._mask(q.shape[1], q.device), float("-inf"))
+            return self.torch.matmul(self.torch.softmax(s, dim=-1), vt)
+        return self.F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+
+# ----------------------------------------------------------------- standard grid
+
+
+def run_standard(torch, impls, timer, grid, impl_names, cpu, args, rows, progress):
+    device = "cpu" if cpu else "cuda"
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    l2 = 0 if cpu else getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    n = grid["tokens"] * grid["model_dim"]
+    oom_at = {}
+    for dt_name in grid["dtypes"]:
+        dt = dtypes[dt_name]
+        gen = torch.Generator(device=device).manual_seed(1234)
+        pool = torch.randn(args.sets, 4, n, dtype=dt, device=device, generator=gen)
+        for d in grid["hdims"]:
+            for causal in (False, True):
+                for s in grid["seqlens"]:
+                    b, h = R.shape_for(grid, d, s)
+                    for dirn in R.DIRECTIONS:
+                        flops = R.attention_flops(b, h, s, s, d, causal, dirn)
+                        for impl in impl_names:
+                            label = f"{dt_name} d{d} {'c' if causal else 'n'} {s} {dirn} {impl}"
+                            key = (impl, dt_name, d, causal, dirn)
+                            if args.deadline and time.time() > args.deadline:
+                                rows.append(R.na("standard", impl, dt_name, d, causal, s, b, h,
+                                                 dirn, f"not run: --time-limit {args.time_limit} s"))
+                                progress.update(label)
+                                continue
+                            if key in oom_at:
+                                rows.append(R.na("standard", impl, dt_name, d, causal, s, b, h,
+                                                 dirn, f"out of memory (at seqlen {oom_at[key]})"))
+                                progress.update(label)
+                                continue
+                            big = impl in ("naive", "sdpa_math") and b * h * s * s * 2 > l2
+                            nsets = 1 if big else args.sets
+                            r = measure_cell(torch, impls, timer, pool, impl, dirn, b, s, h, d,
+                                             causal, nsets)
+                            if r[0] == "ok":
+                                ms, reps = r[1], r[2]
+                                rows.append(R.row("standard", impl, dt_name, d, causal, s, b, h,
+                                                  dirn, ms=ms, tflops=R.tflops(flops, ms),
+                                                  reps=reps, note="" if nsets > 1 else "1 input set"))
+                            else:
+                                if r[1] == "out of memory":
+                                    oom_at[key] = s
+                                rows.append(R.na("standard", impl, dt_name, d, causal, s, b, h,
+                                                 dirn, r[1]))
+                            if not cpu and (big or r[0] != "ok"):
+                                gc.collect()
+                                torch.cuda.empty_cache()
+                            progress.update(label)
+        del pool
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
+def measure_cell(torch, impls, timer, pool, impl, dirn, b, s, h, d, causal, nsets):
+    """('ok', ms, reps) or ('n/a', reason)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with impls.context(impl):
+                calls = []
+                for i in range(nsets):
+                    q, k, v, do = (pool[i, j].view(b, s, h, d) for j in range(4))
+                    if impls.bhsd(impl):
+                        do = do.transpose(1, 2)
+                    if dirn == "fwd":
+                        calls.append(_fwd_call(torch, impls, impl, q, k, v, causal))
+                    else:
+                        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+                        if dirn == "bwd":
+                            out = impls.forward(impl, q, k, v, causal)
+                            calls.append(_bwd_call(torch, out, (q, k, v), do))
+                        else:
+                            calls.append(_fb_call(torch, impls, impl, q, k, v, do, causal))
+                ms, reps = timer.time(calls)
+                del calls
+                return ("ok", ms, reps)
+        except Exception as exc:  # unsupported cell, out of memory
+            return ("n/a", reason_of(exc, caught))
+
+
+def _fwd_call(torch, impls, impl, q, k, v, causal):
+    def call():
+        with torch.no_grad():
+            impls.forward(impl, q, k, v, causal)
+    return call
+
+
+def _bwd_call(torch, out, inputs, do):
+    return lambda: torch.autograd.grad(out, inputs, do, retain_graph=True)
+
+
+def _fb_call(torch, impls, impl, q, k, v, do, causal):
+    return lambda: torch.autograd.grad(impls.forward(impl, q, k, v, causal), (q, k, v), do)
+
+
+# ----------------------------------------------------------------- decode
+
+
+def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
+    device = "cpu" if cpu else "cuda"
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    b, hq, hk, d = cfg["batch"], cfg["heads"], cfg["heads_kv"], cfg["hdim"]
+    g = hq // hk
+    peers = ["sdpa_cpu"] if cpu else ["sdpa_cudnn", "sdpa_flash"]
+    elem = torch.empty((), dtype=dt).element_size()
+    for s in cfg["contexts"]:
+        nbytes = R.kv_bytes(b, s, hk, d, elem)
+        sets = []
+        try:
+            for _ in range(args.sets):
+                sets.append(dict(
+                    q=torch.randn(b, 1, hq, d, dtype=dt, device=device),
+                    k=torch.randn(b, s, hk, d, dtype=dt, device=device),
+                    v=torch.randn(b, s, hk, d, dtype=dt, device=device)))
+            seqlens = torch.full((b,), s, dtype=torch.int32, device=device)
+        except Exception as exc:
+            for impl in [R.OURS] + peers:
+                rows.append(R.na("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
+                                 reason_of(exc, []), heads_kv=hk))
+                progress.update(f"decode {s} {impl}")
+            continue
+
+        def ours(t):
+            return lambda: impls.fa_kvcache(t["q"], t["k"], t["v"], cache_seqlens=seqlens)
+
+        def gqa(t):
+            return lambda: impls.F.scaled_dot_product_attention(
+                t["q"].transpose(1, 2), t["k"].transpose(1, 2), t["v"].transpose(1, 2),
+                enable_gqa=True)
+
+        def packed(t):
+            # The g query heads of a KV head as g query rows of that head (one query token,
+            # no mask): the same function, K and V read once.
+            return lambda: impls.F.scaled_dot_product_attention(
+                t["q"].view(b, hk, g, d), t["k"].transpose(1, 2), t["v"].transpose(1, 2))
+
+        variants = {R.OURS: [("", ours)]}
+        for p in peers:
+            variants[p] = [("enable_gqa", gqa), ("query heads as rows", packed)]
+        for impl in [R.OURS] + peers:
+            best, why = None, []
+            for vname, make in variants[impl]:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        with impls.context(impl):
+                            ms, reps, how = time_decode(torch, timer, [make(t) for t in sets], cpu)
+                        if best is None or ms < best[0]:
+                            best = (ms, reps, ", ".join(x for x in (vname, how) if x))
+                    except Exception as exc:
+                        why.append(f"{vname or impl}: {reason_of(exc, caught)}")
+            if best:
+                rows.append(R.row("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
+                                  heads_kv=hk, ms=best[0], tbps=R.tbps(nbytes, best[0]),
+                                  reps=best[1], note=best[2]))
+            else:
+                rows.append(R.na("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
+                                 "; ".join(why), heads_kv=hk))
+            progress.update(f"decode {s} {impl}")
+        del sets
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
+def time_decode(torch, timer, calls, cpu):
+    """(ms per call, repeats, how): on the GPU the calls (one per input set, 8 rounds)
+    captured into a CUDA graph whose replays are timed, so that launch gaps of these
+    short calls do not count; eager timing where capture fails."""
+    if cpu:
+        ms, reps = timer.time(calls)
+        return ms, reps, ""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls * 2:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    rounds = 8
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(rounds):
+                for c in calls:
+                    c()
+        ms, reps = timer.time([graph.replay])
+        return ms / (rounds * len(calls)), reps, "CUDA graph"
+    except Exception:
+        torch.cuda.synchronize()
+        ms, reps = timer.time(calls)
+        return ms, reps, "eager"
+
+
+# ----------------------------------------------------------------- memory
+
+
+def _cpu_rss():
+    with open("/proc/self/status") as f:
+        vals = {l.split(":")[0]: int(l.split()[1]) for l in f if l.startswith(("VmRSS", "VmHWM"))}
+    return vals["VmRSS"] * 1024, vals["VmHWM"] * 1024
+
+
+def _cpu_reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_memory(torch, impls, cfg, cpu, rows, progress):
+    device = "cpu" if cpu else "cuda"
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    b, h, d = cfg["batch"], cfg["heads"], cfg["hdim"]
+    for impl in (R.OURS, "naive"):
+        failed = None
+        for s in cfg["seqlens"]:
+            label = f"memory {impl} {s}"
+            if failed:
+                rows.append(R.na("memory", impl, cfg["dtype"], d, False, s, b, h, "fwd_bwd",
+                                 f"not run: out of memory at seqlen {failed}"))
+                progress.update(label)
+                continue
+            gc.collect()
+            try:
+                if cpu:
+                    _cpu_reset_peak()
+                    base = _cpu_rss()[0]
+                else:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                t0 = time.perf_counter()
+                q, k, v = (torch.randn(b, s, h, d, dtype=dt, device=device, requires_grad=True)
+                           for _ in range(3))
+                do = torch.randn(b, s, h, d, dtype=dt, device=device)
+                if impls.bhsd(impl):
+                    do = do.transpose(1, 2)
+                grads = torch.autograd.grad(impls.forward(impl, q, k, v, False), (q, k, v), do)
+                if cpu:
+                    peak = _cpu_rss()[1] - base
+                else:
+                    torch.cuda.synchronize()
+                    peak = torch.cuda.max_memory_allocated() - base
+                ms = (time.perf_counter() - t0) * 1e3
+                del q, k, v, do, grads
+                rows.append(R.row("memory", impl, cfg["dtype"], d, False, s, b, h, "fwd_bwd",
+                                  ms=ms, peak_gib=peak / 2**30, reps=1,
+                                  note="peak allocated incl. inputs and gradients"
+                                  if not cpu else "peak RSS growth"))
+            except Exception as exc:
+                failed = s
+                rows.append(R.na("memory", impl, cfg["dtype"], d, False, s, b, h, "fwd_bwd",
+                                 reason_of(exc, [])))
+            gc.collect()
+            if not cpu:
+                torch.cuda.empty_cache()
+            progress.update(label)
+
+
+# ----------------------------------------------------------------- main
+
+
+def plot_dir(path):
+    meta, rows = R.read_json(os.path.join(path, "results.json"))
+    for p in R.plot_all(meta, rows, path):
+        print("wrote", p)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="CPU backend, small grid")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (a smoke run)")
+    ap.add_argument("--out", help="results directory (default build/bench-results/<date>-<device>)")
+    ap.add_argument("--grids", default="standard,decode,memory",
+                    help="comma list of standard, decode, memory")
+    ap.add_argument("--impls", help="comma list of implementations (default: all)")
+    ap.add_argument("--budget-ms", type=float, help="timed milliseconds per measurement")
+    ap.add_argument("--min-reps", type=int)
+    ap.add_argument("--max-reps", type=int)
+    ap.add_argument("--sets", type=int, default=None, help="input sets to rotate among")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="seconds for the standard grid; cells after it are recorded as not run")
+    ap.add_argument("--plot", metavar="DIR", help="only draw the plots from DIR/results.json")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.plot:
+        plot_dir(args.plot)
+        return 0
+
+    import torch
+
+    cpu = args.cpu
+    if not cpu and not torch.cuda.is_available():
+        print("bench/suite.py: no CUDA device visible to torch; use --cpu", file=sys.stderr)
+        return 2
+    import flashattn
+
+    if not cpu and not flashattn.cuda_available():
+        print("bench/suite.py: flashattn was built without the CUDA backend", file=sys.stderr)
+        return 2
+    args.budget_ms = args.budget_ms or (150.0 if cpu else 25.0)
+    args.min_reps = args.min_reps or (2 if cpu else 3)
+    args.max_reps = args.max_reps or (10 if cpu else 30)
+    args.sets = args.sets or (2 if cpu else 3)
+    if not cpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
+    grid = (R.CPU_QUICK if args.quick else R.CPU) if cpu else (R.QUICK if args.quick else R.STANDARD)
+    names = list(R.CPU_IMPLS if cpu else R.GPU_IMPLS)
+    if args.impls:
+        want = args.impls.split(",")
+        names = [n for n in names if n in want]
+    dec = R.DECODE_CPU if cpu else R.DECODE
+    mem = R.MEMORY_CPU if cpu else R.MEMORY
+    if args.quick and not cpu:
+        mem = dict(mem, seqlens=(4096, 16384, 32768))
+        dec = dict(dec, contexts=(4096, 32768))
+
+    meta = metadata(torch, cpu, args)
+    out = args.out or R.default_out_dir(os.path.join(REPO, "build", "bench-results"), meta["device"])
+    os.makedirs(out, exist_ok=True)
+    meta["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()}
+    meta["impls"] = names
+    print(f"flashattn benchmark: {R.meta_line(meta)}; results in {out}", flush=True)
+
+    total = 0
+    if "standard" in grids:
+        total += len(R.standard_cells(grid)) * len(names)
+    if "decode" in grids:
+        total += len(dec["contexts"]) * 3 if not cpu else len(dec["contexts"]) * 2
+    if "memory" in grids:
+        total += 2 * len(mem["seqlens"])
+    progress = R.Progress(total, "bench")
+    impls = Impls(torch, cpu)
+    timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps)
+    rows, wall = [], {}
+    meta["wall_s"] = wall
+    t_all = time.time()
+
+    def save():
+        # After every grid, so that a later failure keeps what was measured.
+        wall["total"] = time.time() - t_all
+        R.write_csv(os.path.join(out, "results.csv"), rows)
+        R.write_json(os.path.join(out, "results.json"), meta, rows)
+
+    # Decode last: it is the grid whose calls (CUDA graph capture) are likeliest to fail.
+    if "standard" in grids:
+        t0 = time.time()
+        args.deadline = t0 + args.time_limit if args.time_limit else 0
+        run_standard(torch, impls, timer, grid, names, cpu, args, rows, progress)
+        wall["standard grid"] = time.time() - t0
+        save()
+    if "memory" in grids:
+        t0 = time.time()
+        run_memory(torch, impls, mem, cpu, rows, progress)
+        wall["memory sweep"] = time.time() - t0
+        save()
+    if "decode" in grids:
+        t0 = time.time()
+        run_decode(torch, impls, timer, dec, cpu, args, rows, progress)
+        wall["decode grid"] = time.time() - t0
+    progress.close()
+    save()
+    text = R.report(meta, rows)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(text)
+    if not args.no_plot:
+        try:
+            for p in R.plot_all(meta, rows, out):
+                print("wrote", p)
+        except ImportError:
+            print(f"matplotlib is not installed here: draw the plots elsewhere with "
+                  f"`python3 bench/suite.py --plot {out}` (or `bash scripts/bench.sh --plot {out}`)")
+    print(f"results: {out}/results.csv, results.json, report.md")
+    print()
+    print(text, end="", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
