@@ -121,19 +121,22 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // updated: the caller advances it. num_splits splits the keys for split-KV decoding
 // (1 = no split, 0 = heuristic); partial results are merged by their log-sum-exp.
 //
-// Quantized cache: k_cache / v_cache of dtype float8_e4m3 (q, k_new, v_new, out stay
-// float16 / bfloat16). The value of a cached element is float(e4m3) * scale, with fp32
+// Quantized cache: k_cache / v_cache both of dtype float8_e4m3 (q, k_new, v_new, out keep
+// q's dtype: float16 / bfloat16, also float32 / float64 on the CPU). The value of a cached
+// element is float(e4m3) * scale, with fp32 scales on q's device, last dim contiguous,
 //   k_scale, v_scale  [h_k]             one scale per KV head, or
 //                     [cache_rows, h_k] one per (block, KV head); cache_rows = k_cache.shape[0]
-//                                       (num_blocks when paged, b_cache when dense).
-// Scales are required for an fp8 cache and must be undefined otherwise. k_new / v_new
-// are quantized into the cache on append: e4m3(x / scale), round to nearest even,
-// saturating at +-448.
+//                                       (num_blocks when paged, b_cache when dense),
+// both of one layout. Scales are required for an fp8 cache and must be undefined
+// otherwise. k_new / v_new are quantized into the cache on append with the scale of the
+// destination (block, head): e4m3(float(x) / scale), fp32 quotient, round to nearest
+// even, saturating at +-448 (NaN -> 0x7F); see semantics::quantize_e4m3.
 //
 // Speculative decoding with a draft tree: tree_mask int32 [b, s_q, ceil(s_q / 32)].
 // The last s_q keys of each sequence are the draft tokens; query i sees draft t (key
-// s_k - s_q + t) only when bit t % 32 of tree_mask[b][i][t / 32] is set. Earlier keys
-// follow the other masks only; the tree rule is and-ed with causal / window.
+// s_k - s_q + t) only when bit t % 32 of tree_mask[b][i][t / 32] is set (bits t >= s_q
+// are ignored). Earlier keys follow the other masks only; the tree rule is and-ed with
+// causal / window. On q's device; the last dim contiguous, other strides free.
 struct KVCacheArgs {
   Tensor q;
   Tensor k_cache, v_cache;

@@ -7,7 +7,9 @@
 //   - which probabilities dropout keeps (Philox4x32-10, a pure function of
 //     (seed, offset, batch, head, i, j)),
 //   - what a row that sees no key produces (out 0, lse -inf, gradients 0),
-//   - how partial results over key splits merge (by log-sum-exp).
+//   - how partial results over key splits merge (by log-sum-exp),
+//   - the fp8 (e4m3) KV-cache format: decode, and the encode of the append,
+//   - the draft-tree rule of speculative decoding (tree_mask bits).
 // docs/semantics.md states the same in prose. Nothing here allocates or throws.
 #pragma once
 
@@ -76,6 +78,92 @@ FA_HD KeyRange visible_keys_of_rows(std::int64_t i0, std::int64_t i1, std::int64
   if (r.end > s_k) r.end = s_k;
   return r;
 }
+
+// ------------------------------------------------------------------ draft tree
+
+// Speculative decoding: the last s_q keys of a sequence are the draft tokens, key
+// j = s_k - s_q + t being draft t. `row` holds the ceil(s_q / 32) mask words of query i;
+// query i sees draft t only when bit t % 32 of row[t / 32] is set. Keys before the
+// drafts (j < s_k - s_q) are not restricted. The rule is and-ed with key_visible.
+FA_HD bool tree_draft_visible(const std::uint32_t* row, std::int64_t t) {
+  return ((row[t >> 5] >> (t & 31)) & 1u) != 0u;
+}
+FA_HD bool tree_key_visible(const std::uint32_t* row, std::int64_t j, std::int64_t s_q,
+                            std::int64_t s_k) {
+  const std::int64_t t = j - (s_k - s_q);
+  return t < 0 || tree_draft_visible(row, t);
+}
+
+// ------------------------------------------------------------------ fp8 (e4m3)
+
+// OCP FP8 E4M3 ("e4m3fn", torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3
+// mantissa bits; no infinities; S.1111.111 (0x7F, 0xFF) is NaN; largest finite 448;
+// subnormals m * 2^-9. An fp8 KV cache stores e4m3 bytes; the value of a cached
+// element is e4m3_to_float(byte) * scale, scale an fp32 per (KV head) or per
+// (cache block, KV head).
+inline constexpr float kE4M3Max = 448.0f;
+
+FA_HD float e4m3_bits_to_float(std::uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+FA_HD std::uint32_t e4m3_float_to_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+// Exact decode: every e4m3 value is an fp32 value.
+FA_HD float e4m3_to_float(std::uint8_t x) {
+  const std::uint32_t sign = std::uint32_t(x & 0x80u) << 24;
+  const std::uint32_t e = (x >> 3) & 0xFu, m = x & 0x7u;
+  if (e == 0xFu && m == 0x7u) return e4m3_bits_to_float(sign | 0x7FC00000u);  // NaN
+  if (e == 0u) {
+    const float v = static_cast<float>(m) * 0.001953125f;  // m * 2^-9, exact
+    return sign ? -v : v;
+  }
+  return e4m3_bits_to_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// Encode: round to nearest even; finite values beyond +-448 and +-inf saturate to
+// +-448 (0x7E / 0xFE); NaN gives 0x7F. Matches cvt.rn.satfinite.e4m3x2.f32 except
+// that the NaN is always the positive 0x7F.
+FA_HD std::uint8_t float_to_e4m3(float f) {
+  const std::uint32_t u = e4m3_float_to_bits(f);
+  const std::uint32_t sign = (u >> 24) & 0x80u;
+  const std::uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7Fu;
+  if (a >= 0x43E00000u) return static_cast<std::uint8_t>(sign | 0x7Eu);  // |f| >= 448
+  if (a >= 0x3C800000u) {
+    // |f| >= 2^-6 (normal e4m3): drop 20 mantissa bits with round to nearest even; a
+    // carry into the exponent is the correct rounding, and |f| < 448 rounds to <= 0x7E.
+    const std::uint32_t r = a + 0x7FFFFu + ((a >> 20) & 1u);
+    return static_cast<std::uint8_t>(sign | ((r >> 20) - (120u << 3)));
+  }
+  // Subnormal e4m3 (or zero): m = round(|f| * 2^9), m = 8 being the smallest normal.
+  const std::int32_t exp = static_cast<std::int32_t>(a >> 23);  // biased fp32 exponent
+  if (exp == 0) return static_cast<std::uint8_t>(sign);         // fp32 zero / subnormal
+  const std::uint32_t sig = (a & 0x7FFFFFu) | 0x800000u;       // |f| = sig * 2^(exp - 150)
+  const std::int32_t shift = 141 - exp;                         // |f| * 2^9 = sig >> shift
+  if (shift > 24) return static_cast<std::uint8_t>(sign);       // < 0.5
+  std::uint32_t m = sig >> shift;
+  const std::uint32_t rem = sig & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (m & 1u))) ++m;
+  return static_cast<std::uint8_t>(sign | m);
+}
+
+// The byte the append stores for x under `scale`: e4m3(x / scale) with the fp32
+// (IEEE, round-to-nearest) quotient of x (converted to fp32) and scale.
+FA_HD std::uint8_t quantize_e4m3(float x, float scale) { return float_to_e4m3(x / scale); }
 
 // ------------------------------------------------------------------ scores
 

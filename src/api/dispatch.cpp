@@ -1,5 +1,6 @@
 #include "api/dispatch.hpp"
 
+#include <algorithm>
 #include <new>
 #include <string>
 
@@ -100,10 +101,14 @@ void check_cuda_layout(const Check& check, std::string_view name, const Tensor& 
     check.fail(name, "data 16-byte aligned (CUDA backend)", "address " + address_string(t.data));
   }
   for (int i = 0; i + 1 < t.rank; ++i) {
-    if (t.shape[i] > 1 && t.stride[i] % kCudaStrideMultiple != 0) {
+    // 16-byte aligned rows: 8 elements of 16 bits, 16 of an fp8 cache.
+    const std::int64_t multiple =
+        std::max<std::int64_t>(kCudaStrideMultiple,
+                               static_cast<std::int64_t>(kCudaAlignBytes / dtype_size(t.dtype)));
+    if (t.shape[i] > 1 && t.stride[i] % multiple != 0) {
       check.fail(name,
-                 "stride[" + std::to_string(i) +
-                     "] a multiple of 8 elements (CUDA backend: 16-byte aligned rows)",
+                 "stride[" + std::to_string(i) + "] a multiple of " + std::to_string(multiple) +
+                     " elements (CUDA backend: 16-byte aligned rows)",
                  std::to_string(t.stride[i]));
     }
   }

@@ -29,7 +29,39 @@ struct CacheDims {
   int cache_rows;  // b_cache (dense) or num_blocks (paged): k_cache.shape[0]
   int block_size;  // paged: k_cache.shape[1]
   int capacity;    // keys one sequence can hold: s_cache or max_blocks * block_size
+  bool fp8;              // float8_e4m3 cache with k_scale / v_scale
+  bool scale_per_block;  // scales [cache_rows, h_k] (else [h_k])
 };
+
+// The dequantization scales of an fp8 cache: both given, fp32 on q's device, [h_k] or
+// [cache_rows, h_k] with one layout. Returns whether they are per (block, head).
+bool check_scales(const Check& c, const KVCacheArgs& a, Device device, std::int64_t cache_rows,
+                  std::int64_t h_k) {
+  const std::string dims = "[h_k] = [" + std::to_string(h_k) + "] or [cache_rows, h_k] = [" +
+                           std::to_string(cache_rows) + ", " + std::to_string(h_k) +
+                           "] (cache_rows = k_cache.shape[0])";
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
+                                {"v_scale", a.v_scale}}) {
+    if (!t.defined()) {
+      c.fail(name, "a defined fp32 tensor " + dims + " (k_cache is float8_e4m3)",
+             "an undefined tensor");
+    }
+    const bool per_head = t.rank == 1 && t.shape[0] == h_k;
+    const bool per_block = t.rank == 2 && t.shape[0] == cache_rows && t.shape[1] == h_k;
+    if (!per_head && !per_block) c.fail(name, "shape " + dims, shape_string(t));
+    c.dtype(name, t, DType::kFloat32, "fp8 dequantization scales");
+    c.device(name, t, device, "same as q");
+    c.layout(name, t);
+  }
+  if (a.v_scale.rank != a.k_scale.rank ||
+      (a.k_scale.rank == 2 && a.v_scale.stride[0] != a.k_scale.stride[0])) {
+    c.fail("v_scale",
+           "the layout of k_scale (shape " + shape_string(a.k_scale) + ", stride[0] " +
+               std::to_string(a.k_scale.stride[0]) + ")",
+           "shape " + shape_string(a.v_scale) + ", stride[0] " + std::to_string(a.v_scale.stride[0]));
+  }
+  return a.k_scale.rank == 2;
+}
 
 std::string indexed(std::string_view name, std::size_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
@@ -48,7 +80,12 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
   c.layout("k_cache", a.k_cache);
   c.dim("k_cache", a.k_cache, 3, d, "head dim of q");
   detail::api::check_kv_heads(c, "k_cache", a.k_cache, 2, h_q);
-  c.dtype("k_cache", a.k_cache, q.dtype, "same as q");
+  const bool fp8 = a.k_cache.dtype == DType::kFloat8E4M3;
+  if (!fp8 && a.k_cache.dtype != q.dtype) {
+    c.fail("k_cache",
+           "dtype " + std::string(dtype_name(q.dtype)) + " (same as q) or float8_e4m3 (an fp8 cache)",
+           dtype_name(a.k_cache.dtype));
+  }
   c.device("k_cache", a.k_cache, q.device, "same as q");
   c.like("v_cache", a.v_cache, "k_cache", a.k_cache);
   const std::int64_t h_k = a.k_cache.shape[2];
@@ -94,10 +131,24 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
     c.layout("k_new", a.k_new);
     c.like("v_new", a.v_new, "k_new", a.k_new);
   }
-  // Interim until the fp8 cache and the tree mask land in the backends (issue 4).
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
-                                {"v_scale", a.v_scale}, {"tree_mask", a.tree_mask}}) {
-    if (t.defined()) c.unsupported(name, "an undefined tensor (not implemented yet)", shape_string(t));
+  bool scale_per_block = false;
+  if (fp8) {
+    scale_per_block = check_scales(c, a, q.device, a.k_cache.shape[0], h_k);
+  } else {
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
+                                  {"v_scale", a.v_scale}}) {
+      if (t.defined()) {
+        c.fail(name,
+               "an undefined tensor (scales are for a float8_e4m3 cache; k_cache is " +
+                   std::string(dtype_name(a.k_cache.dtype)) + ")",
+               "a tensor of shape " + shape_string(t));
+      }
+    }
+  }
+  if (a.tree_mask.defined()) {
+    const std::int64_t s_q = q.shape[1];
+    c.tensor("tree_mask", a.tree_mask, {b, s_q, (s_q + 31) / 32}, "[b, s_q, ceil(s_q / 32)]",
+             DType::kInt32, q.device);
   }
   if (a.num_splits < 0 || a.num_splits > kMaxSplits) {
     c.fail("num_splits", "a value in [0, 256] (0 = heuristic)", std::to_string(a.num_splits));
@@ -107,7 +158,7 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
   }
   return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
           to_int(d),     to_int(s_new),            paged,           to_int(a.k_cache.shape[0]),
-          to_int(a.k_cache.shape[1]), to_int(capacity)};
+          to_int(a.k_cache.shape[1]), to_int(capacity), fp8, scale_per_block};
 }
 
 // Index contents: cache lengths, cache rows, used block-table entries. Returns the
@@ -205,6 +256,16 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
     p.block_table_batch_stride = a.block_table.stride[0];
     p.block_size = dims.block_size;
   }
+  if (dims.fp8) {
+    p.k_scale = static_cast<const float*>(a.k_scale.data);
+    p.v_scale = static_cast<const float*>(a.v_scale.data);
+    p.scale_block_stride = dims.scale_per_block ? a.k_scale.stride[0] : 0;
+  }
+  if (a.tree_mask.defined()) {
+    p.tree_mask = static_cast<const std::uint32_t*>(a.tree_mask.data);
+    p.tree_batch_stride = a.tree_mask.stride[0];
+    p.tree_row_stride = a.tree_mask.stride[1];
+  }
   p.num_splits = a.num_splits;
   return target;
 }
@@ -227,7 +288,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                {{"q", args.q}, {"k_cache", args.k_cache}, {"v_cache", args.v_cache},
                 {"k_new", args.k_new}, {"v_new", args.v_new}, {"cache_seqlens", args.cache_seqlens},
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
+                {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask}});
   if (args.k_new.defined()) {
     // The append writes the caches: they must not overlap what it or the forward reads.
     // k_cache and v_cache may share one buffer (interleaved), so they are checked apart.
@@ -236,7 +298,9 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
       c.no_overlap({cache}, {{"q", args.q}, {"k_new", args.k_new}, {"v_new", args.v_new},
                              {"cache_seqlens", args.cache_seqlens},
                              {"block_table", args.block_table},
-                             {"cache_batch_idx", args.cache_batch_idx}});
+                             {"cache_batch_idx", args.cache_batch_idx},
+                             {"k_scale", args.k_scale}, {"v_scale", args.v_scale},
+                             {"tree_mask", args.tree_mask}});
     }
   }
 

@@ -99,6 +99,10 @@ class Forward {
   // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
   // with_v, the values into tile.v.
   void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v) const {
+    if (p_.kv_dtype == DType::kFloat8E4M3) {
+      load_kv_fp8(t, b, g, j0, n, with_v);
+      return;
+    }
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
     for (int j = 0; j < n; ++j) {
@@ -108,6 +112,47 @@ class Forward {
     }
     for (int c = 0; c < t.d; ++c)
       for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
+  }
+
+  // load_kv for an fp8 cache: each e4m3 byte decoded and multiplied by the scale of its
+  // (block, KV head), value = e4m3 * scale in the compute type.
+  void load_kv_fp8(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v) const {
+    const auto* k = static_cast<const std::uint8_t*>(p_.k);
+    const auto* v = static_cast<const std::uint8_t*>(p_.v);
+    for (int j = 0; j < n; ++j) {
+      const std::int64_t scale_at = p_.kv_block(b, j0 + j) * p_.scale_block_stride + g;
+      const std::uint8_t* krow = k + p_.k_offset(b, j0 + j, g);
+      const T ks = static_cast<T>(p_.k_scale[scale_at]);
+      for (int c = 0; c < t.d; ++c)
+        t.kt[std::size_t(c) * kBlockN + j] = static_cast<T>(semantics::e4m3_to_float(krow[c])) * ks;
+      if (with_v) {
+        const std::uint8_t* vrow = v + p_.v_offset(b, j0 + j, g);
+        const T vs = static_cast<T>(p_.v_scale[scale_at]);
+        T* dst = &t.v[std::size_t(j) * t.dp];
+        for (int c = 0; c < t.d; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(vrow[c])) * vs;
+        for (int c = t.d; c < t.dp; ++c) dst[c] = 0;
+      }
+    }
+    for (int c = 0; c < t.d; ++c)
+      for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
+  }
+
+  // The draft-tree rule on the scores of rows i0 .. i0 + rows against key block j0:
+  // drafts (keys s_k - s_q ..) whose bit is clear become -inf.
+  void tree_mask_scores(ForwardTile<E>& t, int b, int i0, int rows, int s_q, int s_k,
+                        std::int64_t j0) const {
+    const std::int64_t first_draft = std::int64_t(s_k) - s_q;
+    const std::int64_t lo = std::max<std::int64_t>(j0, first_draft);
+    const std::int64_t hi = std::min<std::int64_t>(j0 + kBlockN, s_k);
+    if (lo >= hi) return;
+    const std::uint32_t* base = p_.tree_mask + std::int64_t(b) * p_.tree_batch_stride;
+    for (int r = 0; r < rows; ++r) {
+      const std::uint32_t* row = base + std::int64_t(i0 + r) * p_.tree_row_stride;
+      T* sr = &t.s[std::size_t(r) * kBlockN];
+      for (std::int64_t j = lo; j < hi; ++j) {
+        if (!semantics::tree_key_visible(row, j, s_q, s_k)) sr[j - j0] = -static_cast<T>(INFINITY);
+      }
+    }
   }
 
   // Scores of the loaded query rows against the loaded key block j0 into tile.s
@@ -129,6 +174,7 @@ class Forward {
                      static_cast<T>(p_.softcap), slope, i, j0, s_q, s_k, !interior, range.begin,
                      range.end);
     }
+    if (p_.tree_mask) tree_mask_scores(t, b, i0, rows, s_q, s_k, j0);
   }
 
   // Streams key blocks [block_begin, block_end) (block indices within the sequence)

@@ -1,7 +1,8 @@
 // CPU KV-cache append: row r of k_new / v_new for sequence b is copied to cache
 // position cache_seqlens[b] + r, through the block table when the cache is paged and
-// through cache_batch_idx when it is dense. Both tensors have the cache's dtype, so
-// each (b, r, head) row is a plain byte copy.
+// through cache_batch_idx when it is dense. When the cache has the dtype of k_new /
+// v_new each (b, r, head) row is a plain byte copy; an fp8 cache stores
+// semantics::quantize_e4m3(x, scale) with the scale of the destination (block, head).
 #include <cstring>
 
 #include "core/backend.hpp"
@@ -9,8 +10,50 @@
 
 namespace flashattn::detail::cpu {
 
+namespace {
+
+// Append into a float8_e4m3 cache: E is the element type of k_new / v_new.
+template <class E>
+void append_fp8(const AppendParams& p) {
+  using S = typename E::storage;
+  const FwdParams& c = p.cache;
+  const std::int64_t rows = std::int64_t(p.batch) * p.seqlen_new;
+  auto* k_cache = static_cast<std::uint8_t*>(const_cast<void*>(c.k));
+  auto* v_cache = static_cast<std::uint8_t*>(const_cast<void*>(c.v));
+  const auto* k_new = static_cast<const S*>(p.k_new);
+  const auto* v_new = static_cast<const S*>(p.v_new);
+#pragma omp parallel for schedule(static) num_threads(team_size(c.num_threads))
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const int b = static_cast<int>(row / p.seqlen_new);
+    const int r = static_cast<int>(row % p.seqlen_new);
+    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) + r;
+    const std::int64_t block = c.kv_block(b, j);
+    for (int g = 0; g < p.h_k; ++g) {
+      const S* kn = k_new + std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
+                    std::int64_t(g) * p.kn_head_stride;
+      const S* vn = v_new + std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
+                    std::int64_t(g) * p.vn_head_stride;
+      const float ks = c.k_scale[block * c.scale_block_stride + g];
+      const float vs = c.v_scale[block * c.scale_block_stride + g];
+      std::uint8_t* kd = k_cache + c.k_offset(b, j, g);
+      std::uint8_t* vd = v_cache + c.v_offset(b, j, g);
+      for (int e = 0; e < p.d; ++e) {
+        kd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(kn[e])), ks);
+        vd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(vn[e])), vs);
+      }
+    }
+  }
+}
+
+}  // namespace
+
 void append_kv(const AppendParams& p) {
   const FwdParams& c = p.cache;
+  if (c.kv_dtype == DType::kFloat8E4M3) {
+    if (std::int64_t(p.batch) * p.seqlen_new == 0 || p.h_k == 0 || p.d == 0) return;
+    dispatch_dtype(p.dtype, [&](auto e) { append_fp8<decltype(e)>(p); });
+    return;
+  }
   const std::size_t elem = dtype_size(p.dtype);
   const std::size_t row_bytes = elem * std::size_t(p.d);
   const std::int64_t rows = std::int64_t(p.batch) * p.seqlen_new;
