@@ -937,4 +937,199 @@ TEST_F(ErrorsKVCache, WorkspaceWithoutData) {
                   "argument 'workspace': expected non-null data for 256 bytes, got nullptr");
 }
 
+// ------------------------------------------------------------------ KV cache: fp8 and tree mask
+
+// The ErrorsKVCache problem with an fp8 cache (per-head scales [h_k]) and a tree mask
+// [b, s_q, 1].
+class ErrorsKVCacheFp8 : public ErrorsKVCache {
+ protected:
+  const fa::DType f8 = fa::DType::kFloat8E4M3;
+  ErrorsKVCacheFp8() {
+    args.k_cache = pool_.tensor(f8, {3, s_cache, h_k, d});
+    args.v_cache = pool_.tensor(f8, {3, s_cache, h_k, d});
+    args.k_scale = pool_.tensor(f32, {h_k});
+    args.v_scale = pool_.tensor(f32, {h_k});
+    args.tree_mask = pool_.int32_2d(b, s_q, {1, 1});
+    args.tree_mask.rank = 3;
+    args.tree_mask.shape[2] = 1;
+    args.tree_mask.stride[2] = 1;
+  }
+  fa::Tensor tree(std::int64_t rows, std::int64_t words) {
+    fa::Tensor t = pool_.int32(std::vector<std::int32_t>(static_cast<std::size_t>(b * rows * words), 1));
+    t.rank = 3;
+    t.shape[0] = b, t.shape[1] = rows, t.shape[2] = words;
+    t.stride[0] = rows * words, t.stride[1] = words, t.stride[2] = 1;
+    return t;
+  }
+};
+
+TEST_F(ErrorsKVCacheFp8, ValidBaselinesAreAccepted) {
+  expect_accepted([&] { fwd(); });
+  EXPECT_NO_THROW(fa::kvcache_workspace_size(args, opts));
+  args.k_scale = pool_.tensor(f32, {3, h_k});  // per (cache row, head)
+  args.v_scale = pool_.tensor(f32, {3, h_k});
+  expect_accepted([&] { fwd(); });
+  args.k_cache = pool_.tensor(f8, {num_blocks, block_size, h_k, d});
+  args.v_cache = pool_.tensor(f8, {num_blocks, block_size, h_k, d});
+  args.block_table = pool_.int32_2d(b, max_blocks, {0, 2, -1, -1, 1, 3, 5, 99});
+  args.k_scale = pool_.tensor(f32, {num_blocks, h_k});  // per (block, head)
+  args.v_scale = pool_.tensor(f32, {num_blocks, h_k});
+  expect_accepted([&] { fwd(); });
+  args.tree_mask = fa::Tensor{};
+  expect_accepted([&] { fwd(); });
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskWithoutFp8IsAccepted) {
+  args.k_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  args.v_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  args.k_scale = args.v_scale = fa::Tensor{};
+  expect_accepted([&] { fwd(); });
+}
+
+TEST_F(ErrorsKVCacheFp8, CacheDtypeNeitherQNorFp8) {
+  args.k_cache = pool_.tensor(fa::DType::kFloat16, {3, s_cache, h_k, d});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "flashattn::kvcache_forward: argument 'k_cache': expected dtype float32 (same as q) or float8_e4m3 (an fp8 cache), got float16");
+}
+
+TEST_F(ErrorsKVCacheFp8, VCacheNotFp8) {
+  args.v_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_cache': expected dtype float8_e4m3 (same as k_cache), got float32");
+}
+
+TEST_F(ErrorsKVCacheFp8, KCacheNotFp8) {
+  args.k_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  args.k_scale = args.v_scale = fa::Tensor{};
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_cache': expected dtype float32 (same as k_cache), got float8_e4m3");
+}
+
+TEST_F(ErrorsKVCacheFp8, KScaleMissing) {
+  args.k_scale = fa::Tensor{};
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "argument 'k_scale': expected a defined fp32 tensor [h_k] = [2] or [cache_rows, h_k] = [3, 2] (cache_rows = k_cache.shape[0]) (k_cache is float8_e4m3), got an undefined tensor");
+}
+
+TEST_F(ErrorsKVCacheFp8, VScaleMissing) {
+  args.v_scale = fa::Tensor{};
+  EXPECT_REJECTED(Kind::kInvalid, fa::kvcache_workspace_size(args, opts),
+                  "flashattn::kvcache_workspace_size: argument 'v_scale': expected a defined fp32 tensor", "got an undefined tensor");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScaleShape) {
+  args.k_scale = pool_.tensor(f32, {h_k + 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "argument 'k_scale': expected shape [h_k] = [2] or [cache_rows, h_k] = [3, 2] (cache_rows = k_cache.shape[0]), got [3]");
+  args.k_scale = pool_.tensor(f32, {2, h_k});  // rows must match k_cache.shape[0] = 3
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_scale': expected shape [h_k] = [2] or [cache_rows, h_k] = [3, 2]", "got [2, 2]");
+  args.k_scale = pool_.tensor(f32, {3, h_k});
+  args.v_scale = pool_.tensor(f32, {1, 3, h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_scale': expected shape [h_k] = [2] or [cache_rows, h_k] = [3, 2]", "got [1, 3, 2]");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScalePerBlockOfPagedCache) {
+  make_paged();
+  args.k_cache = pool_.tensor(f8, {num_blocks, block_size, h_k, d});
+  args.v_cache = pool_.tensor(f8, {num_blocks, block_size, h_k, d});
+  args.k_scale = pool_.tensor(f32, {3, h_k});  // a dense cache's row count, not num_blocks
+  args.v_scale = pool_.tensor(f32, {3, h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_scale': expected shape [h_k] = [2] or [cache_rows, h_k] = [6, 2]", "got [3, 2]");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScaleDtype) {
+  args.v_scale = pool_.tensor(fa::DType::kFloat16, {h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_scale': expected dtype float32 (fp8 dequantization scales), got float16");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScaleDevice) {
+  args.k_scale.device = fa::Device::cuda(0);
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_scale': expected device cpu (same as q), got cuda:0");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScaleLastDimNotContiguous) {
+  fa::Tensor t = pool_.tensor(f32, {3, 2 * h_k});
+  args.v_scale = fa::Tensor::strided(t.data, f32, {3, h_k}, {2 * h_k, 2});
+  args.k_scale = pool_.tensor(f32, {3, h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_scale': expected stride[1] == 1 (contiguous last dimension), got 2");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScaleLayoutsDiffer) {
+  args.v_scale = pool_.tensor(f32, {3, h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "argument 'v_scale': expected the layout of k_scale (shape [2], stride[0] 1), got shape [3, 2], stride[0] 2");
+  fa::Tensor t = pool_.tensor(f32, {3, 2 * h_k});
+  args.k_scale = pool_.tensor(f32, {3, h_k});
+  args.v_scale = fa::Tensor::strided(t.data, f32, {3, h_k}, {2 * h_k, 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "argument 'v_scale': expected the layout of k_scale (shape [3, 2], stride[0] 2), got shape [3, 2], stride[0] 4");
+}
+
+TEST_F(ErrorsKVCacheFp8, ScalesWithoutFp8Cache) {
+  args.k_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  args.v_cache = pool_.tensor(f32, {3, s_cache, h_k, d});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(),
+                  "argument 'k_scale': expected an undefined tensor (scales are for a float8_e4m3 cache; k_cache is float32), got a tensor of shape [2]");
+  args.k_scale = fa::Tensor{};
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_scale': expected an undefined tensor (scales are for a float8_e4m3 cache");
+}
+
+TEST_F(ErrorsKVCacheFp8, NewKeysMustKeepQsDtype) {
+  args.k_new = pool_.tensor(f8, {b, s_new, h_k, d});
+  args.v_new = pool_.tensor(f8, {b, s_new, h_k, d});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_new': expected dtype float32 (same as q), got float8_e4m3");
+}
+
+TEST_F(ErrorsKVCacheFp8, Fp8QueriesAreUnsupported) {
+  args.q = pool_.tensor(f8, {b, s_q, h_q, d});
+  out = pool_.tensor(f8, {b, s_q, h_q, d});
+  args.k_new = pool_.tensor(f8, {b, s_new, h_k, d});
+  args.v_new = pool_.tensor(f8, {b, s_new, h_k, d});
+  EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q': expected dtype float16, bfloat16, float32 or float64");
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskShape) {
+  args.tree_mask = tree(s_q, 2);
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected shape [2, 1, 1] ([b, s_q, ceil(s_q / 32)]), got [2, 1, 2]");
+  args.tree_mask = tree(2, 1);
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected shape [2, 1, 1] ([b, s_q, ceil(s_q / 32)]), got [2, 2, 1]");
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskWordsFollowSq) {
+  // s_q = 33 queries need two words per row.
+  args.q = pool_.tensor(f32, {b, 33, h_q, d});
+  out = pool_.tensor(f32, {b, 33, h_q, d}, nan);
+  lse = pool_.tensor(f32, {b, h_q, 33}, nan);
+  args.tree_mask = tree(33, 1);
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected shape [2, 33, 2] ([b, s_q, ceil(s_q / 32)]), got [2, 33, 1]");
+  args.tree_mask = tree(33, 2);
+  expect_accepted([&] { fwd(); });
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskDtype) {
+  args.tree_mask = pool_.tensor(f32, {b, s_q, 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected dtype int32, got float32");
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskDevice) {
+  args.tree_mask.device = fa::Device::cuda(0);
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected device cpu (same as q), got cuda:0");
+}
+
+TEST_F(ErrorsKVCacheFp8, TreeMaskLastDimNotContiguous) {
+  fa::Tensor t = tree(s_q, 2);
+  t.shape[2] = 1;
+  t.stride[2] = 2;
+  args.tree_mask = t;
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'tree_mask': expected stride[2] == 1 (contiguous last dimension), got 2");
+}
+
+TEST_F(ErrorsKVCacheFp8, LseOverlapsTreeMask) {
+  args.tree_mask = fa::Tensor::contiguous(lse.data, fa::DType::kInt32, {b, s_q, 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'lse': expected memory disjoint from input 'tree_mask'");
+}
+
+TEST_F(ErrorsKVCacheFp8, AppendOverwritesScale) {
+  args.k_scale = fa::Tensor::contiguous(args.k_cache.data, f32, {h_k});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_cache': expected memory disjoint from input 'k_scale'");
+}
+
 }  // namespace

@@ -44,6 +44,7 @@ void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_do
   const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
   for (std::int64_t j = 0; j < s.s_k; ++j) {
     if (!semantics::key_visible(i, j, s.s_q, s.s_k, p.mask)) continue;
+    if (!tree_allows(s, i, j)) continue;
     const double* kj = &s.k[sz((j * p.h_k + g) * p.d)];
     Acc acc = 0;
     for (int c = 0; c < p.d; ++c) acc += static_cast<Acc>(qi[c]) * static_cast<Acc>(kj[c]);
@@ -52,6 +53,26 @@ void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_do
     score[sz(j)] = semantics::score<Acc>(acc, scale, cap, slope, i, j, s.s_q, s.s_k);
   }
 }
+
+}  // namespace
+
+double e4m3_reference(std::uint8_t byte) {
+  const int e = (byte >> 3) & 15, m = byte & 7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
+  return (byte & 0x80) ? -mag : mag;
+}
+
+bool tree_allows(const RefSeq& s, std::int64_t i, std::int64_t j) {
+  if (s.tree.empty()) return true;
+  const std::int64_t words = (s.s_q + 31) / 32;
+  if (s.tree.size() != sz(s.s_q * words)) throw std::invalid_argument("reference: tree mask size");
+  const std::int64_t t = j - (s.s_k - s.s_q);  // draft index
+  if (t < 0) return true;
+  return ((s.tree[sz(i * words + t / 32)] >> (t % 32)) & 1u) != 0;
+}
+
+namespace {
 
 template <typename Acc>
 std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact) {

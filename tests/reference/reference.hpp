@@ -21,9 +21,21 @@ namespace flashattn::test {
 struct RefSeq {
   int s_q = 0, s_k = 0;
   std::vector<double> q;     // [s_q, h_q, d]
-  std::vector<double> k, v;  // [s_k, h_k, d]
+  std::vector<double> k, v;  // [s_k, h_k, d]; an fp8 cache gives its dequantized values
   std::vector<double> dout;  // [s_q, h_q, d]; backward only
+  // Draft-tree mask [s_q][ceil(s_q / 32)] words (semantics::tree_key_visible), or empty.
+  std::vector<std::uint32_t> tree;
 };
+
+// The oracle's own e4m3 decode (the OCP definition, independent of semantics.hpp):
+// (-1)^s 2^(e-7) (1 + m/8), subnormals 2^-6 m/8, NaN for S.1111.111.
+double e4m3_reference(std::uint8_t byte);
+// The value of an fp8 cache element: e4m3 * scale, exact in fp64.
+inline double dequantize_e4m3(std::uint8_t byte, float scale) {
+  return e4m3_reference(byte) * static_cast<double>(scale);
+}
+// Whether query i of `s` sees key j under its tree mask (true without one).
+bool tree_allows(const RefSeq& s, std::int64_t i, std::int64_t j);
 
 struct RefProblem {
   int h_q = 1, h_k = 1, d = 1;

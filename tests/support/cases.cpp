@@ -1,6 +1,11 @@
 #include "support/cases.hpp"
 
+#include "flashattn/semantics.hpp"
+
 #include <algorithm>
+#include <cstring>
+#include <limits>
+#include <set>
 #include <numeric>
 #include <stdexcept>
 
@@ -321,18 +326,52 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
     slots = rows;
   }
   const std::int64_t hk = cfg.h_k, d = cfg.d;
-  c.k_cache = HostTensor(cfg.dtype, {slots, rows_per, hk, d});
-  c.v_cache = HostTensor(cfg.dtype, {slots, rows_per, hk, d});
+  const DType cache_dtype = cfg.fp8 ? DType::kFloat8E4M3 : cfg.dtype;
+  c.k_cache = HostTensor(cache_dtype, {slots, rows_per, hk, d});
+  c.v_cache = HostTensor(cache_dtype, {slots, rows_per, hk, d});
   c.k_cache.fill_nan();
   c.v_cache.fill_nan();
+  if (cfg.fp8) {
+    // Scales of the slots some sequence uses are drawn; the others stay NaN.
+    std::set<int> used_slots;
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < c.s_k(b); ++j) used_slots.insert(c.locate(b, j).first);
+    const std::int64_t scale_rows = cfg.per_block_scales ? slots : 1;
+    std::vector<float> ks(sz(scale_rows * hk)), vs(sz(scale_rows * hk));
+    for (std::int64_t r = 0; r < scale_rows; ++r)
+      for (std::int64_t g = 0; g < hk; ++g) {
+        const bool used = !cfg.per_block_scales || used_slots.count(static_cast<int>(r)) > 0;
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        ks[sz(r * hk + g)] = used ? static_cast<float>(uniform_real(rng, cfg.scale_lo, cfg.scale_hi)) : nan;
+        vs[sz(r * hk + g)] = used ? static_cast<float>(uniform_real(rng, cfg.scale_lo, cfg.scale_hi)) : nan;
+      }
+    if (cfg.per_block_scales) {
+      c.k_scale = float_tensor(ks, {slots, hk});
+      c.v_scale = float_tensor(vs, {slots, hk});
+    } else {
+      c.k_scale = float_tensor(ks, {hk});
+      c.v_scale = float_tensor(vs, {hk});
+    }
+  }
+  // Stores x into cache element (slot, row, g, e): rounded to dtype, or quantized by the
+  // slot's scale (fp8).
+  auto store = [&](HostTensor& cache, bool is_k, int slot, int row, std::int64_t e, double x) {
+    const std::int64_t at = (std::int64_t(slot) * rows_per + row) * hk * d + e;
+    if (!cfg.fp8) {
+      cache.set(at, x);
+      return;
+    }
+    const int g = static_cast<int>(e / d);
+    const float scale = is_k ? c.k_scale_of(slot, g) : c.v_scale_of(slot, g);
+    cache.as<std::uint8_t>()[at] = semantics::quantize_e4m3(static_cast<float>(x), scale);
+  };
   std::normal_distribution<double> normal(0.0, 1.0);
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < c.cache_lens[b]; ++j) {
       const auto [slot, row] = c.locate(b, j);
-      const std::int64_t base = (std::int64_t(slot) * rows_per + row) * hk * d;
       for (std::int64_t e = 0; e < hk * d; ++e) {
-        c.k_cache.set(base + e, normal(rng));
-        c.v_cache.set(base + e, normal(rng));
+        store(c.k_cache, true, slot, row, e, normal(rng));
+        store(c.v_cache, false, slot, row, e, normal(rng));
       }
     }
   c.q = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, d}, rng);
@@ -347,15 +386,51 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < cfg.s_new; ++r) {
         const auto [slot, row] = c.locate(b, c.cache_lens[b] + r);
-        const std::int64_t dst = (std::int64_t(slot) * rows_per + row) * hk * d;
         const std::int64_t src = (std::int64_t(b) * cfg.s_new + r) * hk * d;
         for (std::int64_t e = 0; e < hk * d; ++e) {
-          c.k_cache_expected.set(dst + e, c.k_new.get(src + e));
-          c.v_cache_expected.set(dst + e, c.v_new.get(src + e));
+          store(c.k_cache_expected, true, slot, row, e, c.k_new.get(src + e));
+          store(c.v_cache_expected, false, slot, row, e, c.v_new.get(src + e));
         }
       }
   }
+  if (cfg.tree != KVCacheConfig::Tree::kNone) {
+    const int W = c.tree_words_per_row(), S = cfg.s_q;
+    c.tree_words.assign(sz(std::int64_t(B) * S * W), 0u);
+    c.tree_parents.assign(sz(std::int64_t(B) * S), -1);
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < S; ++i) {
+        std::uint32_t* row = &c.tree_words[sz((std::int64_t(b) * S + i) * W)];
+        int& parent = c.tree_parents[sz(std::int64_t(b) * S + i)];
+        if (cfg.tree == KVCacheConfig::Tree::kLinear) {
+          parent = i - 1;
+        } else {
+          parent = i == 0 ? -1 : uniform_int(rng, -1, i - 1);
+        }
+        if (parent >= 0) {  // the parent's ancestors, then itself
+          const std::uint32_t* up = &c.tree_words[sz((std::int64_t(b) * S + parent) * W)];
+          std::copy(up, up + W, row);
+        }
+        row[i / 32] |= 1u << (i % 32);
+      }
+    const int Wp = W + cfg.tree_row_pad;
+    std::vector<int> padded(sz(std::int64_t(B) * S * Wp), -1);  // pad words: all bits set
+    for (std::int64_t r = 0; r < std::int64_t(B) * S; ++r)
+      std::memcpy(&padded[sz(r * Wp)], &c.tree_words[sz(r * W)], sz(W) * sizeof(int));
+    if (S % 32 != 0) {  // bits of drafts t >= s_q in the last word are ignored: set them
+      const std::uint32_t high = ~((1u << (S % 32)) - 1u);
+      for (std::int64_t r = 0; r < std::int64_t(B) * S; ++r)
+        padded[sz(r * Wp + W - 1)] = static_cast<int>(static_cast<std::uint32_t>(padded[sz(r * Wp + W - 1)]) | high);
+    }
+    c.tree_mask = int_tensor(padded, {B, S, Wp});
+  }
   return c;
+}
+
+float KVCacheCase::k_scale_of(int slot, int g) const {
+  return k_scale.as<float>()[cfg.per_block_scales ? std::int64_t(slot) * cfg.h_k + g : g];
+}
+float KVCacheCase::v_scale_of(int slot, int g) const {
+  return v_scale.as<float>()[cfg.per_block_scales ? std::int64_t(slot) * cfg.h_k + g : g];
 }
 
 std::pair<int, int> KVCacheCase::locate(int b, int j) const {
@@ -388,6 +463,15 @@ KVCacheArgs KVCacheCase::args() const {
     a.k_new = k_new.view();
     a.v_new = v_new.view();
   }
+  if (cfg.fp8) {
+    a.k_scale = k_scale.view();
+    a.v_scale = v_scale.view();
+  }
+  if (cfg.tree != KVCacheConfig::Tree::kNone) {
+    const std::int64_t W = tree_words_per_row(), Wp = tree_mask.size(2);
+    a.tree_mask = Tensor::strided(const_cast<void*>(tree_mask.data()), DType::kInt32,
+                                  {cfg.batch, cfg.s_q, W}, {cfg.s_q * Wp, Wp, 1});
+  }
   a.num_splits = num_splits;
   return a;
 }
@@ -408,9 +492,20 @@ RefProblem KVCacheCase::problem() const {
       const auto [slot, row] = locate(b, j);
       const std::int64_t base = (std::int64_t(slot) * rows_per + row) * width;
       for (std::int64_t e = 0; e < width; ++e) {
-        s.k.push_back(k_cache_expected.get(base + e));
-        s.v.push_back(v_cache_expected.get(base + e));
+        if (cfg.fp8) {
+          const int g = static_cast<int>(e / cfg.d);
+          s.k.push_back(dequantize_e4m3(k_cache_expected.as<std::uint8_t>()[base + e], k_scale_of(slot, g)));
+          s.v.push_back(dequantize_e4m3(v_cache_expected.as<std::uint8_t>()[base + e], v_scale_of(slot, g)));
+        } else {
+          s.k.push_back(k_cache_expected.get(base + e));
+          s.v.push_back(v_cache_expected.get(base + e));
+        }
       }
+    }
+    if (!tree_words.empty()) {
+      const std::int64_t W = tree_words_per_row();
+      s.tree.assign(tree_words.begin() + std::int64_t(b) * cfg.s_q * W,
+                    tree_words.begin() + std::int64_t(b + 1) * cfg.s_q * W);
     }
     p.seqs.push_back(std::move(s));
   }

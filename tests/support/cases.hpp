@@ -106,6 +106,18 @@ struct KVCacheConfig {
   int cache_rows = 0;  // 0 = batch
   int s_cache = 0;     // 0 = the smallest that fits
   bool use_batch_idx = false;
+  // fp8 cache: k_cache / v_cache float8_e4m3 holding e4m3(x / scale) of N(0, 1) values
+  // (k_new / v_new stay `dtype`), scales drawn from [scale_lo, scale_hi], [h_k] or, with
+  // per_block_scales, [k_cache.shape[0], h_k] (NaN for blocks / rows no sequence uses).
+  bool fp8 = false;
+  bool per_block_scales = false;
+  double scale_lo = 0.01, scale_hi = 0.03;
+  // Draft tree over the s_q queries (the last s_q keys): kLinear lets draft i see drafts
+  // <= i; kRandom draws a parent for each draft (-1 or an earlier one) and lets it see
+  // itself and its ancestors. tree_row_pad extra int32 words per mask row (stride test).
+  enum class Tree { kNone, kLinear, kRandom };
+  Tree tree = Tree::kNone;
+  int tree_row_pad = 0;
 };
 
 struct KVCacheCase {
@@ -117,6 +129,10 @@ struct KVCacheCase {
   HostTensor q, k_cache, v_cache, k_new, v_new, out, lse;
   HostTensor cache_lens_t, block_table_t, batch_idx_t;
   HostTensor k_cache_expected, v_cache_expected;  // after the in-place append
+  HostTensor k_scale, v_scale;                    // fp32, when cfg.fp8
+  std::vector<std::uint32_t> tree_words;          // [batch][s_q][ceil(s_q / 32)] when cfg.tree
+  std::vector<int> tree_parents;                  // [batch][s_q], -1 = root (kRandom)
+  HostTensor tree_mask;                           // int32 [batch, s_q, words + tree_row_pad]
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
@@ -127,6 +143,10 @@ struct KVCacheCase {
   int s_k(int b) const { return cache_lens[b] + cfg.s_new; }
   // Physical row of key j of sequence b: (block or cache row, row within it).
   std::pair<int, int> locate(int b, int j) const;
+  int tree_words_per_row() const { return (cfg.s_q + 31) / 32; }
+  // The dequantization scales of (cache slot, KV head) (fp8 only).
+  float k_scale_of(int slot, int g) const;
+  float v_scale_of(int slot, int g) const;
   void set_alibi(std::vector<float> slopes, bool per_batch);
   Options call_options() const;
   KVCacheArgs args() const;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "flashattn/half.hpp"
+#include "flashattn/semantics.hpp"
 
 namespace flashattn::test {
 
@@ -95,7 +96,7 @@ double HostTensor::get(std::int64_t i) const {
     case DType::kFloat32: return reinterpret_cast<const float*>(p)[i];
     case DType::kFloat64: return reinterpret_cast<const double*>(p)[i];
     case DType::kInt32: return reinterpret_cast<const std::int32_t*>(p)[i];
-    case DType::kFloat8E4M3: break;
+    case DType::kFloat8E4M3: return semantics::e4m3_to_float(reinterpret_cast<const std::uint8_t*>(p)[i]);
   }
   throw std::invalid_argument("HostTensor::get: unsupported dtype");
 }
@@ -116,7 +117,9 @@ void HostTensor::set(std::int64_t i, double value) {
     case DType::kFloat32: reinterpret_cast<float*>(p)[i] = static_cast<float>(value); return;
     case DType::kFloat64: reinterpret_cast<double*>(p)[i] = value; return;
     case DType::kInt32: reinterpret_cast<std::int32_t*>(p)[i] = static_cast<std::int32_t>(value); return;
-    case DType::kFloat8E4M3: break;
+    case DType::kFloat8E4M3:
+      reinterpret_cast<std::uint8_t*>(p)[i] = semantics::float_to_e4m3(static_cast<float>(value));
+      return;
   }
   throw std::invalid_argument("HostTensor::set: unsupported dtype");
 }
@@ -158,6 +161,12 @@ void HostTensor::fill(double value) {
 
 void HostTensor::fill_nan() {
   if (dtype_ == DType::kInt32) throw std::invalid_argument("HostTensor::fill_nan: int32");
+  if (dtype_ == DType::kFloat8E4M3) {
+    // Both e4m3 NaNs, alternating: 0x7F and 0xFF.
+    auto* p = reinterpret_cast<std::uint8_t*>(data_.get());
+    for (std::int64_t i = 0; i < numel_; ++i) p[i] = (i & 1) ? 0xFF : 0x7F;
+    return;
+  }
   fill(std::numeric_limits<double>::quiet_NaN());
 }
 

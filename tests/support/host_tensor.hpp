@@ -43,7 +43,8 @@ class HostTensor {
   template <typename T>
   const T* as() const { return reinterpret_cast<const T*>(data_.get()); }
 
-  // Element at flat (row-major) index, converted to double / stored with rounding.
+  // Element at flat (row-major) index, converted to double / stored with rounding
+  // (float8_e4m3: the e4m3 value itself, scale 1; set encodes float(value)).
   double get(std::int64_t flat) const;
   void set(std::int64_t flat, double value);
   // Flat index of a multi-index (row-major).
@@ -57,7 +58,7 @@ class HostTensor {
 
   std::vector<double> to_double() const;
   void fill(double value);
-  void fill_nan();  // poison: every element becomes a quiet NaN
+  void fill_nan();  // poison: every element becomes a quiet NaN (e4m3: 0x7F, 0xFF alternating)
   // Number of NaN elements (0 for int32).
   std::int64_t count_nan() const;
   // Bitwise equality of the stored bytes (NaN payloads included).
