@@ -1,6 +1,8 @@
 // The CUDA backend's runtime services: device queries, supported head dims, the
 // validation copy (skipped while a stream is captured), stream-ordered scratch memory
 // and the in-place KV-cache append.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -94,6 +96,38 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p) {
                    std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;
   const auto* vn = static_cast<const std::uint16_t*>(p.v_new) + std::int64_t(b) * p.vn_batch_stride +
                    std::int64_t(r) * p.vn_row_stride + std::int64_t(head) * p.vn_head_stride + col;
+  if (p.cache.kv_dtype == DType::kFloat8E4M3) {
+    // e4m3(x / scale), round to nearest even, saturating at +-448 (KVCacheArgs).
+    const std::int64_t at = p.cache.kv_block(b, j) * p.cache.scale_block_stride + head;
+    const float ks = p.cache.k_scale[at], vs = p.cache.v_scale[at];
+    const bool bf16 = p.dtype == DType::kBFloat16;
+    auto quantize = [bf16](const std::uint16_t* src, float scale) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src);
+      const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      std::uint32_t outw[2] = {0u, 0u};
+      for (int e = 0; e < 8; ++e) {
+        const std::uint16_t bits = static_cast<std::uint16_t>(w[e / 2] >> (16 * (e % 2)));
+        float x;
+        if (bf16) {
+          x = __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+        } else {
+          __half_raw hr;
+          hr.x = bits;
+          x = __half2float(__half(hr));
+        }
+        const std::uint32_t q = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3);
+        outw[e / 4] |= (q & 0xffu) << (8 * (e % 4));
+      }
+      return make_uint2(outw[0], outw[1]);
+    };
+    auto* kc = const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(p.cache.k)) +
+               p.cache.k_offset(b, j, head) + col;
+    auto* vc = const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(p.cache.v)) +
+               p.cache.v_offset(b, j, head) + col;
+    *reinterpret_cast<uint2*>(kc) = quantize(kn, ks);
+    *reinterpret_cast<uint2*>(vc) = quantize(vn, vs);
+    return;
+  }
   auto* kc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.k)) +
              p.cache.k_offset(b, j, head) + col;
   auto* vc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.v)) +

@@ -4,6 +4,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/fwd_launch.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
@@ -22,13 +23,14 @@ void forward(const FwdParams& p) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
   }
-  if (p.kv_dtype != p.dtype || p.k_scale != nullptr || p.tree_mask != nullptr) {
-    throw Unsupported(kFn, "k_cache", "a float16/bfloat16 cache without tree mask on CUDA (for now)",
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  if ((p.kv_dtype != p.dtype && !fp8) || (fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) {
+    throw Unsupported(kFn, "k_cache", "a cache of q's dtype, or float8_e4m3 with k_scale / v_scale",
                       dtype_name(p.kv_dtype));
   }
-  if (p.num_splits > 1) {
+  if ((fp8 || p.tree_mask != nullptr || p.num_splits > 1) && p.cache_seqlens == nullptr) {
     throw Unsupported(kFn, "num_splits",
-                      "num_splits == 1 (num_splits > 1 on CUDA comes with the inference path)",
+                      "fp8 K/V, tree masks and num_splits > 1 on CUDA only through kvcache_forward",
                       std::to_string(p.num_splits));
   }
   if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
@@ -36,6 +38,15 @@ void forward(const FwdParams& p) {
                       std::to_string(p.d));
   }
   DeviceGuard guard(p.device_index);
+  const sm80::DecodePlan plan = sm80::plan_decode(p);
+  if (plan.use) {
+    if (plan.workspace_bytes > 0 && (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes)) {
+      throw Unsupported(kFn, "workspace", "at least " + std::to_string(plan.workspace_bytes) + " bytes",
+                        std::to_string(p.workspace_bytes) + " bytes");
+    }
+    sm80::run_decode_path(p, plan);
+    return;
+  }
   const bool bf16 = p.dtype == DType::kBFloat16;
 #define FLASHATTN_FWD_BUCKET(D)                           \
   if (p.d <= D) {                                         \
@@ -47,7 +58,8 @@ void forward(const FwdParams& p) {
 #undef FLASHATTN_FWD_BUCKET
 }
 
-// Split-KV is not on CUDA yet (forward rejects num_splits > 1), so no workspace.
-std::size_t forward_workspace_size(const FwdParams&) { return 0; }
+// KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
+// computed from shapes and upper bounds only (the same during CUDA graph capture).
+std::size_t forward_workspace_size(const FwdParams& p) { return sm80::plan_decode(p).workspace_bytes; }
 
 }  // namespace flashattn::detail::cuda

@@ -1,0 +1,272 @@
+// Decode throughput of the CUDA KV-cache path (issue 4): bf16, batch 8, 32 query heads
+// over 8 KV heads, hdim 128, one query token, contexts 4k / 32k / 128k; dense, paged
+// (block sizes 16 and 256, shuffled block tables) and an fp8 e4m3 cache (per-head scales);
+// then one 200k-token sequence: prefill through kvcache_forward (the whole sequence
+// appended into an empty cache, causal) and a decode step at 200k keys (time, memory).
+//
+// Each call goes through the public API with num_splits = 0 (heuristic) and a caller
+// workspace, captured once per cache into a CUDA graph (as a serving loop runs it); a
+// timing is CUDA events around 8 back-to-back launches rotating over several caches
+// (>= 512 MiB of KV in all, so L2 does not hold one call's keys for the next), per call,
+// median of 15 such repeats after warm-up. Bandwidth counts the KV bytes stored and read:
+// b * s * h_k * d * 2 (K and V) * element size.
+//
+//   flashattn_cuda_decode_bench [csv path|-]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashattn/attention.hpp"
+
+namespace {
+
+#define BENCH_CHECK(expr)                                                     \
+  do {                                                                        \
+    const cudaError_t e_ = (expr);                                            \
+    if (e_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                           \
+    }                                                                         \
+  } while (0)
+
+using flashattn::Device;
+using flashattn::DType;
+using flashattn::Tensor;
+
+constexpr int kB = 8, kHq = 32, kHk = 8, kD = 128;
+
+struct Buffer {
+  void* p = nullptr;
+  std::size_t bytes = 0;
+  explicit Buffer(std::size_t n, int fill = 0x3c) : bytes(n) {
+    if (n) {
+      BENCH_CHECK(cudaMalloc(&p, n));
+      BENCH_CHECK(cudaMemset(p, fill, n));
+    }
+  }
+  ~Buffer() {
+    if (p) cudaFree(p);
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+void upload_ints(const Buffer& b, const std::vector<int>& v) {
+  BENCH_CHECK(cudaMemcpy(b.p, v.data(), v.size() * sizeof(int), cudaMemcpyHostToDevice));
+}
+
+// One decode configuration over n_caches independent caches.
+struct Config {
+  const char* name;
+  int ctx;
+  int block_size;  // 0 = dense
+  bool fp8;
+};
+
+struct Result {
+  double us = 0, tbps = 0, tokens_per_s = 0;
+  std::size_t kv_bytes = 0;
+};
+
+Result run_decode(const Config& cfg, cudaStream_t stream) {
+  const std::size_t elem = cfg.fp8 ? 1 : 2;
+  const std::size_t kv_bytes = std::size_t(kB) * cfg.ctx * kHk * kD * 2 * elem;
+  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 4));
+  struct Cache {
+    std::unique_ptr<Buffer> k, v, table;
+    flashattn::KVCacheArgs args;
+  };
+  Buffer q(std::size_t(kB) * kHq * kD * 2), out(std::size_t(kB) * kHq * kD * 2);
+  Buffer lens(kB * sizeof(int)), scales(kHk * sizeof(float));
+  upload_ints(lens, std::vector<int>(kB, cfg.ctx));
+  {
+    std::vector<float> s(kHk, 0.02f);
+    BENCH_CHECK(cudaMemcpy(scales.p, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  const DType kv_dtype = cfg.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+  const Device dev = Device::cuda(0);
+  std::mt19937 rng(1234);
+  std::vector<Cache> caches(n_caches);
+  for (auto& c : caches) {
+    c.k = std::make_unique<Buffer>(kv_bytes / 2);
+    c.v = std::make_unique<Buffer>(kv_bytes / 2);
+    auto& a = c.args;
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+    a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {kB}, dev);
+    if (cfg.block_size > 0) {
+      const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * kB;
+      std::vector<int> ids(blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.table = std::make_unique<Buffer>(ids.size() * sizeof(int));
+      upload_ints(*c.table, ids);
+      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+      a.block_table = Tensor::contiguous(c.table->p, DType::kInt32, {kB, per_seq}, dev);
+    } else {
+      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+    }
+    if (cfg.fp8) {
+      a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
+      a.v_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
+    }
+    a.num_splits = 0;
+  }
+  flashattn::Options opts;
+  opts.stream = stream;
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);
+  Buffer ws(ws_bytes);
+  // Direct calls first (validation on), then one graph per cache.
+  for (auto& c : caches) flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+  BENCH_CHECK(cudaStreamSynchronize(stream));
+  std::vector<cudaGraphExec_t> execs;
+  for (auto& c : caches) {
+    cudaGraph_t g;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+    BENCH_CHECK(cudaStreamEndCapture(stream, &g));
+    cudaGraphExec_t e;
+    BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
+    cudaGraphDestroy(g);
+    execs.push_back(e);
+  }
+  constexpr int kCalls = 8, kRepeats = 15;
+  cudaEvent_t t0, t1;
+  BENCH_CHECK(cudaEventCreate(&t0));
+  BENCH_CHECK(cudaEventCreate(&t1));
+  for (int w = 0; w < 3 * kCalls; ++w) BENCH_CHECK(cudaGraphLaunch(execs[w % n_caches], stream));
+  std::vector<double> times;
+  int next = 0;
+  for (int r = 0; r < kRepeats; ++r) {
+    BENCH_CHECK(cudaEventRecord(t0, stream));
+    for (int i = 0; i < kCalls; ++i) BENCH_CHECK(cudaGraphLaunch(execs[next++ % n_caches], stream));
+    BENCH_CHECK(cudaEventRecord(t1, stream));
+    BENCH_CHECK(cudaEventSynchronize(t1));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    times.push_back(1e3 * ms / kCalls);
+  }
+  std::sort(times.begin(), times.end());
+  for (auto e : execs) cudaGraphExecDestroy(e);
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  Result res;
+  res.us = times[times.size() / 2];
+  res.kv_bytes = kv_bytes;
+  res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
+  res.tokens_per_s = kB / (res.us * 1e-6);
+  return res;
+}
+
+// One 200k-token sequence: prefill (append into an empty cache + causal attention of
+// all its tokens) and one decode step at 200k keys.
+void long_context(FILE* csv, cudaStream_t stream) {
+  constexpr int kS = 200000;
+  std::size_t free0 = 0, total = 0;
+  BENCH_CHECK(cudaMemGetInfo(&free0, &total));
+  const Device dev = Device::cuda(0);
+  {
+    Buffer q(std::size_t(kS) * kHq * kD * 2, 0x3c), out(std::size_t(kS) * kHq * kD * 2);
+    Buffer kn(std::size_t(kS) * kHk * kD * 2, 0x3c), vn(std::size_t(kS) * kHk * kD * 2, 0x3c);
+    Buffer kc(std::size_t(kS + 64) * kHk * kD * 2), vc(std::size_t(kS + 64) * kHk * kD * 2);
+    Buffer lens(sizeof(int)), q1(std::size_t(kHq) * kD * 2), out1(std::size_t(kHq) * kD * 2);
+    upload_ints(lens, {0});
+    flashattn::KVCacheArgs a;
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {1, kS, kHq, kD}, dev);
+    a.k_cache = Tensor::contiguous(kc.p, DType::kBFloat16, {1, kS + 64, kHk, kD}, dev);
+    a.v_cache = Tensor::contiguous(vc.p, DType::kBFloat16, {1, kS + 64, kHk, kD}, dev);
+    a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {1}, dev);
+    a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {1, kS, kHk, kD}, dev);
+    a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {1, kS, kHk, kD}, dev);
+    a.num_splits = 0;
+    flashattn::Options opts;
+    opts.stream = stream;
+    opts.causal = true;
+    const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {1, kS, kHq, kD}, dev);
+    cudaEvent_t t0, t1;
+    BENCH_CHECK(cudaEventCreate(&t0));
+    BENCH_CHECK(cudaEventCreate(&t1));
+    BENCH_CHECK(cudaEventRecord(t0, stream));
+    flashattn::kvcache_forward(a, out_t, Tensor{}, opts);
+    BENCH_CHECK(cudaEventRecord(t1, stream));
+    BENCH_CHECK(cudaEventSynchronize(t1));
+    float prefill_ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&prefill_ms, t0, t1));
+    std::size_t free1 = 0;
+    BENCH_CHECK(cudaMemGetInfo(&free1, &total));
+    // Decode at 200k keys (the cache now holds the sequence): one token.
+    upload_ints(lens, {kS});
+    flashattn::KVCacheArgs d = a;
+    d.q = Tensor::contiguous(q1.p, DType::kBFloat16, {1, 1, kHq, kD}, dev);
+    d.k_new = Tensor{};
+    d.v_new = Tensor{};
+    flashattn::Options dopts;
+    dopts.stream = stream;
+    const Tensor out1_t = Tensor::contiguous(out1.p, DType::kBFloat16, {1, 1, kHq, kD}, dev);
+    const std::size_t ws_bytes = flashattn::kvcache_workspace_size(d, dopts);
+    Buffer ws(ws_bytes);
+    for (int w = 0; w < 3; ++w) flashattn::kvcache_forward(d, out1_t, Tensor{}, dopts, {ws.p, ws.bytes});
+    std::vector<double> times;
+    for (int r = 0; r < 9; ++r) {
+      BENCH_CHECK(cudaEventRecord(t0, stream));
+      flashattn::kvcache_forward(d, out1_t, Tensor{}, dopts, {ws.p, ws.bytes});
+      BENCH_CHECK(cudaEventRecord(t1, stream));
+      BENCH_CHECK(cudaEventSynchronize(t1));
+      float ms = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+      times.push_back(1e3 * ms);
+    }
+    std::sort(times.begin(), times.end());
+    const double dec_us = times[times.size() / 2];
+    const double kv = double(kS) * kHk * kD * 2 * 2;
+    const double used_gib = double(free0 - free1) / (1 << 30);
+    std::printf("| 200k single sequence | prefill %.1f ms | decode %.1f us (%.2f TB/s, direct call) | "
+                "device memory %.2f GiB |\n",
+                prefill_ms, dec_us, kv / (dec_us * 1e-6) / 1e12, used_gib);
+    if (csv) std::fprintf(csv, "long200k,%d,0,0,%.3f,%.1f,%.3f\n", kS, prefill_ms * 1e3, dec_us, used_gib);
+    cudaEventDestroy(t0);
+    cudaEventDestroy(t1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!flashattn::cuda_available()) {
+    std::printf("no CUDA device: nothing to measure\n");
+    return 0;
+  }
+  FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
+  if (csv) std::fprintf(csv, "config,ctx,block_size,fp8,us,tbps,tokens_per_s\n");
+  cudaStream_t stream;
+  BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const std::vector<Config> grid = {
+      {"dense", 4096, 0, false},       {"dense", 32768, 0, false},       {"dense", 131072, 0, false},
+      {"paged16", 4096, 16, false},    {"paged16", 32768, 16, false},    {"paged16", 131072, 16, false},
+      {"paged256", 4096, 256, false},  {"paged256", 32768, 256, false},  {"paged256", 131072, 256, false},
+      {"fp8", 4096, 0, true},          {"fp8", 32768, 0, true},          {"fp8", 131072, 0, true},
+  };
+  std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
+  std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
+  for (const Config& c : grid) {
+    const Result r = run_decode(c, stream);
+    std::printf("| %s | %d | %.1f | %.2f | %.0f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s);
+    std::fflush(stdout);
+    if (csv) std::fprintf(csv, "%s,%d,%d,%d,%.2f,%.3f,%.0f\n", c.name, c.ctx, c.block_size, c.fp8, r.us, r.tbps, r.tokens_per_s);
+  }
+  long_context(csv, stream);
+  if (csv) std::fclose(csv);
+  cudaStreamDestroy(stream);
+  return 0;
+}

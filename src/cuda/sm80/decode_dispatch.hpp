@@ -1,0 +1,22 @@
+// The host side of the KV-cache decode path (decode_dispatch.cu).
+#pragma once
+
+#include <cstddef>
+
+#include "core/params.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+struct DecodePlan {
+  bool use = false;  // the call takes the decode kernel
+  int splits = 1;
+  int row_chunks = 1;
+  std::size_t o_bytes = 0;          // partial O, at workspace offset 0
+  std::size_t workspace_bytes = 0;  // partial O + partial lse; 0 without splits
+};
+
+// A pure function of p's shapes and bounds (never device memory).
+DecodePlan plan_decode(const FwdParams& p);
+void run_decode_path(const FwdParams& p, const DecodePlan& plan);
+
+}  // namespace flashattn::detail::cuda::sm80

@@ -1,0 +1,561 @@
+// The KV-cache decode / split-KV kernel (issue 4): bandwidth-oriented attention of a few
+// query rows against a long dense or paged cache, fp16/bf16 or fp8 e4m3.
+//
+// One block per (16-row query chunk, split) x KV head x sequence. GQA packing: the
+// s_q * h_ratio query rows that share KV head g are packed as row r = i * h_ratio + hh
+// (query token i, head g * h_ratio + hh) into the 16 rows of one m16n8k16 row block, so a
+// KV byte is read once per 16 rows. The 4 warps split the keys of each K/V tile (16 or 32
+// keys each, not the rows); each keeps its own online softmax state, and the warps merge
+// (max, sum, O) through shared memory at the end. K/V tiles arrive through a 2-3 stage
+// cp.async pipeline with per-row addresses (paged caches of any block size, dense with
+// cache_batch_idx); rows beyond the sequence's key count are zero-filled, never read.
+//
+// fp8: K/V stay e4m3 in shared memory (half the bytes of the copy) and are converted in
+// registers to f16 (exact), so the fp8 variant runs f16 MMAs whatever q's dtype (q is
+// rounded to f16 once). K fragments come from ldmatrix over e4m3 bytes (a dim permutation,
+// the same for q, keeps dots exact); V from ldmatrix.trans plus a byte permute, which
+// interleaves even and odd dims of the output (undone at the store). Per-key scales
+// (per (block, head)) multiply S columns and P before PV; per-head scales fold into the
+// softmax scale and the output.
+//
+// With splits > 1 each block writes fp32 partial O and lse to the workspace and
+// decode_combine merges them by log-sum-exp (semantics::merged_lse / merge_weight).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/params.hpp"
+#include "cuda/common/cuda_check.hpp"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/sm80/decode_launch.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+namespace decode_detail {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 16-byte async copy of src_bytes (0..16) bytes, the rest zero-filled.
+__device__ __forceinline__ void cp_async_n(std::uint32_t smem_addr, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(valid ? 4 : 0));
+}
+
+// Two e4m3 (low byte first) -> f16x2 (low half first); exact.
+__device__ __forceinline__ std::uint32_t e4m3x2_to_f16x2(std::uint32_t two_bytes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
+  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ float to_float(std::uint16_t bits, bool bf16) {
+  if (bf16) return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+  __half_raw r;
+  r.x = bits;
+  return __half2float(__half(r));
+}
+
+__device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16) {
+  return bf16 ? pack2<__nv_bfloat16>(lo, hi) : pack2<__half>(lo, hi);
+}
+
+}  // namespace decode_detail
+
+template <int kHeadDim, typename Element, bool kFp8>
+__global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
+    decode_kernel(const __grid_constant__ FwdParams p, const DecodeArgs a) {
+  using Tr = DecodeTraits<kHeadDim, kFp8>;
+  using namespace decode_detail;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kSub = Tr::kSub;
+  constexpr int kOTiles = kHeadDim / 8;
+  constexpr int kKSteps = kHeadDim / 16;
+  constexpr bool kQInRegs = kHeadDim <= 128;
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.row_chunks));
+  const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.row_chunks));
+  const int g_kv = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int h_ratio = p.h_ratio;
+
+  const int s_q = p.seq_len_q(b);
+  const int s_k = p.seq_len_k(b);
+  const int nrows = s_q * h_ratio;
+  const int r0 = chunk * Tr::kRows;
+  if (r0 >= nrows) return;
+  const int r_last = min(r0 + Tr::kRows, nrows) - 1;
+  const int i_lo = r0 / h_ratio, i_hi = r_last / h_ratio;
+  const semantics::KeyRange lo = semantics::visible_keys(i_lo, s_q, s_k, p.mask);
+  const semantics::KeyRange hi = semantics::visible_keys(i_hi, s_q, s_k, p.mask);
+  const std::int64_t kb = lo.begin, ke = hi.end;        // union of the rows' intervals
+  const std::int64_t full_lo = hi.begin, full_hi = lo.end;  // their intersection
+  const std::int64_t draft0 = p.tree_mask ? std::int64_t(s_k) - s_q : INT64_MAX;
+
+  std::int64_t t_begin = 0, t_end = 0;
+  if (ke > kb) {
+    const std::int64_t t0 = kb / kBlockN, t1 = (ke + kBlockN - 1) / kBlockN;
+    const std::int64_t n = t1 - t0;
+    t_begin = t0 + n * split / a.splits;
+    t_end = t0 + n * (split + 1) / a.splits;
+  }
+
+  // ---- q: 16 packed rows into shared memory (as the MMA element type)
+  unsigned char* q_smem = smem;
+  unsigned char* pipe = smem + Tr::kQBytes;
+  {
+    constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
+    const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
+    for (int idx = tid; idx < kQChunks; idx += Tr::kThreads) {
+      const int rr = idx / (kHeadDim / 8), c = (idx % (kHeadDim / 8)) * 8;
+      const int r = r0 + rr;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nrows && c < p.d) {
+        const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+        v = *reinterpret_cast<const uint4*>(qbase + std::int64_t(i) * p.q_row_stride +
+                                            std::int64_t(h) * p.q_head_stride + c);
+        if constexpr (kFp8) {
+          if (a.q_bf16) {
+            std::uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const float x0 = __uint_as_float(w[k] << 16), x1 = __uint_as_float(w[k] & 0xffff0000u);
+              w[k] = pack2<__half>(x0, x1);
+            }
+            v = make_uint4(w[0], w[1], w[2], w[3]);
+          }
+        }
+      }
+      *reinterpret_cast<uint4*>(q_smem + rr * Tr::kQRowBytes + c * 2) = v;
+    }
+  }
+
+  // ---- per-row facts for this thread's rows gq and gq + 8
+  int row_i[2], row_jb[2], row_je[2];
+  float row_slope[2];
+  const std::uint32_t* row_tree[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = r0 + gq + 8 * hf;
+    const bool valid = r < nrows;
+    const int i = valid ? r / h_ratio : i_lo;
+    row_i[hf] = i;
+    const semantics::KeyRange kr = semantics::visible_keys(i, s_q, s_k, p.mask);
+    row_jb[hf] = valid ? static_cast<int>(kr.begin) : 0;
+    row_je[hf] = valid ? static_cast<int>(kr.end) : 0;
+    row_slope[hf] = valid ? p.alibi_slope(b, g_kv * h_ratio + r % h_ratio) : 0.0f;
+    row_tree[hf] = p.tree_mask ? p.tree_mask + std::int64_t(b) * p.tree_batch_stride +
+                                     std::int64_t(i) * p.tree_row_stride
+                               : nullptr;
+  }
+
+  // ---- K/V tile loader
+  const int* btab = p.block_table ? p.block_table + std::int64_t(b) * p.block_table_batch_stride : nullptr;
+  const std::int64_t cache_row = p.cache_row(b);
+  const bool per_key_scale = kFp8 && p.scale_block_stride != 0;
+  const auto* kg = static_cast<const unsigned char*>(p.k) + std::int64_t(g_kv) * p.k_head_stride * Tr::kKvBytes;
+  const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
+  const int row_bytes_used = p.d * Tr::kKvBytes;
+
+  auto load_tile = [&](std::int64_t tile, int stage) {
+    unsigned char* ks = pipe + stage * Tr::kStageBytes;
+    unsigned char* vs = ks + Tr::kTileBytes;
+    const std::int64_t j0 = tile * kBlockN;
+    constexpr int kCpr = Tr::kChunksPerRow;
+    int last_row = -1;
+    std::int64_t ko = 0, vo = 0;
+    bool row_ok = false;
+#pragma unroll 4
+    for (int idx = tid; idx < kBlockN * kCpr; idx += Tr::kThreads) {
+      const int row = idx / kCpr, ch = idx % kCpr;
+      if (row != last_row) {
+        last_row = row;
+        const std::int64_t j = j0 + row;
+        row_ok = j < s_k;
+        if (row_ok) {
+          if (btab) {
+            const std::int64_t blk = btab[j / p.block_size];
+            const std::int64_t jj = j % p.block_size;
+            ko = blk * p.k_batch_stride + jj * p.k_row_stride;
+            vo = blk * p.v_batch_stride + jj * p.v_row_stride;
+          } else {
+            ko = cache_row * p.k_batch_stride + j * p.k_row_stride;
+            vo = cache_row * p.v_batch_stride + j * p.v_row_stride;
+          }
+          ko *= Tr::kKvBytes;
+          vo *= Tr::kKvBytes;
+        }
+      }
+      const int bytes = row_ok ? max(0, min(16, row_bytes_used - ch * 16)) : 0;
+      const std::uint32_t so = row * Tr::kRowBytes + ch * 16;
+      cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
+      cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
+    }
+    if constexpr (kFp8) {
+      if (per_key_scale && tid < kBlockN) {
+        float* kss = reinterpret_cast<float*>(vs + Tr::kTileBytes);
+        float* vss = kss + kBlockN;
+        const std::int64_t j = j0 + tid;
+        const bool ok = j < s_k;
+        const std::int64_t at = ok ? p.kv_block(b, j) * p.scale_block_stride + g_kv : 0;
+        cp_async_4(smem_u32(kss + tid), p.k_scale + at, ok);
+        cp_async_4(smem_u32(vss + tid), p.v_scale + at, ok);
+      }
+    }
+  };
+
+  // ---- scores
+  const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
+  float k_head_scale = 1.0f, v_head_scale = 1.0f;
+  if constexpr (kFp8) {
+    if (!per_key_scale) {
+      k_head_scale = p.k_scale[g_kv];
+      v_head_scale = p.v_scale[g_kv];
+    }
+  }
+  const float scale_log2 = p.scale * k_head_scale * kLog2e;  // plain path
+  const float dot_scale = p.scale * k_head_scale;            // softcap / ALiBi path
+
+  float o[kOTiles][4];
+#pragma unroll
+  for (int nt = 0; nt < kOTiles; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  // Prologue.
+#pragma unroll
+  for (int st = 0; st < Tr::kStages - 1; ++st) {
+    if (t_begin + st < t_end) load_tile(t_begin + st, st);
+    cp_async_commit();
+  }
+  __syncthreads();  // q in shared memory
+
+  std::uint32_t qf[kQInRegs ? kKSteps : 1][4];
+  auto q_frag = [&](int s, std::uint32_t (&f)[4]) {
+    const unsigned char* q0 = q_smem + gq * Tr::kQRowBytes;
+    const unsigned char* q1 = q0 + 8 * Tr::kQRowBytes;
+    if constexpr (kFp8) {
+      const int c = 16 * s + 4 * tq;
+      f[0] = *reinterpret_cast<const std::uint32_t*>(q0 + c * 2);
+      f[1] = *reinterpret_cast<const std::uint32_t*>(q1 + c * 2);
+      f[2] = *reinterpret_cast<const std::uint32_t*>(q0 + c * 2 + 4);
+      f[3] = *reinterpret_cast<const std::uint32_t*>(q1 + c * 2 + 4);
+    } else {
+      const int c = 16 * s + 2 * tq;
+      f[0] = *reinterpret_cast<const std::uint32_t*>(q0 + c * 2);
+      f[1] = *reinterpret_cast<const std::uint32_t*>(q1 + c * 2);
+      f[2] = *reinterpret_cast<const std::uint32_t*>(q0 + c * 2 + 16);
+      f[3] = *reinterpret_cast<const std::uint32_t*>(q1 + c * 2 + 16);
+    }
+  };
+  if constexpr (kQInRegs) {
+#pragma unroll
+    for (int s = 0; s < kKSteps; ++s) q_frag(s, qf[s]);
+  }
+
+  using MmaElement = std::conditional_t<kFp8, __half, Element>;
+
+  int stage = 0;
+  for (std::int64_t tile = t_begin; tile < t_end; ++tile) {
+    cp_async_wait<Tr::kStages - 2>();
+    __syncthreads();
+    {
+      const std::int64_t nxt = tile + Tr::kStages - 1;
+      int ns = stage + Tr::kStages - 1;
+      if (ns >= Tr::kStages) ns -= Tr::kStages;
+      if (nxt < t_end) load_tile(nxt, ns);
+      cp_async_commit();
+    }
+    const unsigned char* ks = pipe + stage * Tr::kStageBytes;
+    const unsigned char* vs = ks + Tr::kTileBytes;
+    const float* kss = reinterpret_cast<const float*>(vs + Tr::kTileBytes);
+    const float* vss = kss + kBlockN;
+    const std::int64_t j0 = tile * kBlockN;
+    const bool full = j0 >= full_lo && j0 + kBlockN <= full_hi && j0 + kBlockN <= draft0;
+
+#pragma unroll
+    for (int sub = 0; sub < kSub; ++sub) {
+      const int base = (warp * kSub + sub) * 16;
+      float sacc[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.0f;
+      const int m = lane >> 3, lr = lane & 7;
+      if constexpr (kFp8) {
+        const std::uint32_t kaddr = smem_u32(ks + (base + (m & 1) * 8 + lr) * Tr::kRowBytes + (m >> 1) * 16);
+#pragma unroll
+        for (int s2 = 0; s2 < kHeadDim / 32; ++s2) {
+          std::uint32_t r[4];
+          ldmatrix_x4(kaddr + s2 * 32, r);
+          std::uint32_t qa[4], qb[4];
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) qa[k] = qf[2 * s2][k], qb[k] = qf[2 * s2 + 1][k];
+          } else {
+            q_frag(2 * s2, qa);
+            q_frag(2 * s2 + 1, qb);
+          }
+          mma_m16n8k16<__half>(sacc[0], qa, e4m3x2_to_f16x2(r[0]), e4m3x2_to_f16x2(r[0] >> 16));
+          mma_m16n8k16<__half>(sacc[1], qa, e4m3x2_to_f16x2(r[1]), e4m3x2_to_f16x2(r[1] >> 16));
+          mma_m16n8k16<__half>(sacc[0], qb, e4m3x2_to_f16x2(r[2]), e4m3x2_to_f16x2(r[2] >> 16));
+          mma_m16n8k16<__half>(sacc[1], qb, e4m3x2_to_f16x2(r[3]), e4m3x2_to_f16x2(r[3] >> 16));
+        }
+      } else {
+        const std::uint32_t kaddr = smem_u32(ks + (base + (m >> 1) * 8 + lr) * Tr::kRowBytes + (m & 1) * 16);
+#pragma unroll
+        for (int s = 0; s < kKSteps; ++s) {
+          std::uint32_t r[4];
+          ldmatrix_x4(kaddr + s * 32, r);
+          std::uint32_t qa[4];
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) qa[k] = qf[s][k];
+          } else {
+            q_frag(s, qa);
+          }
+          mma_m16n8k16<MmaElement>(sacc[0], qa, r[0], r[1]);
+          mma_m16n8k16<MmaElement>(sacc[1], qa, r[2], r[3]);
+        }
+      }
+
+      // Scores in log2 units, masked.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hf = e >> 1;
+          const int kl = base + nt * 8 + 2 * tq + (e & 1);
+          const std::int64_t j = j0 + kl;
+          float x = sacc[nt][e];
+          if constexpr (kFp8) {
+            if (per_key_scale) x *= kss[kl];
+          }
+          if (plain) {
+            x *= scale_log2;
+          } else {
+            x *= dot_scale;
+            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+            if (row_slope[hf] != 0.0f) {
+              std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
+              if (dist < 0) dist = -dist;
+              x -= row_slope[hf] * static_cast<float>(dist);
+            }
+            x *= kLog2e;
+          }
+          if (!full) {
+            bool vis = j >= row_jb[hf] && j < row_je[hf];
+            if (vis && j >= draft0) {
+              const std::int64_t t = j - draft0;
+              vis = (row_tree[hf][t >> 5] >> (t & 31)) & 1u;
+            }
+            if (!vis) x = -INFINITY;
+          }
+          sacc[nt][e] = x;
+        }
+      }
+      // Online softmax (this warp's keys only).
+      float pr[2][4];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        float mx = fmaxf(fmaxf(sacc[0][2 * hf], sacc[0][2 * hf + 1]), fmaxf(sacc[1][2 * hf], sacc[1][2 * hf + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[hf], mx);
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = fast_exp2(row_max[hf] - m_use);
+        row_max[hf] = m_new;
+        float sum = row_sum[hf] * alpha;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pv = fast_exp2(sacc[nt][2 * hf + e] - m_use);
+            sum += pv;
+            pr[nt][2 * hf + e] = pv;
+          }
+        }
+        row_sum[hf] = sum;
+#pragma unroll
+        for (int nt = 0; nt < kOTiles; ++nt) {
+          o[nt][2 * hf] *= alpha;
+          o[nt][2 * hf + 1] *= alpha;
+        }
+      }
+      if constexpr (kFp8) {
+        if (per_key_scale) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pr[nt][e] *= vss[base + nt * 8 + 2 * tq + (e & 1)];
+          }
+        }
+      }
+      std::uint32_t pa[4];
+      pa[0] = pack2<MmaElement>(pr[0][0], pr[0][1]);
+      pa[1] = pack2<MmaElement>(pr[0][2], pr[0][3]);
+      pa[2] = pack2<MmaElement>(pr[1][0], pr[1][1]);
+      pa[3] = pack2<MmaElement>(pr[1][2], pr[1][3]);
+
+      // O += P V.
+      const std::uint32_t vrow = smem_u32(vs + (base + (m & 1) * 8 + lr) * Tr::kRowBytes + (m >> 1) * 16);
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+          std::uint32_t r[4];
+          ldmatrix_x4_trans(vrow + cc * 32, r);
+#pragma unroll
+          for (int hv = 0; hv < 2; ++hv) {
+            const std::uint32_t x0 = r[2 * hv], x1 = r[2 * hv + 1];
+            mma_m16n8k16<__half>(o[4 * cc + 2 * hv], pa, e4m3x2_to_f16x2(__byte_perm(x0, 0, 0x0020)),
+                                 e4m3x2_to_f16x2(__byte_perm(x1, 0, 0x0020)));
+            mma_m16n8k16<__half>(o[4 * cc + 2 * hv + 1], pa, e4m3x2_to_f16x2(__byte_perm(x0, 0, 0x0031)),
+                                 e4m3x2_to_f16x2(__byte_perm(x1, 0, 0x0031)));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 16; ++c) {
+          std::uint32_t r[4];
+          ldmatrix_x4_trans(vrow + c * 32, r);
+          mma_m16n8k16<MmaElement>(o[2 * c], pa, r[0], r[1]);
+          mma_m16n8k16<MmaElement>(o[2 * c + 1], pa, r[2], r[3]);
+        }
+      }
+    }
+    stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the pipeline's shared memory is reused below
+
+  // ---- merge the warps' (max, sum, O)
+  float* o_smem = reinterpret_cast<float*>(pipe);
+  float* m_smem = o_smem + Tr::kWarps * Tr::kRows * Tr::kOStride;
+  float* l_smem = m_smem + Tr::kWarps * Tr::kRows;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float l = row_sum[hf];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    row_sum[hf] = l;
+    if (tq == 0) {
+      m_smem[warp * Tr::kRows + gq + 8 * hf] = row_max[hf];
+      l_smem[warp * Tr::kRows + gq + 8 * hf] = l;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int rr = gq + 8 * hf;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + rr]);
+    float ll = 0.0f;
+    if (mm != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < Tr::kWarps; ++w) {
+        const float lw = l_smem[w * Tr::kRows + rr];
+        if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + rr] - mm);
+      }
+    }
+    const float f = (ll > 0.0f && row_sum[hf] > 0.0f) ? fast_exp2(row_max[hf] - mm) / ll * v_head_scale : 0.0f;
+    float* orow = o_smem + (warp * Tr::kRows + rr) * Tr::kOStride;
+#pragma unroll
+    for (int nt = 0; nt < kOTiles; ++nt) {
+      if constexpr (kFp8) {
+        const int d0 = 16 * (nt >> 1) + 4 * tq + (nt & 1);
+        orow[d0] = o[nt][2 * hf] * f;
+        orow[d0 + 2] = o[nt][2 * hf + 1] * f;
+      } else {
+        *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) = make_float2(o[nt][2 * hf] * f, o[nt][2 * hf + 1] * f);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- store: out / lse directly, or the split's partials
+  const bool out_bf16 = kFp8 ? a.q_bf16 : __is_same(Element, __nv_bfloat16);
+  constexpr int kGroups = Tr::kRows * kHeadDim / 4;
+  for (int idx = tid; idx < kGroups; idx += Tr::kThreads) {
+    const int rr = idx / (kHeadDim / 4), c = (idx % (kHeadDim / 4)) * 4;
+    const int r = r0 + rr;
+    if (r >= nrows || c >= p.d) continue;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < Tr::kWarps; ++w) {
+      const float4 v = *reinterpret_cast<const float4*>(o_smem + (w * Tr::kRows + rr) * Tr::kOStride + c);
+      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+    }
+    const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+    if (a.splits > 1) {
+      const std::int64_t row = ((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i;
+      *reinterpret_cast<float4*>(a.ws_o + row * p.d + c) = acc;
+    } else {
+      auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
+                  std::int64_t(h) * p.o_head_stride + c;
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack_out(acc.x, acc.y, out_bf16), pack_out(acc.z, acc.w, out_bf16));
+    }
+  }
+  if (tid < Tr::kRows) {
+    const int r = r0 + tid;
+    if (r < nrows) {
+      float mm = -INFINITY;
+      for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + tid]);
+      float ll = 0.0f;
+      if (mm != -INFINITY) {
+        for (int w = 0; w < Tr::kWarps; ++w) {
+          const float lw = l_smem[w * Tr::kRows + tid];
+          if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + tid] - mm);
+        }
+      }
+      const float lse = ll > 0.0f ? (mm + log2f(ll)) * 0.6931471805599453f : -INFINITY;
+      const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+      if (a.splits > 1) {
+        a.ws_lse[((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i] = lse;
+      } else if (p.lse) {
+        p.lse[p.lse_offset(b, h) + i] = lse;
+      }
+    }
+  }
+}
+
+template <int kHeadDim, typename Element, bool kFp8>
+void launch_decode(const FwdParams& p, const DecodeArgs& a) {
+  using Tr = DecodeTraits<kHeadDim, kFp8>;
+  auto kernel = decode_kernel<kHeadDim, Element, kFp8>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  const dim3 grid(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
+                  static_cast<unsigned>(p.batch));
+  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p, a);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int kHeadDim, typename Element>
+void run_decode(const FwdParams& p, const DecodeArgs& a) {
+  launch_decode<kHeadDim, Element, false>(p, a);
+}
+
+template <int kHeadDim>
+void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
+  launch_decode<kHeadDim, __half, true>(p, a);
+}
+
+}  // namespace flashattn::detail::cuda::sm80
+
+// One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
+#define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
+  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&);                    \
+  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&);
+#define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
+  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&);
+#define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)

@@ -1,0 +1,44 @@
+// A device copy of a host test tensor (tests/cuda), for suites that call the public API
+// with CUDA tensors: the copy's view() has the host tensor's layout on cuda:0.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include <gtest/gtest.h>
+
+#include "support/host_tensor.hpp"
+
+namespace flashattn::test {
+
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const HostTensor& h) : bytes_(h.bytes()) {
+    if (bytes_ > 0) {
+      EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
+      EXPECT_EQ(cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    }
+    view_ = h.view_on(ptr_, Device::cuda(0));
+  }
+  ~DeviceCopy() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  const Tensor& view() const { return view_; }
+  void* data() const { return ptr_; }
+  void download(HostTensor& h) const {
+    if (bytes_ > 0) EXPECT_EQ(cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  void upload(const HostTensor& h) const {
+    if (bytes_ > 0) EXPECT_EQ(cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+  Tensor view_;
+};
+
+}  // namespace flashattn::test

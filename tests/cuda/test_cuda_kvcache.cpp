@@ -1,0 +1,330 @@
+// CUDA KV-cache decode path (issue 4) through the public API: randomized paged layouts
+// (block sizes 1..256, shuffled and shared blocks, NaN-filled spare blocks and unused
+// slots), dense caches with cache_batch_idx, append positions, split counts (1, the
+// heuristic 0, and explicit ones beyond the number of key tiles), GQA ratios 1/4/8/32,
+// s_q 1..40, causal / window / softcap / ALiBi, draft-tree masks, fp8 e4m3 caches with
+// per-head and per-(block, head) scales. Every case runs on the device and on the CPU
+// backend (same call, host tensors): the caches after the append must be bitwise equal
+// (fp8: the same e4m3 bytes), and the outputs are checked against the fp64 oracle under
+// the suite's tolerance rule; outputs are NaN-poisoned before every call. Splits must
+// agree with no split, and a call captured in a CUDA graph (caller workspace) must
+// replay to the same bits as the direct call.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/backend.hpp"
+#include "cuda/device_copy.hpp"
+#include "support/cases.hpp"
+#include "support/checks.hpp"
+#include "support/compare.hpp"
+#include "support/describe.hpp"
+#include "support/random.hpp"
+
+namespace flashattn::test {
+namespace {
+
+#define FA_REQUIRE_GPU()                                                             \
+  do {                                                                               \
+    if (detail::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+#define FA_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+// All device buffers of one KV-cache case and the API arguments over them.
+struct DeviceCase {
+  std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi;
+  KVCacheArgs args;
+  Options opts;
+
+  explicit DeviceCase(const KVCacheCase& c) {
+    q = std::make_unique<DeviceCopy>(c.q);
+    kc = std::make_unique<DeviceCopy>(c.k_cache);
+    vc = std::make_unique<DeviceCopy>(c.v_cache);
+    lens = std::make_unique<DeviceCopy>(c.cache_lens_t);
+    table = std::make_unique<DeviceCopy>(c.block_table_t);
+    idx = std::make_unique<DeviceCopy>(c.batch_idx_t);
+    kn = std::make_unique<DeviceCopy>(c.k_new);
+    vn = std::make_unique<DeviceCopy>(c.v_new);
+    out = std::make_unique<DeviceCopy>(c.out);
+    lse = std::make_unique<DeviceCopy>(c.lse);
+    args = c.args();
+    args.q = q->view();
+    args.k_cache = kc->view();
+    args.v_cache = vc->view();
+    args.cache_seqlens = lens->view();
+    if (args.block_table.defined()) args.block_table = table->view();
+    if (args.cache_batch_idx.defined()) args.cache_batch_idx = idx->view();
+    if (args.k_new.defined()) {
+      args.k_new = kn->view();
+      args.v_new = vn->view();
+    }
+    if (c.cfg.fp8) {
+      ks = std::make_unique<DeviceCopy>(c.k_scale);
+      vs = std::make_unique<DeviceCopy>(c.v_scale);
+      args.k_scale = ks->view();
+      args.v_scale = vs->view();
+    }
+    if (args.tree_mask.defined()) {
+      tree = std::make_unique<DeviceCopy>(c.tree_mask);
+      Tensor t = args.tree_mask;
+      t.data = tree->data();
+      t.device = Device::cuda(0);
+      args.tree_mask = t;
+    }
+    opts = c.call_options();
+    if (!c.alibi.empty()) {
+      alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
+      opts.alibi_slopes = alibi->view();
+    }
+  }
+  // Restores the caches (before the append) and poisons out / lse on the device.
+  void reset(const KVCacheCase& c) {
+    kc->upload(c.k_cache);
+    vc->upload(c.v_cache);
+    HostTensor o = c.out, l = c.lse;
+    o.fill_nan();
+    l.fill_nan();
+    out->upload(o);
+    lse->upload(l);
+  }
+};
+
+std::string describe_case(const KVCacheCase& c) {
+  const KVCacheConfig& f = c.cfg;
+  return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
+         std::to_string(f.s_q) + " s_new " + std::to_string(f.s_new) + " h " + std::to_string(f.h_q) +
+         "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) + " block_size " +
+         std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
+         (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + " splits " + std::to_string(c.num_splits) +
+         " " + describe(c.call_options());
+}
+
+// Runs c on the device (num_splits = c.num_splits) and on the CPU backend; checks the
+// appended caches bitwise and the device output against the oracle. Leaves the device
+// results in c.out / c.lse.
+void check_case(KVCacheCase& c) {
+  SCOPED_TRACE(describe_case(c));
+  DeviceCase dev(c);
+  dev.reset(c);
+  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), dev.opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+
+  // The CPU backend: the same call on host tensors.
+  KVCacheCase cpu = c;
+  cpu.poison_outputs();
+  ASSERT_NO_THROW(cpu.run());
+  EXPECT_TRUE(cpu.k_cache.bitwise_equal(c.k_cache_expected)) << "CPU k_cache after the append";
+
+  HostTensor k_after = c.k_cache, v_after = c.v_cache;
+  dev.kc->download(k_after);
+  dev.vc->download(v_after);
+  EXPECT_TRUE(k_after.bitwise_equal(cpu.k_cache)) << "k_cache after the append (device vs CPU)";
+  EXPECT_TRUE(v_after.bitwise_equal(cpu.v_cache)) << "v_cache after the append (device vs CPU)";
+  dev.out->download(c.out);
+  dev.lse->download(c.lse);
+  const ForwardResults got = forward_results(c);
+  EXPECT_TRUE(fully_written("out", got.out));
+  EXPECT_TRUE(fully_written("lse", got.lse));
+  const RefProblem prob = c.problem();
+  const ForwardExpectation expect = ForwardExpectation::of(prob, c.cfg.dtype);
+  expect_forward_matches(prob, c.cfg.dtype, got, &expect);
+  // The CPU backend's own result under the same rule (the two backends agree through it).
+  expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
+}
+
+int pick(Rng& rng, std::initializer_list<int> v) {
+  return *(v.begin() + uniform_int(rng, 0, static_cast<int>(v.size()) - 1));
+}
+
+// ---------------------------------------------------------------- randomized layouts
+
+TEST(CudaKVCache, RandomPagedLayouts) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 24; ++it) {
+    KVCacheConfig cfg;
+    cfg.dtype = it % 2 ? DType::kBFloat16 : DType::kFloat16;
+    cfg.batch = uniform_int(rng, 1, 3);
+    cfg.h_k = pick(rng, {1, 2});
+    cfg.h_q = cfg.h_k * pick(rng, {1, 4, 8, 32});
+    cfg.s_q = pick(rng, {1, 1, 2, 5, 13, 40});
+    if (cfg.h_q / cfg.h_k == 32) cfg.s_q = std::min(cfg.s_q, 5);
+    cfg.s_new = pick(rng, {0, 1, cfg.s_q});
+    cfg.d = pick(rng, {64, 128, 40, 72});
+    cfg.max_cache_len = pick(rng, {0, 37, 300, 1500});
+    cfg.block_size = it % 6 == 5 ? 0 : pick(rng, {1, 3, 16, 64, 256});
+    cfg.share_blocks = cfg.block_size > 0 && it % 3 == 0;
+    cfg.use_batch_idx = cfg.block_size == 0;
+    cfg.cache_rows = cfg.block_size == 0 ? cfg.batch + 2 : 0;
+    cfg.s_cache = cfg.block_size == 0 ? cfg.max_cache_len + cfg.s_new + 9 : 0;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
+    if (it % 7 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
+    if (it % 5 == 2) c.opts.softcap = 3.0f;
+    if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, it % 12 == 4), it % 12 == 4);
+    c.num_splits = pick(rng, {1, 0, 0, 3, 17});
+    check_case(c);
+  }
+}
+
+// ---------------------------------------------------------------- fp8 caches
+
+TEST(CudaKVCache, Fp8Caches) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 12; ++it) {
+    KVCacheConfig cfg;
+    cfg.dtype = it % 2 ? DType::kBFloat16 : DType::kFloat16;
+    cfg.fp8 = true;
+    cfg.per_block_scales = (it / 2) % 2 == 1;
+    cfg.batch = uniform_int(rng, 1, 3);
+    cfg.h_k = 2;
+    cfg.h_q = cfg.h_k * pick(rng, {1, 4, 8});
+    cfg.s_q = pick(rng, {1, 3, 9});
+    cfg.s_new = pick(rng, {0, 1, cfg.s_q});
+    cfg.d = pick(rng, {64, 128, 80});  // fp8 rows: 16-byte multiples
+    cfg.max_cache_len = pick(rng, {50, 700});
+    cfg.block_size = it % 3 == 2 ? 0 : pick(rng, {1, 16, 256});
+    cfg.use_batch_idx = cfg.block_size == 0;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = cfg.s_q > 1;
+    if (it % 4 == 3) c.opts.softcap = 5.0f;
+    c.num_splits = pick(rng, {1, 0, 4});
+    check_case(c);
+  }
+}
+
+// ---------------------------------------------------------------- draft trees
+
+TEST(CudaKVCache, TreeMasks) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 10; ++it) {
+    KVCacheConfig cfg;
+    cfg.dtype = it % 2 ? DType::kBFloat16 : DType::kFloat16;
+    cfg.batch = uniform_int(rng, 1, 3);
+    cfg.h_k = 2;
+    cfg.h_q = cfg.h_k * pick(rng, {1, 4, 8});
+    cfg.s_q = pick(rng, {1, 4, 33, 40});
+    cfg.s_new = cfg.s_q;  // the drafts are appended by the call
+    cfg.d = pick(rng, {64, 128});
+    cfg.max_cache_len = pick(rng, {0, 200, 900});
+    cfg.block_size = it % 3 == 0 ? 0 : pick(rng, {1, 16, 64});
+    cfg.tree = it % 3 == 1 ? KVCacheConfig::Tree::kLinear : KVCacheConfig::Tree::kRandom;
+    cfg.fp8 = it % 5 == 4;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = it % 2 == 0;
+    c.num_splits = pick(rng, {1, 0, 5});
+    check_case(c);
+  }
+}
+
+// ---------------------------------------------------------------- splits
+
+// Split counts from 1 to more than the key tiles (empty splits) agree with no split.
+TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    KVCacheConfig cfg;
+    cfg.dtype = dtype;
+    cfg.batch = 2;
+    cfg.h_q = 16;
+    cfg.h_k = 4;
+    cfg.s_q = 2;
+    cfg.s_new = 1;
+    cfg.d = 128;
+    cfg.cache_lens = {1000, 333};
+    cfg.block_size = 16;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = true;
+    c.num_splits = 1;
+    check_case(c);
+    const ForwardResults base = forward_results(c);
+    for (int splits : {2, 7, 0, 64}) {
+      c.num_splits = splits;
+      check_case(c);
+      const ForwardResults r = forward_results(c);
+      const ErrorStats e = error_stats(r.out, base.out);
+      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(dtype) * std::max(1.0, e.max_abs_ref))
+          << "splits " << splits << " vs no split";
+    }
+  }
+}
+
+// ---------------------------------------------------------------- CUDA graphs
+
+// A decode step with splits and a caller workspace, captured and replayed: the same bits
+// as the direct call, and the workspace size does not depend on device memory.
+TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (bool fp8 : {false, true}) {
+    KVCacheConfig cfg;
+    cfg.dtype = DType::kBFloat16;
+    cfg.batch = 3;
+    cfg.h_q = 32;
+    cfg.h_k = 8;
+    cfg.s_q = 1;
+    cfg.s_new = 1;
+    cfg.d = 128;
+    cfg.max_cache_len = 2000;
+    cfg.block_size = 16;
+    cfg.fp8 = fp8;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.num_splits = 0;
+    SCOPED_TRACE(describe_case(c));
+    DeviceCase dev(c);
+    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
+    void* ws = nullptr;
+    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    cudaStream_t s;
+    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    Options opts = dev.opts;
+    opts.stream = s;
+
+    dev.reset(c);
+    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
+    dev.out->download(out_direct);
+    dev.lse->download(lse_direct);
+    dev.kc->download(k_direct);
+
+    dev.reset(c);
+    cudaGraph_t graph;
+    FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
+    EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+    FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    FA_CUDA_OK(cudaGraphLaunch(exec, s));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
+    dev.out->download(out_graph);
+    dev.lse->download(lse_graph);
+    dev.kc->download(k_graph);
+    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
+    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
+    EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
+    c.out = out_graph;
+    c.lse = lse_graph;
+    expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+    if (ws) cudaFree(ws);
+  }
+}
+
+}  // namespace
+}  // namespace flashattn::test
