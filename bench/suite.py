@@ -479,7 +479,16 @@ def run_memory(torch, impls, cfg, cpu, rows, progress):
 
 
 def plot_dir(path):
-    meta, rows = R.read_json(os.path.join(path, "results.json"))
+    """Plots from DIR/results.json, or from DIR/results.csv (and DIR/meta.json if there)."""
+    if os.path.exists(os.path.join(path, "results.json")):
+        meta, rows = R.read_json(os.path.join(path, "results.json"))
+    else:
+        rows = R.read_csv(os.path.join(path, "results.csv"))
+        meta = {}
+        if os.path.exists(os.path.join(path, "meta.json")):
+            import json
+            with open(os.path.join(path, "meta.json")) as f:
+                meta = json.load(f)
     for p in R.plot_all(meta, rows, path):
         print("wrote", p)
 
