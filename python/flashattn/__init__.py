@@ -44,6 +44,8 @@ def __getattr__(name):
         from . import interface
 
         return getattr(interface, name)
+    if name.startswith(("ring_attention", "zigzag_")):  # flashattn.ring: context parallelism
+        return getattr(__import__(f"{__name__}.ring", fromlist=["ring"]), name)
     if name in ("interface", "ops", "rotary", "hf"):
         import importlib
 
