@@ -120,11 +120,12 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
       a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
       a.v_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
     }
-    a.num_splits = 0;
+    a.num_splits = std::getenv("BENCH_SPLITS") ? std::atoi(std::getenv("BENCH_SPLITS")) : 0;
   }
   flashattn::Options opts;
   opts.stream = stream;
   const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);
   Buffer ws(ws_bytes);
   // Direct calls first (validation on), then one graph per cache.
@@ -182,6 +183,7 @@ void long_context(FILE* csv, cudaStream_t stream) {
     Buffer kc(std::size_t(kS + 64) * kHk * kD * 2), vc(std::size_t(kS + 64) * kHk * kD * 2);
     Buffer lens(sizeof(int)), q1(std::size_t(kHq) * kD * 2), out1(std::size_t(kHq) * kD * 2);
     upload_ints(lens, {0});
+    BENCH_CHECK(cudaDeviceSynchronize());
     flashattn::KVCacheArgs a;
     a.q = Tensor::contiguous(q.p, DType::kBFloat16, {1, kS, kHq, kD}, dev);
     a.k_cache = Tensor::contiguous(kc.p, DType::kBFloat16, {1, kS + 64, kHk, kD}, dev);
@@ -206,7 +208,9 @@ void long_context(FILE* csv, cudaStream_t stream) {
     std::size_t free1 = 0;
     BENCH_CHECK(cudaMemGetInfo(&free1, &total));
     // Decode at 200k keys (the cache now holds the sequence): one token.
+    BENCH_CHECK(cudaStreamSynchronize(stream));
     upload_ints(lens, {kS});
+    BENCH_CHECK(cudaDeviceSynchronize());
     flashattn::KVCacheArgs d = a;
     d.q = Tensor::contiguous(q1.p, DType::kBFloat16, {1, 1, kHq, kD}, dev);
     d.k_new = Tensor{};
@@ -259,13 +263,15 @@ int main(int argc, char** argv) {
   };
   std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
   std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
+  const char* only = std::getenv("BENCH_ONLY");  // e.g. "dense" or "dense:32768"
   for (const Config& c : grid) {
+    if (only && std::string(only) != c.name && std::string(only) != std::string(c.name) + ":" + std::to_string(c.ctx)) continue;
     const Result r = run_decode(c, stream);
     std::printf("| %s | %d | %.1f | %.2f | %.0f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s);
     std::fflush(stdout);
     if (csv) std::fprintf(csv, "%s,%d,%d,%d,%.2f,%.3f,%.0f\n", c.name, c.ctx, c.block_size, c.fp8, r.us, r.tbps, r.tokens_per_s);
   }
-  long_context(csv, stream);
+  if (!only) long_context(csv, stream);
   if (csv) std::fclose(csv);
   cudaStreamDestroy(stream);
   return 0;

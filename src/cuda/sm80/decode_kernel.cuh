@@ -50,6 +50,48 @@ __device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* 
                "r"(valid ? 4 : 0));
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLASHATTN_DECODE_BULK 1
+#else
+#define FLASHATTN_DECODE_BULK 0
+#endif
+
+// sm90: one-row bulk copies (the TMA engine, no per-thread request tracking) completing
+// on a per-stage mbarrier.
+__device__ __forceinline__ void mbar_init(std::uint32_t bar) {
+#if FLASHATTN_DECODE_BULK
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
+#if FLASHATTN_DECODE_BULK
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
+#if FLASHATTN_DECODE_BULK
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes,
+                                          std::uint32_t bar) {
+#if FLASHATTN_DECODE_BULK
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async() {
+#if FLASHATTN_DECODE_BULK
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 // Two e4m3 (low byte first) -> f16x2 (low half first); exact.
 __device__ __forceinline__ std::uint32_t e4m3x2_to_f16x2(std::uint32_t two_bytes) {
   const __half2_raw h =
@@ -102,17 +144,27 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   const std::int64_t full_lo = hi.begin, full_hi = lo.end;  // their intersection
   const std::int64_t draft0 = p.tree_mask ? std::int64_t(s_k) - s_q : INT64_MAX;
 
-  std::int64_t t_begin = 0, t_end = 0;
+  // Split `split` takes key tiles t_begin, t_begin + t_step, ... < t_end: interleaved
+  // (t_step = splits), so the blocks of a sequence stream through one region of the cache
+  // together (DRAM locality), or contiguous ranges (t_step = 1).
+  std::int64_t t_begin = 0, t_end = 0, t_step = 1;
   if (ke > kb) {
     const std::int64_t t0 = kb / kBlockN, t1 = (ke + kBlockN - 1) / kBlockN;
     const std::int64_t n = t1 - t0;
-    t_begin = t0 + n * split / a.splits;
-    t_end = t0 + n * (split + 1) / a.splits;
+    if (a.interleave) {
+      t_begin = t0 + split;
+      t_end = t1;
+      t_step = a.splits;
+    } else {
+      t_begin = t0 + n * split / a.splits;
+      t_end = t0 + n * (split + 1) / a.splits;
+    }
   }
 
   // ---- q: 16 packed rows into shared memory (as the MMA element type)
   unsigned char* q_smem = smem;
-  unsigned char* pipe = smem + Tr::kQBytes;
+  unsigned char* bars = smem + Tr::kQBytes;  // kStages mbarriers (sm90)
+  unsigned char* pipe = bars + Tr::kBarBytes;
   {
     constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
     const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
@@ -167,6 +219,67 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
   const int row_bytes_used = p.d * Tr::kKvBytes;
 
+  auto load_scales = [&](std::int64_t tile, int stage) {
+    if constexpr (kFp8) {
+      if (per_key_scale && tid < kBlockN) {
+        float* kss = reinterpret_cast<float*>(pipe + stage * Tr::kStageBytes + 2 * Tr::kTileBytes);
+        float* vss = kss + kBlockN;
+        const std::int64_t j = tile * kBlockN + tid;
+        const bool ok = j < s_k;
+        const std::int64_t at = ok ? p.kv_block(b, j) * p.scale_block_stride + g_kv : 0;
+        cp_async_4(smem_u32(kss + tid), p.k_scale + at, ok);
+        cp_async_4(smem_u32(vss + tid), p.v_scale + at, ok);
+      }
+    }
+  };
+#if FLASHATTN_DECODE_BULK
+  // Thread tid copies rows (tid % 64) + 64 k of K (tid < 64) or V; the block-table entries
+  // of the next tile it issues are loaded one tile ahead (their latency off the issue path).
+  constexpr int kRowsPerThread = kBlockN / 64;
+  const bool is_v = tid >= 64;
+  const unsigned char* src_base = is_v ? vg : kg;
+  const std::int64_t src_bstride = (is_v ? p.v_batch_stride : p.k_batch_stride) * Tr::kKvBytes;
+  const std::int64_t src_rstride = (is_v ? p.v_row_stride : p.k_row_stride) * Tr::kKvBytes;
+  int pf_blk[kRowsPerThread];
+  auto prefetch_table = [&](std::int64_t tile) {
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const std::int64_t j = tile * kBlockN + (tid & 63) + 64 * k;
+      pf_blk[k] = (btab != nullptr && j < s_k) ? btab[j / p.block_size] : 0;
+    }
+  };
+  auto tile_bytes = [&](std::int64_t tile) -> std::uint32_t {
+    const std::int64_t rows = min(std::int64_t(kBlockN), std::int64_t(s_k) - tile * kBlockN);
+    return static_cast<std::uint32_t>(rows > 0 ? rows : 0) * row_bytes_used * 2u;
+  };
+  auto load_tile = [&](std::int64_t tile, int stage) {
+    unsigned char* dst_tile = pipe + stage * Tr::kStageBytes + (is_v ? Tr::kTileBytes : 0);
+    const std::uint32_t bar = smem_u32(bars + 8 * stage);
+    bool zeroed = false;
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      const int row = (tid & 63) + 64 * k;
+      const std::int64_t j = tile * kBlockN + row;
+      unsigned char* dst = dst_tile + row * Tr::kRowBytes;
+      if (j < s_k) {
+        std::int64_t off;
+        if (btab) {
+          off = std::int64_t(pf_blk[k]) * src_bstride + (j % p.block_size) * src_rstride;
+        } else {
+          off = cache_row * src_bstride + j * src_rstride;
+        }
+        bulk_copy(smem_u32(dst), src_base + off, static_cast<std::uint32_t>(row_bytes_used), bar);
+      } else {
+        // Past the sequence: zeros (stale or uninitialised bytes could be NaN).
+        for (int c = 0; c < row_bytes_used; c += 16) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
+        zeroed = true;
+      }
+    }
+    if (zeroed) fence_proxy_async();
+    if (btab) prefetch_table(tile + t_step);
+    load_scales(tile, stage);
+  };
+#else
   auto load_tile = [&](std::int64_t tile, int stage) {
     unsigned char* ks = pipe + stage * Tr::kStageBytes;
     unsigned char* vs = ks + Tr::kTileBytes;
@@ -201,18 +314,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
       cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
     }
-    if constexpr (kFp8) {
-      if (per_key_scale && tid < kBlockN) {
-        float* kss = reinterpret_cast<float*>(vs + Tr::kTileBytes);
-        float* vss = kss + kBlockN;
-        const std::int64_t j = j0 + tid;
-        const bool ok = j < s_k;
-        const std::int64_t at = ok ? p.kv_block(b, j) * p.scale_block_stride + g_kv : 0;
-        cp_async_4(smem_u32(kss + tid), p.k_scale + at, ok);
-        cp_async_4(smem_u32(vss + tid), p.v_scale + at, ok);
-      }
-    }
+    load_scales(tile, stage);
   };
+#endif
 
   // ---- scores
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
@@ -232,9 +336,30 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   // Prologue.
+#if FLASHATTN_DECODE_BULK
+  if (p.d * Tr::kKvBytes < kHeadDim * Tr::kKvBytes) {
+    // Head dims past d (bucket padding) are never copied: zero them once, every stage.
+    const int pad = (kHeadDim - p.d) * Tr::kKvBytes;
+    for (int r = tid; r < Tr::kStages * 2 * kBlockN; r += Tr::kThreads) {
+      unsigned char* row = pipe + (r / (2 * kBlockN)) * Tr::kStageBytes + (r % (2 * kBlockN)) * Tr::kRowBytes +
+                           row_bytes_used;
+      for (int c = 0; c < pad; c += 8) *reinterpret_cast<uint2*>(row + c) = make_uint2(0, 0);
+    }
+    fence_proxy_async();
+  }
+  if (tid == 0) {
+    for (int st = 0; st < Tr::kStages; ++st) mbar_init(smem_u32(bars + 8 * st));
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int st = 0; st < Tr::kStages - 1; ++st) {
+      if (t_begin + st * t_step < t_end) mbar_expect_tx(smem_u32(bars + 8 * st), tile_bytes(t_begin + st * t_step));
+    }
+  }
+  if (btab) prefetch_table(t_begin);
+  __syncthreads();
+#endif
 #pragma unroll
   for (int st = 0; st < Tr::kStages - 1; ++st) {
-    if (t_begin + st < t_end) load_tile(t_begin + st, st);
+    if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st);
     cp_async_commit();
   }
   __syncthreads();  // q in shared memory
@@ -265,16 +390,21 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   using MmaElement = std::conditional_t<kFp8, __half, Element>;
 
   int stage = 0;
-  for (std::int64_t tile = t_begin; tile < t_end; ++tile) {
+  std::uint32_t phase = 0;
+  for (std::int64_t tile = t_begin; tile < t_end; tile += t_step) {
+    const std::int64_t nxt = tile + (Tr::kStages - 1) * t_step;
+    int ns = stage + Tr::kStages - 1;
+    if (ns >= Tr::kStages) ns -= Tr::kStages;
     cp_async_wait<Tr::kStages - 2>();
+#if FLASHATTN_DECODE_BULK
+    mbar_wait(smem_u32(bars + 8 * stage), phase);
+    // Stage ns held tile - 1, whose phase completed: arm it for nxt before the barrier
+    // that orders the copies after this.
+    if (tid == 0 && nxt < t_end) mbar_expect_tx(smem_u32(bars + 8 * ns), tile_bytes(nxt));
+#endif
     __syncthreads();
-    {
-      const std::int64_t nxt = tile + Tr::kStages - 1;
-      int ns = stage + Tr::kStages - 1;
-      if (ns >= Tr::kStages) ns -= Tr::kStages;
-      if (nxt < t_end) load_tile(nxt, ns);
-      cp_async_commit();
-    }
+    if (nxt < t_end) load_tile(nxt, ns);
+    cp_async_commit();
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const unsigned char* vs = ks + Tr::kTileBytes;
     const float* kss = reinterpret_cast<const float*>(vs + Tr::kTileBytes);
@@ -430,7 +560,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         }
       }
     }
-    stage = stage + 1 == Tr::kStages ? 0 : stage + 1;
+    if (++stage == Tr::kStages) {
+      stage = 0;
+      phase ^= 1u;
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below

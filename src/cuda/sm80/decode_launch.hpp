@@ -21,7 +21,11 @@ struct DecodeTraits {
   static constexpr int kKvBytes = kFp8 ? 1 : 2;
   static constexpr int kRowBytes = kHeadDim * kKvBytes + 16;  // padded: ldmatrix conflict-free
   static constexpr int kChunksPerRow = kHeadDim * kKvBytes / 16;
+#ifdef FLASHATTN_DECODE_STAGES
+  static constexpr int kStages = FLASHATTN_DECODE_STAGES;
+#else
   static constexpr int kStages = (kHeadDim > 128 && !kFp8) ? 2 : 3;
+#endif
   static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one stage
   static constexpr int kStageBytes = 2 * kTileBytes + (kFp8 ? 2 * kBlockN * 4 : 0);
   static constexpr int kQRowBytes = kHeadDim * 2 + 16;
@@ -29,7 +33,9 @@ struct DecodeTraits {
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
   static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;
-  static constexpr int kSmemBytes = kQBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
+  static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 bulk copies)
+  static constexpr int kSmemBytes =
+      kQBytes + kBarBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
 };
 
 // Run-time arguments of one decode launch besides FwdParams.
@@ -37,6 +43,7 @@ struct DecodeArgs {
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool q_bf16 = false; // fp8 variant: q / out dtype
+  bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
   float* ws_lse = nullptr;  // [splits, batch, h_q, seqlen_q] fp32
 };
