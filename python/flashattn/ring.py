@@ -32,7 +32,8 @@ on a per-call random stream); softcap is supported (it is elementwise on scores)
 
 Public names: ring_attention, ring_attention_varlen, zigzag_shard, zigzag_unshard,
 zigzag_shard_varlen, zigzag_unshard_varlen; and, for single-process emulation and tests,
-ring_forward_schedule / ring_backward_schedule with EmulatedRing (bench/ring_emulate.py).
+ring_forward_schedule / ring_backward_schedule with EmulatedRing, run_emulated and
+emulated_layout (bench/ring_emulate.py). docs/ring.md has the details and measurements.
 """
 
 from collections import deque
