@@ -7,8 +7,10 @@
 // KV byte is read once per 16 rows. The 4 warps split the keys of each K/V tile (16 or 32
 // keys each, not the rows); each keeps its own online softmax state, and the warps merge
 // (max, sum, O) through shared memory at the end. K/V tiles arrive through a 2-3 stage
-// cp.async pipeline with per-row addresses (paged caches of any block size, dense with
-// cache_batch_idx); rows beyond the sequence's key count are zero-filled, never read.
+// pipeline with per-row addresses (paged caches of any block size, dense with
+// cache_batch_idx): on sm90 one bulk copy (cp.async.bulk, TMA engine) per K/V row completing
+// on a per-stage mbarrier, with the block-table entries loaded one tile ahead; on sm80
+// 16-byte cp.async. Rows beyond the sequence's key count are zero-filled, never read.
 //
 // fp8: K/V stay e4m3 in shared memory (half the bytes of the copy) and are converted in
 // registers to f16 (exact), so the fp8 variant runs f16 MMAs whatever q's dtype (q is
