@@ -141,7 +141,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             block_table: Optional[Tensor] = None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, *, k_scale=None, v_scale=None,
+                            tree_mask=None):
     """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
 
     k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
@@ -154,6 +155,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotated at positions cache_seqlens + t, and q at cache_seqlens + t when causal or
     windowed, else at cache_seqlens for every query (flash_attn's rule); done in torch
     before the call, so the cache receives the rotated keys.
+
+    fp8 cache (flashattn's extension): k_cache, v_cache of dtype torch.float8_e4m3fn with
+    fp32 k_scale, v_scale of shape [h_k] (per KV head) or [k_cache.shape[0], h_k] (per
+    block / cache row and KV head); a cached element means float(e4m3) * scale, and the
+    appended k, v (q's dtype) are stored as e4m3(x / scale), round to nearest even,
+    saturating at +-448.
+
+    tree_mask (speculative decoding): int32 [b, s_q, ceil(s_q / 32)]; the last s_q keys
+    of each sequence are the draft tokens and query i sees draft t only when bit t % 32 of
+    tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
     """
     if cache_leftpad is not None:
         raise UnsupportedError(
@@ -188,7 +199,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     out, lse = ops.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
                                k, v, alibi_slopes, _scale(q, softmax_scale), bool(causal), left,
-                               right, float(softcap), int(num_splits))
+                               right, float(softcap), int(num_splits), k_scale, v_scale,
+                               tree_mask)
     return (out, lse) if return_softmax_lse else out
 
 

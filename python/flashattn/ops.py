@@ -323,9 +323,14 @@ def kvcache_fwd(
     window_right: int,
     softcap: float,
     num_splits: int,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    tree_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
-    caches in place at cache_seqlens (not advanced) before attending."""
+    caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
+    cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
+    [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys."""
     b, s_q, h_q, _ = q.shape
     out = _empty(q.shape, q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
@@ -334,12 +339,15 @@ def kvcache_fwd(
     # The caches are written in place: they go as they are (no copy).
     _C.kvcache_forward(_prepare(q), k_cache.detach(), v_cache.detach(), _prepare(cache_seqlens),
                        _prepare(block_table), _prepare(cache_batch_idx), _prepare(k_new),
-                       _prepare(v_new), num_splits, out, lse, None, **opts)
+                       _prepare(v_new), num_splits, out, lse, None, **opts,
+                       k_scale=_prepare(k_scale), v_scale=_prepare(v_scale),
+                       tree_mask=_prepare(tree_mask))
     return out, lse
 
 
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
-      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits):
+      alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
+      k_scale=None, v_scale=None, tree_mask=None):
     b, s_q, h_q, _ = q.shape
     return _empty(q.shape, q), _empty((b, h_q, s_q), q, torch.float32)

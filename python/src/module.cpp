@@ -251,7 +251,8 @@ template <typename Cache>
 fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_cache,
                              const In& cache_seqlens, const OptIn& block_table,
                              const OptIn& cache_batch_idx, const OptIn& k_new,
-                             const OptIn& v_new, int num_splits) {
+                             const OptIn& v_new, int num_splits, const OptIn& k_scale,
+                             const OptIn& v_scale, const OptIn& tree_mask) {
   fa::KVCacheArgs a;
   a.q = to_tensor(q, "q");
   a.k_cache = to_tensor(k_cache, "k_cache");
@@ -262,8 +263,16 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
   a.k_new = to_tensor(k_new, "k_new");
   a.v_new = to_tensor(v_new, "v_new");
   a.num_splits = num_splits;
+  a.k_scale = to_tensor(k_scale, "k_scale");
+  a.v_scale = to_tensor(v_scale, "v_scale");
+  a.tree_mask = to_tensor(tree_mask, "tree_mask");
   return a;
 }
+
+// The fp8-cache scales and the draft-tree mask: keyword-only, after the common options.
+#define FA_KVCACHE_KWARGS                                                        \
+  nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), \
+      nb::arg("tree_mask").none() = nb::none()
 
 }  // namespace
 
@@ -379,10 +388,12 @@ NB_MODULE(_C, m) {
       [](const In& q, const Out& k_cache, const Out& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, int num_splits, const Out& out, const OptOut& lse,
-         const OptOut& workspace, FA_COMMON_ARGS) {
+         const OptOut& workspace, FA_COMMON_ARGS, const OptIn& k_scale, const OptIn& v_scale,
+         const OptIn& tree_mask) {
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
-                                               cache_batch_idx, k_new, v_new, num_splits);
+                                               cache_batch_idx, k_new, v_new, num_splits, k_scale,
+                                               v_scale, tree_mask);
         const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const fa::Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
@@ -391,22 +402,27 @@ NB_MODULE(_C, m) {
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),
       nb::arg("block_table").none(), nb::arg("cache_batch_idx").none(), nb::arg("k_new").none(),
       nb::arg("v_new").none(), nb::arg("num_splits"), nb::arg("out"), nb::arg("lse").none(),
-      nb::arg("workspace").none() = nb::none(), FA_COMMON_KWARGS,
+      nb::arg("workspace").none() = nb::none(), FA_COMMON_KWARGS, FA_KVCACHE_KWARGS,
       "Attention against a dense or paged KV cache; k_new/v_new are first written into the "
-      "cache in place at cache_seqlens (which is not advanced).");
+      "cache in place at cache_seqlens (which is not advanced). An fp8 cache (float8_e4m3fn) "
+      "takes k_scale, v_scale (float32 [h_k] or [k_cache.shape[0], h_k]); tree_mask (int32 "
+      "[b, s_q, ceil(s_q / 32)]) restricts which of the last s_q keys (the drafts) each query "
+      "sees.");
 
   m.def(
       "kvcache_workspace_size",
       [](const In& q, const In& k_cache, const In& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
-         const OptIn& v_new, int num_splits, FA_COMMON_ARGS) {
+         const OptIn& v_new, int num_splits, FA_COMMON_ARGS, const OptIn& k_scale,
+         const OptIn& v_scale, const OptIn& tree_mask) {
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
-                                               cache_batch_idx, k_new, v_new, num_splits);
+                                               cache_batch_idx, k_new, v_new, num_splits, k_scale,
+                                               v_scale, tree_mask);
         return fa::kvcache_workspace_size(a, o);
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),
       nb::arg("block_table").none(), nb::arg("cache_batch_idx").none(), nb::arg("k_new").none(),
-      nb::arg("v_new").none(), nb::arg("num_splits"), FA_COMMON_KWARGS,
+      nb::arg("v_new").none(), nb::arg("num_splits"), FA_COMMON_KWARGS, FA_KVCACHE_KWARGS,
       "Bytes of scratch kvcache_forward wants (0 if none).");
 }

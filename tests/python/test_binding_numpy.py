@@ -344,3 +344,143 @@ def test_options_are_checked():
         _C.forward(q, q, q, np.zeros_like(q), None, dropout_p=1.0)
     with pytest.raises(flashattn.InvalidArgumentError, match="opts.window_left"):
         _C.forward(q, q, q, np.zeros_like(q), None, window_left=-2)
+
+
+# ------------------------------------------------------------------ draft trees, fp8 cache
+
+
+def random_tree_words(rng, b, s_q, linear=False):
+    """int32 [b, s_q, ceil(s_q / 32)] ancestor-or-self bitmasks of random parent pointers
+    (parent of draft i: -1 or an earlier draft; linear: i - 1), and the boolean
+    [b, s_q, s_q] visibility they encode."""
+    words = (s_q + 31) // 32
+    vis = np.zeros((b, s_q, s_q), dtype=bool)
+    for bi in range(b):
+        for i in range(s_q):
+            parent = i - 1 if linear else (int(rng.integers(-1, i)) if i > 0 else -1)
+            if parent >= 0:
+                vis[bi, i] = vis[bi, parent]
+            vis[bi, i, i] = True
+    mask = np.zeros((b, s_q, words), dtype=np.uint32)
+    for t in range(s_q):
+        mask[:, :, t // 32] |= vis[:, :, t].astype(np.uint32) << np.uint32(t % 32)
+    return mask.view(np.int32), vis
+
+
+def tree_oracle(q, keys, values, vis, causal=False, softmax_scale=None):
+    """fp64 attention of q [s_q, h_q, d] over keys/values [s_k, h_k, d] where the last
+    s_q keys are drafts seen per vis [s_q, s_q] (and causal, bottom-right). Returns
+    (out [s_q, h_q, d], lse [h_q, s_q])."""
+    s_q, h_q, d = q.shape
+    s_k, h_k = keys.shape[0], keys.shape[1]
+    scale = float(np.float32(1.0) / np.sqrt(np.float32(d)) if softmax_scale is None
+                  else np.float32(softmax_scale))
+    allowed = np.ones((s_q, s_k), dtype=bool)
+    for i in range(s_q):
+        for j in range(s_k):
+            t = j - (s_k - s_q)
+            if t >= 0 and not vis[i, t]:
+                allowed[i, j] = False
+            if causal and j > i + s_k - s_q:
+                allowed[i, j] = False
+    out = np.zeros((s_q, h_q, d))
+    lse = np.full((h_q, s_q), -np.inf)
+    for h in range(h_q):
+        g = h // (h_q // h_k)
+        s = (q[:, h] @ keys[:, g].T) * scale
+        for i in range(s_q):
+            if not allowed[i].any():
+                continue
+            x = s[i][allowed[i]]
+            m = x.max()
+            lse[h, i] = m + np.log(np.exp(x - m).sum())
+            p = np.exp(x - lse[h, i])
+            out[i, h] = p @ values[allowed[i], g]
+    return out, lse
+
+
+@pytest.mark.parametrize("s_q", [1, 7, 37])
+@pytest.mark.parametrize("num_splits", [1, 2, 0])
+def test_kvcache_tree_mask(seed, s_q, num_splits):
+    rng = np.random.default_rng(seed)
+    b, h_q, h_k, d, block_size = 2, 4, 2, 16, 8
+    lens = np.array([int(rng.integers(0, 30)), int(rng.integers(0, 30))], dtype=np.int32)
+    max_blocks = (30 + s_q + block_size - 1) // block_size
+    num_blocks = b * max_blocks + 1
+    k_cache = rand(rng, num_blocks, block_size, h_k, d)
+    v_cache = rand(rng, num_blocks, block_size, h_k, d)
+    table = rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    q, k_new, v_new = rand(rng, b, s_q, h_q, d), rand(rng, b, s_q, h_k, d), rand(rng, b, s_q, h_k, d)
+    tree, vis = random_tree_words(rng, b, s_q)
+    causal = bool(rng.integers(0, 2))
+    out, lse = poisoned(q.shape), poisoned((b, h_q, s_q), np.float32)
+    _C.kvcache_forward(q, k_cache, v_cache, lens, table, None, k_new, v_new, num_splits, out,
+                       lse, causal=causal, tree_mask=tree)
+    assert_written(out, lse)
+    for bi in range(b):
+        n = int(lens[bi]) + s_q
+        rows = [(table[bi, t // block_size], t % block_size) for t in range(n)]
+        keys = np.stack([k_cache[r, c] for r, c in rows])
+        values = np.stack([v_cache[r, c] for r, c in rows])
+        np.testing.assert_array_equal(keys[-s_q:], k_new[bi])  # appended in place
+        want_out, want_lse = tree_oracle(q[bi], keys, values, vis[bi], causal)
+        np.testing.assert_allclose(out[bi], want_out, **TOL64)
+        np.testing.assert_allclose(lse[bi], want_lse, rtol=2e-7)
+
+
+def test_kvcache_linear_tree_is_causal(seed):
+    rng = np.random.default_rng(seed)
+    b, s_q, h_q, h_k, d = 2, 33, 2, 1, 8
+    k_cache, v_cache = rand(rng, b, 80, h_k, d), rand(rng, b, 80, h_k, d)
+    lens = np.array([10, 40], dtype=np.int32)
+    q = rand(rng, b, s_q, h_q, d)
+    tree, _ = random_tree_words(rng, b, s_q, linear=True)
+    a, b_ = poisoned(q.shape), poisoned(q.shape)
+    _C.kvcache_forward(q, k_cache, v_cache, lens, None, None, None, None, 1, a, None,
+                       tree_mask=tree)
+    _C.kvcache_forward(q, k_cache, v_cache, lens, None, None, None, None, 1, b_, None,
+                       causal=True)
+    np.testing.assert_array_equal(a, b_)
+
+
+def test_kvcache_tree_mask_errors():
+    q = np.zeros((2, 3, 2, 8))
+    cache = np.zeros((2, 8, 1, 8))
+    lens = np.array([2, 3], np.int32)
+    call = lambda **kw: _C.kvcache_forward(q, cache, cache.copy(), lens, None, None, None, None,  # noqa
+                                           1, np.zeros_like(q), None, **kw)
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        call(tree_mask=np.zeros((2, 3, 2), np.int32))
+    assert info.value.argument == "tree_mask"
+    assert info.value.expected == "shape [2, 3, 1] ([b, s_q, ceil(s_q / 32)])"
+    assert info.value.actual == "[2, 3, 2]"
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'tree_mask': expected dtype int32, got float64"):
+        call(tree_mask=np.zeros((2, 3, 1)))
+    with pytest.raises(TypeError, match="argument 'tree_mask'.*got dtype uint32"):
+        call(tree_mask=np.zeros((2, 3, 1), np.uint32))
+    # The workspace query checks the same arguments.
+    with pytest.raises(flashattn.InvalidArgumentError, match="kvcache_workspace_size: argument 'tree_mask'"):
+        _C.kvcache_workspace_size(q, cache, cache, lens, None, None, None, None, 1,
+                                  tree_mask=np.zeros((2, 4, 1), np.int32))
+
+
+def test_kvcache_scales_need_an_fp8_cache():
+    q = np.zeros((1, 1, 2, 8))
+    cache = np.zeros((1, 8, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([2], np.int32), None, None, None,
+                           None, 1, np.zeros_like(q), None, k_scale=np.ones(2, np.float32),
+                           v_scale=np.ones(2, np.float32))
+    assert info.value.argument == "k_scale"
+    assert "float8_e4m3 cache; k_cache is float64" in info.value.expected
+
+
+def test_kvcache_uint8_cache_is_not_fp8():
+    # numpy has no float8 dtype: a uint8 array is not taken for e4m3 bytes (the fp8 cache
+    # goes through torch.float8_e4m3fn, see test_torch.py).
+    q = np.zeros((1, 1, 2, 8), np.float32)
+    cache = np.zeros((1, 8, 2, 8), np.uint8)
+    with pytest.raises(TypeError, match="argument 'k_cache': expected dtype .*float8_e4m3fn.*got dtype uint8"):
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([2], np.int32), None, None, None,
+                           None, 1, np.zeros_like(q), None, k_scale=np.ones(2, np.float32),
+                           v_scale=np.ones(2, np.float32))

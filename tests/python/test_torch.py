@@ -278,11 +278,20 @@ def _opcheck_cases(device, dtype):
     yield ops.kvcache_fwd, (mk(2, 2, 4, 16, rg=False), kc, vc, lens, None, None,
                             mk(2, 2, 2, 16, rg=False), mk(2, 2, 2, 16, rg=False), None, 0.25,
                             True, -1, -1, 0.0, 0)
+    # fp8 cache with per-(row, head) scales and a draft tree over the 2 new queries.
+    kc8 = (mk(2, 12, 2, 16, rg=False) * 8).to(torch.float8_e4m3fn)
+    vc8 = (mk(2, 12, 2, 16, rg=False) * 8).to(torch.float8_e4m3fn)
+    ks = torch.full((2, 2), 0.125, dtype=torch.float32, device=device)
+    vs = torch.full((2, 2), 0.25, dtype=torch.float32, device=device)
+    tree = torch.tensor([[[1], [3]], [[1], [2]]], dtype=torch.int32, device=device)
+    yield ops.kvcache_fwd, (mk(2, 2, 4, 16, rg=False), kc8, vc8, lens, None, None,
+                            mk(2, 2, 2, 16, rg=False), mk(2, 2, 2, 16, rg=False), None, 0.25,
+                            False, -1, -1, 0.0, 2, ks, vs, tree)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", range(5), ids=["fwd", "bwd", "varlen_fwd", "varlen_bwd",
-                                                "kvcache_fwd"])
+@pytest.mark.parametrize("case", range(6), ids=["fwd", "bwd", "varlen_fwd", "varlen_bwd",
+                                                "kvcache_fwd", "kvcache_fwd_fp8_tree"])
 def test_opcheck(device, case):
     dtype = torch.float64 if device == "cpu" else torch.float16
     op, args = list(_opcheck_cases(device, dtype))[case]
@@ -290,6 +299,12 @@ def test_opcheck(device, case):
         op(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
     except flashattn.UnsupportedError as e:
         pytest.skip(f"{op} on {device} not in this build: {e}")
+    if case == 5:
+        # test_schema compares the mutated caches with ops torch lacks for float8 on the CPU
+        # ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn): the other checks run.
+        torch.library.opcheck(op, args, test_utils=("test_autograd_registration",
+                                                    "test_faketensor", "test_aot_dispatch_dynamic"))
+        return
     torch.library.opcheck(op, args)
 
 
@@ -525,3 +540,116 @@ def test_cuda_dropout_matches_the_philox_oracle(seed):
     bound = eps * (np.abs(np64(v)).max() / (1 - p) + np.abs(want).max())
     assert err <= bound, (err, bound)
     assert np.abs(no_dropout - want).max() > 100 * bound
+
+
+# ------------------------------------------------------------------ fp8 cache, draft trees
+
+
+def fp8_bytes(t):
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("per_block", [False, True], ids=["per_head", "per_block"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attn_with_kvcache_fp8_paged(seed, per_block, dtype):
+    g = gen(seed)
+    b, s_q, h_q, h_k, d, block_size, max_blocks = 3, 2, 4, 2, 16, 4, 5
+    num_blocks = b * max_blocks + 2
+    lens = torch.tensor([5, 0, 13], dtype=torch.int32)
+    table = torch.randperm(num_blocks, generator=g)[: b * max_blocks].reshape(b, max_blocks)
+    table = table.to(torch.int32)
+    shape = (num_blocks, h_k) if per_block else (h_k,)
+    k_scale = (torch.rand(shape, generator=g) * 0.04 + 0.01).float()
+    v_scale = (torch.rand(shape, generator=g) * 0.04 + 0.01).float()
+    # e4m3 bytes of N(0, 1) / scale (in range: torch's own conversion, round to nearest even).
+    bs = lambda s: s if not per_block else s[:, None, :, None]  # noqa: E731
+    sc = lambda s: s[None, None, :, None] if not per_block else bs(s)  # noqa: E731
+    k_cache = (randn(g, num_blocks, block_size, h_k, d).float() / sc(k_scale)).to(torch.float8_e4m3fn)
+    v_cache = (randn(g, num_blocks, block_size, h_k, d).float() / sc(v_scale)).to(torch.float8_e4m3fn)
+    q = randn(g, b, s_q, h_q, d, dtype=dtype)
+    k_new, v_new = randn(g, b, s_q, h_k, d, dtype=dtype), randn(g, b, s_q, h_k, d, dtype=dtype)
+    k_before = fp8_bytes(k_cache).clone()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                       block_table=table, causal=True, num_splits=2,
+                                       k_scale=k_scale, v_scale=v_scale, return_softmax_lse=True)
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    # The append quantized k_new / v_new with the destination block's scale (compared with
+    # torch's float8_e4m3fn conversion) and wrote nothing else.
+    expected = k_before.clone()
+    for bi in range(b):
+        for t in range(s_q):
+            j = int(lens[bi]) + t
+            blk, row = int(table[bi, j // block_size]), j % block_size
+            s = k_scale[blk] if per_block else k_scale
+            expected[blk, row] = fp8_bytes((k_new[bi, t].float() / s[:, None]).to(torch.float8_e4m3fn))
+    assert torch.equal(fp8_bytes(k_cache), expected)
+    # The result is attention over the dequantized cache (value = e4m3 * scale).
+    deq_k = k_cache.double() * sc(k_scale).double()
+    deq_v = v_cache.double() * sc(v_scale).double()
+    want, _, _ = ref.kvcache_attention(np64(q), deq_k.numpy(), deq_v.numpy(),
+                                       (lens + s_q).numpy(), block_table=table.numpy(), causal=True)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np64(out), want["out"], **tol)
+    np.testing.assert_allclose(np64(lse), want["lse"], rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attn_with_kvcache_fp8_errors():
+    q = torch.zeros(1, 1, 2, 8)
+    cache = torch.zeros(1, 8, 2, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=2)
+    assert info.value.argument == "k_scale"
+    assert info.value.actual == "an undefined tensor"
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'v_scale': expected dtype float32"):
+        flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=2,
+                                k_scale=torch.ones(2), v_scale=torch.ones(2, dtype=torch.float64))
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'v_cache': expected dtype float8_e4m3"):
+        flash_attn_with_kvcache(q, cache, torch.zeros(1, 8, 2, 8), cache_seqlens=2,
+                                k_scale=torch.ones(2), v_scale=torch.ones(2))
+
+
+@pytest.mark.parametrize("s_q", [3, 40])
+def test_flash_attn_with_kvcache_tree_mask(seed, s_q):
+    from test_binding_numpy import random_tree_words, tree_oracle
+
+    g = gen(seed)
+    rng = np.random.default_rng(seed)
+    b, h_q, h_k, d = 2, 4, 2, 16
+    lens = torch.tensor([7, 21], dtype=torch.int32)
+    k_cache, v_cache = randn(g, b, 64, h_k, d), randn(g, b, 64, h_k, d)
+    q, k_new, v_new = randn(g, b, s_q, h_q, d), randn(g, b, s_q, h_k, d), randn(g, b, s_q, h_k, d)
+    words, vis = random_tree_words(rng, b, s_q)
+    tree = torch.from_numpy(words.copy())
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                  tree_mask=tree, num_splits=3)
+    for bi in range(b):
+        n = int(lens[bi]) + s_q
+        want, _ = tree_oracle(np64(q[bi]), np64(k_cache[bi, :n]), np64(v_cache[bi, :n]), vis[bi])
+        np.testing.assert_allclose(np64(out[bi]), want, rtol=1e-10, atol=1e-11)
+    # A linear chain of drafts is causal attention.
+    linear, _ = random_tree_words(rng, b, s_q, linear=True)
+    a = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + s_q,
+                                tree_mask=torch.from_numpy(linear.copy()))
+    c = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens + s_q, causal=True)
+    assert torch.equal(a, c)
+
+
+def test_torch_compile_kvcache_tree_fp8():
+    torch._dynamo.reset()
+    q = torch.randn(2, 2, 2, 8, dtype=torch.float32)
+    kc = (torch.randn(2, 6, 1, 8) * 4).to(torch.float8_e4m3fn)
+    vc = (torch.randn(2, 6, 1, 8) * 4).to(torch.float8_e4m3fn)
+    kn, vn = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    lens = torch.tensor([2, 4], dtype=torch.int32)
+    ks, vs = torch.full((1,), 0.25), torch.full((1,), 0.5)
+    tree = torch.tensor([[[1], [3]], [[1], [2]]], dtype=torch.int32)
+
+    def step(q, kc, vc, kn, vn, lens):
+        return flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, k_scale=ks,
+                                       v_scale=vs, tree_mask=tree)
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc2, vc2, kn, vn, lens)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc, vc, kn, vn, lens)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(fp8_bytes(kc), fp8_bytes(kc2))  # the in-place fp8 append survived
