@@ -1,5 +1,6 @@
-// A device copy of a host test tensor (tests/cuda), for suites that call the public API
-// with CUDA tensors: the copy's view() has the host tensor's layout on cuda:0.
+// What the CUDA suites (tests/cuda) share: the skip-without-GPU and CUDA-status macros, and
+// a device copy of a host test tensor whose view() has the host tensor's layout on cuda:0,
+// for calling the public API with CUDA tensors.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,7 +9,15 @@
 
 #include <gtest/gtest.h>
 
+#include "core/backend.hpp"
 #include "support/host_tensor.hpp"
+
+#define FA_REQUIRE_GPU()                                                             \
+  do {                                                                               \
+    if (detail::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+#define FA_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 namespace flashattn::test {
 

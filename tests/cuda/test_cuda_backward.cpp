@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "core/backend.hpp"
+#include "cuda/device_copy.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
 #include "support/compare.hpp"
@@ -24,39 +25,6 @@
 
 namespace flashattn::test {
 namespace {
-
-#define FA_REQUIRE_GPU()                                                        \
-  do {                                                                          \
-    if (detail::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
-
-#define FA_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
-// A device copy of a host tensor; download() writes the device bytes back into it.
-class DeviceCopy {
- public:
-  explicit DeviceCopy(const HostTensor& h) : bytes_(h.bytes()) {
-    if (bytes_ > 0) {
-      EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
-      EXPECT_EQ(cudaMemcpy(ptr_, h.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-    }
-    view_ = h.view_on(ptr_, Device::cuda(0));
-  }
-  ~DeviceCopy() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  DeviceCopy(const DeviceCopy&) = delete;
-  DeviceCopy& operator=(const DeviceCopy&) = delete;
-  const Tensor& view() const { return view_; }
-  void download(HostTensor& h) const {
-    if (bytes_ > 0) EXPECT_EQ(cudaMemcpy(h.data(), ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-  Tensor view_;
-};
 
 // Runs the CUDA backward of a dense case whose out / lse are already filled; dq, dk,
 // dv are poisoned first and downloaded into c.

@@ -31,13 +31,6 @@
 namespace flashattn::test {
 namespace {
 
-#define FA_REQUIRE_GPU()                                                             \
-  do {                                                                               \
-    if (detail::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device visible"; \
-  } while (0)
-
-#define FA_CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
-
 // All device buffers of one KV-cache case and the API arguments over them.
 struct DeviceCase {
   std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi;
