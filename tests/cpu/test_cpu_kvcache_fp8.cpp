@@ -131,8 +131,7 @@ TEST(CpuKVCacheFp8, SplitCountsAgreeWithNoSplit) {
     base.opts.causal = true;
     const RefProblem p = base.problem();
     const ForwardExpectation expect = ForwardExpectation::of(p, cfg.dtype);
-    const double naive_err = error_stats(concat_out(expect.naive), concat_out(expect.ref)).max_abs_err;
-    const ErrorStats naive_lse = error_stats(concat_lse(expect.naive), concat_lse(expect.ref));
+    const SplitAgreement agree = SplitAgreement::of(expect);
     ForwardResults one;
     for (int splits : {1, 2, 7, 0, 16}) {
       SCOPED_TRACE("num_splits " + std::to_string(splits));
@@ -143,12 +142,7 @@ TEST(CpuKVCacheFp8, SplitCountsAgreeWithNoSplit) {
         one = got;
         continue;
       }
-      const ErrorStats d = error_stats(got.out, one.out);
-      const double bound = 2 * (2 * naive_err + kDefaultFloorUlps * dtype_epsilon(cfg.dtype) * d.max_abs_ref);
-      EXPECT_LE(d.max_abs_err, bound) << "split result vs num_splits=1";
-      const double lse_bound =
-          2 * (2 * naive_lse.max_abs_err + kDefaultFloorUlps * dtype_epsilon(DType::kFloat32) * naive_lse.max_abs_ref);
-      EXPECT_LE(error_stats(got.lse, one.lse).max_abs_err, lse_bound) << "lse vs num_splits=1";
+      agree.expect_agrees(cfg.dtype, got, one);
     }
   }
 }

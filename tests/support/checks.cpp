@@ -157,4 +157,21 @@ BackwardResults backward_results(const VarlenCase& c) { return {c.dq_concat(), c
 
 ForwardResults forward_results(const KVCacheCase& c) { return {c.out.to_double(), c.lse.to_double(), {}}; }
 
+SplitAgreement SplitAgreement::of(const ForwardExpectation& expect) {
+  return {error_stats(concat_out(expect.naive), concat_out(expect.ref)).max_abs_err,
+          error_stats(concat_lse(expect.naive), concat_lse(expect.ref))};
+}
+
+void SplitAgreement::expect_agrees(DType dtype, const ForwardResults& split,
+                                   const ForwardResults& one) const {
+  const ErrorStats d = error_stats(split.out, one.out);
+  const double bound =
+      2 * (2 * naive_out_err + kDefaultFloorUlps * dtype_epsilon(dtype) * d.max_abs_ref);
+  EXPECT_LE(d.max_abs_err, bound) << "split result vs num_splits=1";
+  const double lse_bound = 2 * (2 * naive_lse.max_abs_err + kDefaultFloorUlps *
+                                                              dtype_epsilon(DType::kFloat32) *
+                                                              naive_lse.max_abs_ref);
+  EXPECT_LE(error_stats(split.lse, one.lse).max_abs_err, lse_bound) << "lse vs num_splits=1";
+}
+
 }  // namespace flashattn::test

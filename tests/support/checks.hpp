@@ -42,6 +42,16 @@ void expect_forward_matches(const RefProblem& p, DType dtype, const ForwardResul
 void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResults& forward,
                              const BackwardResults& got);
 
+// Split-KV runs against the num_splits = 1 run of the same problem: each within twice the
+// tolerance rule's bound (out in dtype, lse in fp32), from the naive computation's error
+// against the oracle, measured once per problem.
+struct SplitAgreement {
+  double naive_out_err = 0;
+  ErrorStats naive_lse;
+  static SplitAgreement of(const ForwardExpectation& expect);
+  void expect_agrees(DType dtype, const ForwardResults& split, const ForwardResults& one) const;
+};
+
 ForwardResults forward_results(const DenseCase& c);
 BackwardResults backward_results(const DenseCase& c);
 ForwardResults forward_results(const VarlenCase& c);
