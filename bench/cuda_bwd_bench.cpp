@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -96,6 +97,71 @@ struct Problem {
   }
 };
 
+// Correctness of one cell's gradients: dQ rows and dK / dV rows of (batch 0, head 0) and
+// (last batch, last head) against fp64 sums over the same bf16 inputs and the forward's
+// O and lse (natural log). Returns max |grad - ref| / max |ref| over the checked values.
+double check_cell(const Problem& p, bool causal) {
+  const int s = p.s, h = p.h, d = p.d;
+  const double scale = 1.0 / std::sqrt(double(d));
+  double worst = 0.0, ref_max = 0.0;
+  for (int which = 0; which < 2; ++which) {
+    const int bb = which ? p.b - 1 : 0, hh = which ? h - 1 : 0;
+    auto fetch = [&](const Tensor& t) {  // [s, d] of (bb, hh) from [b, s, h, d]
+      std::vector<std::uint16_t> x(std::size_t(s) * d);
+      const char* src = static_cast<const char*>(t.data) + 2 * ((std::size_t(bb) * s * h + hh) * d);
+      CHECK_CUDA(cudaMemcpy2D(x.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s,
+                              cudaMemcpyDeviceToHost));
+      std::vector<double> y(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) y[i] = flashattn::bf16_to_float(x[i]);
+      return y;
+    };
+    const auto q = fetch(p.q), k = fetch(p.k), v = fetch(p.v), o = fetch(p.out),
+               dout = fetch(p.dout), dq = fetch(p.dq), dk = fetch(p.dk), dv = fetch(p.dv);
+    std::vector<float> lse(s);
+    CHECK_CUDA(cudaMemcpy(lse.data(),
+                          static_cast<const float*>(p.lse.data) + (std::size_t(bb) * h + hh) * s,
+                          4 * std::size_t(s), cudaMemcpyDeviceToHost));
+    auto dot = [&](const std::vector<double>& a, int i, const std::vector<double>& b2, int j) {
+      double acc = 0;
+      for (int c = 0; c < d; ++c) acc += a[std::size_t(i) * d + c] * b2[std::size_t(j) * d + c];
+      return acc;
+    };
+    std::vector<double> D(s);
+    for (int i = 0; i < s; ++i) D[i] = dot(dout, i, o, i);
+    auto compare = [&](const std::vector<double>& ref, const std::vector<double>& got, int row) {
+      for (int c = 0; c < d; ++c) {
+        ref_max = std::max(ref_max, std::fabs(ref[c]));
+        const double e = std::fabs(ref[c] - got[std::size_t(row) * d + c]);
+        if (!(e <= worst)) worst = e;  // NaN propagates
+      }
+    };
+    const int rows[] = {0, 1, s / 3, s / 2 + 7, s - 2, s - 1};
+    for (int i : rows) {  // dQ_i = scale sum_j P_ij (dP_ij - D_i) K_j
+      std::vector<double> ref(d, 0.0);
+      for (int j = 0; j < (causal ? i + 1 : s); ++j) {
+        const double pij = std::exp(scale * dot(q, i, k, j) - lse[i]);
+        const double ds = pij * (dot(dout, i, v, j) - D[i]);
+        for (int c = 0; c < d; ++c) ref[c] += scale * ds * k[std::size_t(j) * d + c];
+      }
+      compare(ref, dq, i);
+    }
+    for (int j : rows) {  // dK_j = scale sum_i dS_ij Q_i, dV_j = sum_i P_ij dO_i
+      std::vector<double> rk(d, 0.0), rv(d, 0.0);
+      for (int i = causal ? j : 0; i < s; ++i) {
+        const double pij = std::exp(scale * dot(q, i, k, j) - lse[i]);
+        const double ds = pij * (dot(dout, i, v, j) - D[i]);
+        for (int c = 0; c < d; ++c) {
+          rk[c] += scale * ds * q[std::size_t(i) * d + c];
+          rv[c] += pij * dout[std::size_t(i) * d + c];
+        }
+      }
+      compare(rk, dk, j);
+      compare(rv, dv, j);
+    }
+  }
+  return worst / std::max(ref_max, 1e-30);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -144,7 +210,10 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
         CHECK_CUDA(cudaGetLastError());
         const double t = median(ms);
         const double flops = 2.5 * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
-        std::printf("bwd %d %d %d %.4f %.1f\n", d, causal, s, t, flops / (t * 1e-3) / 1e12);
+        // The last timed call ran on sets[0] (r = 14); relative error FAIL above 2e-2.
+        const double err = check_cell(sets[0], causal != 0);
+        std::printf("bwd %d %d %d %.4f %.1f relerr %.2e %s\n", d, causal, s, t,
+                    flops / (t * 1e-3) / 1e12, err, err < 2e-2 ? "ok" : "FAIL");
         std::fflush(stdout);
         cudaEventDestroy(start);
         cudaEventDestroy(stop);

@@ -56,6 +56,55 @@ struct Buffers {
   float* lse = nullptr;
 };
 
+float bf16_to_float(std::uint16_t x) {
+  const std::uint32_t u = std::uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Correctness of one cell: rows of (batch 0, head 0) and (last batch, last head) against an
+// fp64 softmax of the same bf16 inputs; returns max |out - ref| / max |ref| (NaN if any
+// output is NaN).
+double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, float scale) {
+  double worst = 0.0, ref_max = 0.0;
+  for (int which = 0; which < 2; ++which) {
+    const int bb = which ? b - 1 : 0, hh = which ? h - 1 : 0;
+    auto fetch = [&](const void* base) {  // [s, d] of (bb, hh) from [b, s, h, d]
+      std::vector<std::uint16_t> x(std::size_t(s) * d);
+      const char* src = static_cast<const char*>(base) +
+                        2 * ((std::size_t(bb) * s * h + hh) * d);
+      BENCH_CHECK(cudaMemcpy2D(x.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s,
+                               cudaMemcpyDeviceToHost));
+      return x;
+    };
+    const auto q = fetch(in.q), k = fetch(in.k), v = fetch(in.v), o = fetch(in.out);
+    for (int i : {0, 1, s / 3, s / 2 + 7, s - 2, s - 1}) {
+      const int end = causal ? i + 1 : s;
+      std::vector<double> sc(end);
+      double mx = -1e300;
+      for (int j = 0; j < end; ++j) {
+        double acc = 0;
+        for (int c = 0; c < d; ++c)
+          acc += double(bf16_to_float(q[std::size_t(i) * d + c])) * bf16_to_float(k[std::size_t(j) * d + c]);
+        sc[j] = acc * scale;
+        mx = std::max(mx, sc[j]);
+      }
+      double sum = 0;
+      for (int j = 0; j < end; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
+      for (int c = 0; c < d; ++c) {
+        double ref = 0;
+        for (int j = 0; j < end; ++j) ref += sc[j] * bf16_to_float(v[std::size_t(j) * d + c]);
+        ref /= sum;
+        const double e = std::fabs(ref - bf16_to_float(o[std::size_t(i) * d + c]));
+        if (!(e <= worst)) worst = e;  // NaN propagates
+        ref_max = std::max(ref_max, std::fabs(ref));
+      }
+    }
+  }
+  return worst / std::max(ref_max, 1e-30);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -133,7 +182,12 @@ int main(int argc, char** argv) {
         const double median = ms[ms.size() / 2];
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (median * 1e-3) / 1e12;
-        std::printf("%5d %6d %6d %5d %5d %9.4f %8.1f\n", d, causal, s, b, h, median, tflops);
+        // Checked on the last call's inputs (check_cell): relative error FAIL above 2e-2
+        // (bf16 output rounding alone is ~4e-3).
+        const double err = check_cell(sets[(kWarmup + kRepeats - 1) % kSets], b, h, d, s,
+                                      causal != 0, p.scale);
+        std::printf("%5d %6d %6d %5d %5d %9.4f %8.1f  relerr %.2e %s\n", d, causal, s, b, h,
+                    median, tflops, err, err < 2e-2 ? "ok" : "FAIL");
         if (csv) std::fprintf(csv, "%d,%d,%d,%d,%d,%.5f,%.2f\n", d, causal, s, b, h, median, tflops);
       }
     }

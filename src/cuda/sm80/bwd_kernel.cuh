@@ -78,7 +78,12 @@ struct BwdTileConfig {
   // at d = 128 and 224 ptxas then spills (sm_90 bf16: 24 B st / 40 B ld against none at
   // d = 128, 204 B against 8 B in the one-stage d = 224 kernel), so those keep one
   // __syncthreads.
+#ifdef FLASHATTN_H3_BWD_NO_NAMED_BARRIERS
+  // Experiment (issue #3): one __syncthreads after the P / dS stores in every bucket.
+  static constexpr bool kNamedBarriersFit = false;
+#else
   static constexpr bool kNamedBarriersFit = kHeadDim != 128 && kHeadDim != 224;
+#endif
 
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
   using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]

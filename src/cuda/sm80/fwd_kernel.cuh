@@ -40,7 +40,16 @@ template <int kHeadDim_, typename Element_>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+#ifdef FLASHATTN_H3_FWD256_BM
+  // Experiment (issue #3): -DFLASHATTN_H3_FWD256_{BM,BN,WARPS,STAGES}=... replace the
+  // hdim-256 tile of fwd_tile() (sm90 builds only; the default build defines none).
+  static constexpr FwdTile kTile =
+      kHeadDim == 256 ? FwdTile{FLASHATTN_H3_FWD256_BM, FLASHATTN_H3_FWD256_BN,
+                                FLASHATTN_H3_FWD256_WARPS, FLASHATTN_H3_FWD256_STAGES}
+                      : fwd_tile(kHeadDim);
+#else
   static constexpr FwdTile kTile = fwd_tile(kHeadDim);
+#endif
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kWarps = kTile.warps;
@@ -59,7 +68,11 @@ struct FwdTraits {
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
   static_assert(is_head_dim_bucket(kHeadDim) && fwd_tile_valid(kHeadDim));
+#ifdef FLASHATTN_H3_FWD256_BM
+  static_assert(kSmemBytes <= 227 * 1024 && kBlockM % (16 * kWarps) == 0 && kStages >= 2);
+#else
   static_assert(kSmemBytes == fwd_smem_bytes(kHeadDim));
+#endif
 };
 
 // Issues the cp.async copies of one [Tile::kRows x kHeadDim] tile. row_ptr(r) gives the
