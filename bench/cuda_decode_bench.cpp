@@ -263,9 +263,11 @@ int main(int argc, char** argv) {
   };
   std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
   std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
-  const char* only = std::getenv("BENCH_ONLY");  // e.g. "dense" or "dense:32768"
+  const char* only = std::getenv("BENCH_ONLY");  // "grid" (no long context), "dense" or "dense:32768"
   for (const Config& c : grid) {
-    if (only && std::string(only) != c.name && std::string(only) != std::string(c.name) + ":" + std::to_string(c.ctx)) continue;
+    if (only && std::string(only) != "grid" && std::string(only) != c.name &&
+        std::string(only) != std::string(c.name) + ":" + std::to_string(c.ctx))
+      continue;
     const Result r = run_decode(c, stream);
     std::printf("| %s | %d | %.1f | %.2f | %.0f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s);
     std::fflush(stdout);

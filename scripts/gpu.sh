@@ -4,7 +4,7 @@
 # SASS checks, the main job, the forward and backward benchmarks next to PyTorch SDPA's
 # FLASH_ATTENTION backend measured in the same run, optionally the Python suite, and
 # prints a short table last. Logs and CSVs go to $OUT (default ./out).
-#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,python
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python
 #                                 (default: all but python)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,11 @@ if [[ $STEPS == *memory* ]]; then
   timeout 60 "$B/bench/flashattn_cuda_bwd_bench" --memory >"$OUT/memory.txt" 2>&1
   add "$(grep 'peak fwd+bwd' "$OUT/memory.txt")"
 fi
+if [[ $STEPS == *decode* ]]; then
+  # Issue 4's decode grid (dense, paged 16/256, fp8; 4k/32k/128k) and the 200k-token sequence.
+  timeout 150 "$B/bench/flashattn_cuda_decode_bench" "$OUT/decode.csv" >"$OUT/decode.txt" 2>&1
+  add "decode bench: rc=$? ($OUT/decode.txt)"
+fi
 if [[ $STEPS == *python* ]]; then
   timeout 280 bash tests/python/run_gpu_tests.sh >"$OUT/python.txt" 2>&1
   add "python (CUDA): rc=$? $(tail -1 "$OUT/python.txt")"
@@ -67,5 +72,6 @@ fi
 echo
 [ -f "$OUT/fwd_table.md" ] && cat "$OUT/fwd_table.md"
 [ -f "$OUT/bwd_table.md" ] && grep -v '^#' "$OUT/bwd_table.md"
+[ -f "$OUT/decode.txt" ] && grep '^|' "$OUT/decode.txt"
 echo
 printf '%s\n' "${summary[@]}"

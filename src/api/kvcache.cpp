@@ -251,6 +251,8 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   p.cache_seqlens = static_cast<const int*>(a.cache_seqlens.data);
   p.seqlen_k_new = dims.s_new;
   p.cache_batch_idx = static_cast<const int*>(a.cache_batch_idx.data);
+  p.kv_cache_rows = dims.cache_rows;
+  p.kv_cache_len = static_cast<int>(a.k_cache.shape[1]);
   if (dims.paged) {
     p.block_table = static_cast<const int*>(a.block_table.data);
     p.block_table_batch_stride = a.block_table.stride[0];

@@ -55,6 +55,9 @@ struct FwdParams {
   const int* block_table = nullptr;      // [batch, max_blocks] or null (dense)
   std::int64_t block_table_batch_stride = 0;
   int block_size = 0;  // rows per block (paged only)
+  // The cache tensors' first two extents: kv_cache_rows = b_cache (dense) or num_blocks
+  // (paged), kv_cache_len = s_cache or block_size (bounds of the sm90 tensor copies).
+  int kv_cache_rows = 0, kv_cache_len = 0;
 
   // fp8 (e4m3) KV cache: k/v hold e4m3 bytes and k_scale/v_scale are non-null; the value
   // of key j of sequence b, KV head g, is e4m3 * scale[kv_block(b, j) * scale_block_stride + g]

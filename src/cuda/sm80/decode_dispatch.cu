@@ -2,9 +2,14 @@
 // (num_splits = 0: a heuristic from the SM count and the work), the exact workspace need
 // (from upper bounds only, never device memory: the same during CUDA graph capture), the
 // launch of the decode kernel and of the log-sum-exp combine of the split partials.
+#include <cuda.h>  // CUtensorMap and its enums (the encoder comes through the runtime)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstring>
+#include <numeric>
 
 #include <algorithm>
 #include <cmath>
@@ -43,12 +48,85 @@ int sm_count(int device) {
 struct TileFacts {
   int block_n = 64;
   int smem = 0;
+  int seg_elems = 64;  // elements per 128-byte segment of a key row (the TMA box width)
 };
 
 template <int D>
 TileFacts facts_for(bool fp8) {
-  if (fp8) return {DecodeTraits<D, true>::kBlockN, DecodeTraits<D, true>::kSmemBytes};
-  return {DecodeTraits<D, false>::kBlockN, DecodeTraits<D, false>::kSmemBytes};
+  if (fp8) return {DecodeTraits<D, true>::kBlockN, DecodeTraits<D, true>::kSmemBytes, DecodeTraits<D, true>::kSegElems};
+  return {DecodeTraits<D, false>::kBlockN, DecodeTraits<D, false>::kSmemBytes, DecodeTraits<D, false>::kSegElems};
+}
+
+int cc_major(int device) {
+  static int cached[64] = {};
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    v = 0;
+  }
+  if (device >= 0 && device < 64 && v > 0) cached[device] = v;
+  return v;
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link); null
+// where the driver does not offer it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// The 4-d map (d, rows of a cache row or block, h_k, cache rows or blocks) of a K or V
+// cache, boxes of seg_elems x box_rows with 128-byte swizzle. False when the layout does
+// not meet TMA's rules (16-byte aligned base and strides) or encoding fails.
+bool encode_kv_map(const FwdParams& p, const void* base, std::int64_t row_stride, std::int64_t head_stride,
+                   std::int64_t batch_stride, int elem, int seg_elems, int box_rows, TensorMapBytes& out) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr || p.d < seg_elems) return false;
+  if (reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return false;
+  const std::int64_t strides[3] = {row_stride * elem, head_stride * elem, batch_stride * elem};
+  for (std::int64_t st : strides) {
+    if (st <= 0 || st % 16 != 0 || st >= (std::int64_t(1) << 40)) return false;
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(p.d), cuuint64_t(p.kv_cache_len), cuuint64_t(p.h_k),
+                              cuuint64_t(p.kv_cache_rows)};
+  const cuuint64_t gstrides[3] = {cuuint64_t(strides[0]), cuuint64_t(strides[1]), cuuint64_t(strides[2])};
+  const cuuint32_t box[4] = {cuuint32_t(seg_elems), cuuint32_t(box_rows), 1, 1};
+  const cuuint32_t estrides[4] = {1, 1, 1, 1};
+  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "CUtensorMap size");
+  CUtensorMap map;
+  const CUresult r = encode(&map, elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
+                            const_cast<void*>(base), dims, gstrides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return false;
+  std::memcpy(out.bytes, &map, sizeof(map));
+  return true;
+}
+
+// sm90 tensor copies for this call, when the cache layout allows them: a dense cache in
+// boxes of a whole tile, a paged one in boxes of gcd(block_size, tile) >= 8 rows (a box
+// never crosses a block).
+void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
+  a.tma = false;
+  if (cc_major(p.device_index) < 9 || p.kv_cache_rows <= 0 || p.kv_cache_len <= 0) return;
+  const int box_rows = p.block_table ? std::gcd(p.block_size, tf.block_n) : tf.block_n;
+  if (box_rows < 8) return;
+  const int elem = p.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
+  a.box_rows = box_rows;
+  a.tma = encode_kv_map(p, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, elem, tf.seg_elems, box_rows,
+                        a.k_map) &&
+          encode_kv_map(p, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride, elem, tf.seg_elems, box_rows,
+                        a.v_map);
 }
 
 TileFacts tile_facts(int d, bool fp8) {
@@ -153,6 +231,9 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
+#ifndef FLASHATTN_DECODE_NO_BULK
+  plan_tma(p, tile_facts(p.d, fp8), a);
+#endif
 #define FLASHATTN_DECODE_BUCKET(D)                          \
   if (p.d <= D) {                                           \
     if (fp8) run_decode_fp8<D>(p, a);                       \

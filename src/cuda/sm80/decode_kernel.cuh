@@ -52,7 +52,7 @@ __device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* 
                "r"(valid ? 4 : 0));
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FLASHATTN_DECODE_NO_BULK)
 #define FLASHATTN_DECODE_BULK 1
 #else
 #define FLASHATTN_DECODE_BULK 0
@@ -79,14 +79,29 @@ __device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parit
       : "memory");
 #endif
 }
-__device__ __forceinline__ void bulk_copy(std::uint32_t dst, const void* src, std::uint32_t bytes,
-                                          std::uint32_t bar) {
+__device__ __forceinline__ void fence_mbarrier_init() {
+#if FLASHATTN_DECODE_BULK
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One TMA tensor copy (tile mode, 4-d coordinates) into shared memory at dst, completing
+// on the mbarrier at bar.
+__device__ __forceinline__ void tensor_copy_4d(std::uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                               std::uint32_t bar) {
 #if FLASHATTN_DECODE_BULK
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 #endif
+}
+
+// Byte offset of 16-byte chunk `chunk` of key row `row` in a K or V tile (decode_launch.hpp:
+// 128-byte segments, chunks XOR-swizzled by row % 8, as a TMA box with 128-byte swizzle).
+template <class Tr>
+__device__ __forceinline__ std::uint32_t tile_offset(int row, int chunk) {
+  return static_cast<std::uint32_t>((chunk >> 3) * Tr::kSegBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 __device__ __forceinline__ void fence_proxy_async() {
 #if FLASHATTN_DECODE_BULK
@@ -116,7 +131,7 @@ __device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16)
 
 template <int kHeadDim, typename Element, bool kFp8>
 __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
-    decode_kernel(const __grid_constant__ FwdParams p, const DecodeArgs a) {
+    decode_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ DecodeArgs a) {
   using Tr = DecodeTraits<kHeadDim, kFp8>;
   using namespace decode_detail;
   constexpr int kBlockN = Tr::kBlockN;
@@ -166,7 +181,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   // ---- q: 16 packed rows into shared memory (as the MMA element type)
   unsigned char* q_smem = smem;
   unsigned char* bars = smem + Tr::kQBytes;  // kStages mbarriers (sm90)
+  // The pipeline at the first 1024-byte boundary past q and the barriers (swizzle period).
   unsigned char* pipe = bars + Tr::kBarBytes;
+  pipe += (1024u - (smem_u32(pipe) & 1023u)) & 1023u;
   {
     constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
     const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
@@ -220,6 +237,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   const auto* kg = static_cast<const unsigned char*>(p.k) + std::int64_t(g_kv) * p.k_head_stride * Tr::kKvBytes;
   const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
   const int row_bytes_used = p.d * Tr::kKvBytes;
+  const bool tma = FLASHATTN_DECODE_BULK && a.tma;
 
   auto load_scales = [&](std::int64_t tile, int stage) {
     if constexpr (kFp8) {
@@ -234,55 +252,60 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       }
     }
   };
-#if FLASHATTN_DECODE_BULK
-  // Thread tid copies rows (tid % 64) + 64 k of K (tid < 64) or V; the block-table entries
-  // of the next tile it issues are loaded one tile ahead (their latency off the issue path).
-  constexpr int kRowsPerThread = kBlockN / 64;
-  const bool is_v = tid >= 64;
-  const unsigned char* src_base = is_v ? vg : kg;
-  const std::int64_t src_bstride = (is_v ? p.v_batch_stride : p.k_batch_stride) * Tr::kKvBytes;
-  const std::int64_t src_rstride = (is_v ? p.v_row_stride : p.k_row_stride) * Tr::kKvBytes;
-  int pf_blk[kRowsPerThread];
+  // sm90: thread 0 arms the stage's mbarrier and issues the tensor copies of a tile: per
+  // box of box_rows keys (a paged cache's block ids loaded one tile ahead) and per 128-byte
+  // segment of the rows, K and V. Boxes past the sequence are not copied; rows past it are
+  // zeroed after arrival (zero_tail), so stale or unused cache slots never reach the MMAs.
+  constexpr int kMaxBoxes = kBlockN / 8;
+  int pf_blk[kMaxBoxes];
+  const int box_rows = a.box_rows > 0 ? a.box_rows : kBlockN;
   auto prefetch_table = [&](std::int64_t tile) {
 #pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      const std::int64_t j = tile * kBlockN + (tid & 63) + 64 * k;
-      pf_blk[k] = (btab != nullptr && j < s_k) ? btab[j / p.block_size] : 0;
+    for (int k = 0; k < kMaxBoxes; ++k) {
+      const std::int64_t j = tile * kBlockN + std::int64_t(k) * box_rows;
+      pf_blk[k] = (btab != nullptr && k * box_rows < kBlockN && j < s_k) ? btab[j / p.block_size] : 0;
     }
   };
-  auto tile_bytes = [&](std::int64_t tile) -> std::uint32_t {
-    const std::int64_t rows = min(std::int64_t(kBlockN), std::int64_t(s_k) - tile * kBlockN);
-    return static_cast<std::uint32_t>(rows > 0 ? rows : 0) * row_bytes_used * 2u;
-  };
-  auto load_tile = [&](std::int64_t tile, int stage) {
-    unsigned char* dst_tile = pipe + stage * Tr::kStageBytes + (is_v ? Tr::kTileBytes : 0);
+  auto issue_tma = [&](std::int64_t tile, int stage) {
+    unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const std::uint32_t bar = smem_u32(bars + 8 * stage);
-    bool zeroed = false;
+    const std::int64_t j0 = tile * kBlockN;
+    const int rows = static_cast<int>(min(std::int64_t(kBlockN), std::int64_t(s_k) - j0));
+    const int boxes = (rows + box_rows - 1) / box_rows;
+    mbar_expect_tx(bar, static_cast<std::uint32_t>(boxes * box_rows * 128 * Tr::kSegs * 2));
 #pragma unroll
-    for (int k = 0; k < kRowsPerThread; ++k) {
-      const int row = (tid & 63) + 64 * k;
-      const std::int64_t j = tile * kBlockN + row;
-      unsigned char* dst = dst_tile + row * Tr::kRowBytes;
-      if (j < s_k) {
-        std::int64_t off;
-        if (btab) {
-          off = std::int64_t(pf_blk[k]) * src_bstride + (j % p.block_size) * src_rstride;
-        } else {
-          off = cache_row * src_bstride + j * src_rstride;
+    for (int k = 0; k < kMaxBoxes; ++k) {
+      if (k < boxes) {
+        const std::int64_t j = j0 + std::int64_t(k) * box_rows;
+        const int c1 = btab ? static_cast<int>(j % p.block_size) : static_cast<int>(j);
+        const int c3 = btab ? pf_blk[k] : static_cast<int>(cache_row);
+#pragma unroll
+        for (int sg = 0; sg < Tr::kSegs; ++sg) {
+          const int off = sg * Tr::kSegBytes + k * box_rows * 128;
+          tensor_copy_4d(smem_u32(ks + off), &a.k_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
+          tensor_copy_4d(smem_u32(ks + Tr::kTileBytes + off), &a.v_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
         }
-        bulk_copy(smem_u32(dst), src_base + off, static_cast<std::uint32_t>(row_bytes_used), bar);
-      } else {
-        // Past the sequence: zeros (stale or uninitialised bytes could be NaN).
-        for (int c = 0; c < row_bytes_used; c += 16) *reinterpret_cast<uint4*>(dst + c) = make_uint4(0, 0, 0, 0);
-        zeroed = true;
       }
     }
-    if (zeroed) fence_proxy_async();
-    if (btab) prefetch_table(tile + t_step);
-    load_scales(tile, stage);
   };
-#else
-  auto load_tile = [&](std::int64_t tile, int stage) {
+  // The rows of a partial last tile past the sequence: zeros (the copies may have brought
+  // in unused cache slots, or nothing).
+  auto zero_tail = [&](std::int64_t tile, int stage) {
+    const int first = static_cast<int>(std::int64_t(s_k) - tile * kBlockN);
+    if (first >= kBlockN) return;
+    unsigned char* ks = pipe + stage * Tr::kStageBytes;
+    const int n = (kBlockN - first) * Tr::kSegs * 2 * 8;  // 16-byte stores
+    for (int idx = tid; idx < n; idx += Tr::kThreads) {
+      const int c = idx & 7, rest = idx >> 3;
+      const int row = first + rest % (kBlockN - first);
+      const int sg = rest / (kBlockN - first);  // 0 .. 2 * kSegs - 1 (K segments, then V)
+      *reinterpret_cast<uint4*>(ks + (sg / Tr::kSegs) * Tr::kTileBytes + (sg % Tr::kSegs) * Tr::kSegBytes +
+                                row * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();  // before the stage is a tensor copy's destination again
+  };
+  // 16-byte cp.async rows (zero-filled past the sequence and past d), into the same layout.
+  auto load_cp_async = [&](std::int64_t tile, int stage) {
     unsigned char* ks = pipe + stage * Tr::kStageBytes;
     unsigned char* vs = ks + Tr::kTileBytes;
     const std::int64_t j0 = tile * kBlockN;
@@ -312,13 +335,22 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         }
       }
       const int bytes = row_ok ? max(0, min(16, row_bytes_used - ch * 16)) : 0;
-      const std::uint32_t so = row * Tr::kRowBytes + ch * 16;
+      const std::uint32_t so = tile_offset<Tr>(row, ch);
       cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
       cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
     }
+  };
+  auto load_tile = [&](std::int64_t tile, int stage) {
+    if (tma) {
+      if (tid == 0) {
+        issue_tma(tile, stage);
+        if (btab) prefetch_table(tile + t_step);
+      }
+    } else {
+      load_cp_async(tile, stage);
+    }
     load_scales(tile, stage);
   };
-#endif
 
   // ---- scores
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
@@ -338,27 +370,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
   // Prologue.
-#if FLASHATTN_DECODE_BULK
-  if (p.d * Tr::kKvBytes < kHeadDim * Tr::kKvBytes) {
-    // Head dims past d (bucket padding) are never copied: zero them once, every stage.
-    const int pad = (kHeadDim - p.d) * Tr::kKvBytes;
-    for (int r = tid; r < Tr::kStages * 2 * kBlockN; r += Tr::kThreads) {
-      unsigned char* row = pipe + (r / (2 * kBlockN)) * Tr::kStageBytes + (r % (2 * kBlockN)) * Tr::kRowBytes +
-                           row_bytes_used;
-      for (int c = 0; c < pad; c += 8) *reinterpret_cast<uint2*>(row + c) = make_uint2(0, 0);
-    }
-    fence_proxy_async();
-  }
-  if (tid == 0) {
+  if (tma && tid == 0) {
     for (int st = 0; st < Tr::kStages; ++st) mbar_init(smem_u32(bars + 8 * st));
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int st = 0; st < Tr::kStages - 1; ++st) {
-      if (t_begin + st * t_step < t_end) mbar_expect_tx(smem_u32(bars + 8 * st), tile_bytes(t_begin + st * t_step));
-    }
+    fence_mbarrier_init();
+    if (btab) prefetch_table(t_begin);
   }
-  if (btab) prefetch_table(t_begin);
-  __syncthreads();
-#endif
+  __syncthreads();  // barriers initialised
 #pragma unroll
   for (int st = 0; st < Tr::kStages - 1; ++st) {
     if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st);
@@ -398,13 +415,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
     int ns = stage + Tr::kStages - 1;
     if (ns >= Tr::kStages) ns -= Tr::kStages;
     cp_async_wait<Tr::kStages - 2>();
-#if FLASHATTN_DECODE_BULK
-    mbar_wait(smem_u32(bars + 8 * stage), phase);
-    // Stage ns held tile - 1, whose phase completed: arm it for nxt before the barrier
-    // that orders the copies after this.
-    if (tid == 0 && nxt < t_end) mbar_expect_tx(smem_u32(bars + 8 * ns), tile_bytes(nxt));
-#endif
-    __syncthreads();
+    if (tma) {
+      mbar_wait(smem_u32(bars + 8 * stage), phase);
+      zero_tail(tile, stage);
+    }
+    __syncthreads();  // the tile is in; every warp is done with stage ns (tile - 1)
     if (nxt < t_end) load_tile(nxt, ns);
     cp_async_commit();
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
@@ -422,11 +437,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       for (int nt = 0; nt < 2; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.0f;
       const int m = lane >> 3, lr = lane & 7;
       if constexpr (kFp8) {
-        const std::uint32_t kaddr = smem_u32(ks + (base + (m & 1) * 8 + lr) * Tr::kRowBytes + (m >> 1) * 16);
+        const std::uint32_t kbase = smem_u32(ks);
+        const int krow = base + (m & 1) * 8 + lr;
 #pragma unroll
         for (int s2 = 0; s2 < kHeadDim / 32; ++s2) {
           std::uint32_t r[4];
-          ldmatrix_x4(kaddr + s2 * 32, r);
+          ldmatrix_x4(kbase + tile_offset<Tr>(krow, 2 * s2 + (m >> 1)), r);
           std::uint32_t qa[4], qb[4];
           if constexpr (kQInRegs) {
 #pragma unroll
@@ -441,11 +457,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
           mma_m16n8k16<__half>(sacc[1], qb, e4m3x2_to_f16x2(r[3]), e4m3x2_to_f16x2(r[3] >> 16));
         }
       } else {
-        const std::uint32_t kaddr = smem_u32(ks + (base + (m >> 1) * 8 + lr) * Tr::kRowBytes + (m & 1) * 16);
+        const std::uint32_t kbase = smem_u32(ks);
+        const int krow = base + (m >> 1) * 8 + lr;
 #pragma unroll
         for (int s = 0; s < kKSteps; ++s) {
           std::uint32_t r[4];
-          ldmatrix_x4(kaddr + s * 32, r);
+          ldmatrix_x4(kbase + tile_offset<Tr>(krow, 2 * s + (m & 1)), r);
           std::uint32_t qa[4];
           if constexpr (kQInRegs) {
 #pragma unroll
@@ -494,7 +511,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         }
       }
       // Online softmax (this warp's keys only).
-      float pr[2][4];
+      float pr[2][4], alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         float mx = fmaxf(fmaxf(sacc[0][2 * hf], sacc[0][2 * hf + 1]), fmaxf(sacc[1][2 * hf], sacc[1][2 * hf + 1]));
@@ -502,9 +519,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(row_max[hf], mx);
         const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = fast_exp2(row_max[hf] - m_use);
+        alpha[hf] = fast_exp2(row_max[hf] - m_use);
         row_max[hf] = m_new;
-        float sum = row_sum[hf] * alpha;
+        float sum = row_sum[hf] * alpha[hf];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
@@ -515,10 +532,16 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
           }
         }
         row_sum[hf] = sum;
+      }
+      // O rescale, skipped when no row of the warp saw a new maximum (alpha == 1 exactly):
+      // after the first tiles of a long context, nearly always.
+      if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
 #pragma unroll
         for (int nt = 0; nt < kOTiles; ++nt) {
-          o[nt][2 * hf] *= alpha;
-          o[nt][2 * hf + 1] *= alpha;
+          o[nt][0] *= alpha[0];
+          o[nt][1] *= alpha[0];
+          o[nt][2] *= alpha[1];
+          o[nt][3] *= alpha[1];
         }
       }
       if constexpr (kFp8) {
@@ -537,12 +560,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       pa[3] = pack2<MmaElement>(pr[1][2], pr[1][3]);
 
       // O += P V.
-      const std::uint32_t vrow = smem_u32(vs + (base + (m & 1) * 8 + lr) * Tr::kRowBytes + (m >> 1) * 16);
+      const std::uint32_t vbase = smem_u32(vs);
+      const int vr = base + (m & 1) * 8 + lr;
       if constexpr (kFp8) {
 #pragma unroll
         for (int cc = 0; cc < kHeadDim / 32; ++cc) {
           std::uint32_t r[4];
-          ldmatrix_x4_trans(vrow + cc * 32, r);
+          ldmatrix_x4_trans(vbase + tile_offset<Tr>(vr, 2 * cc + (m >> 1)), r);
 #pragma unroll
           for (int hv = 0; hv < 2; ++hv) {
             const std::uint32_t x0 = r[2 * hv], x1 = r[2 * hv + 1];
@@ -556,7 +580,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
 #pragma unroll
         for (int c = 0; c < kHeadDim / 16; ++c) {
           std::uint32_t r[4];
-          ldmatrix_x4_trans(vrow + c * 32, r);
+          ldmatrix_x4_trans(vbase + tile_offset<Tr>(vr, 2 * c + (m >> 1)), r);
           mma_m16n8k16<MmaElement>(o[2 * c], pa, r[0], r[1]);
           mma_m16n8k16<MmaElement>(o[2 * c + 1], pa, r[2], r[3]);
         }

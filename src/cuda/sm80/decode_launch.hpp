@@ -16,30 +16,57 @@ struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                       // packed query rows per block
+#ifdef FLASHATTN_DECODE_SUB
+  static constexpr int kSub = FLASHATTN_DECODE_SUB;
+#else
   static constexpr int kSub = kHeadDim <= 64 ? 2 : 1;    // 16-key sub-tiles per warp per tile
+#endif
   static constexpr int kBlockN = kWarps * 16 * kSub;     // keys per K/V tile
   static constexpr int kKvBytes = kFp8 ? 1 : 2;
-  static constexpr int kRowBytes = kHeadDim * kKvBytes + 16;  // padded: ldmatrix conflict-free
-  static constexpr int kChunksPerRow = kHeadDim * kKvBytes / 16;
+  // K/V tiles in shared memory: each key row split into 128-byte segments, segment s of
+  // the tile's kBlockN rows stored together ([kSegs][kBlockN][128 B]), the 16-byte chunks
+  // of a row XOR-swizzled by (row % 8): the layout of a TMA box with 128-byte swizzle, so
+  // one tensor copy fills a segment, and ldmatrix reads it without bank conflicts.
+  static constexpr int kRowBytes = kHeadDim * kKvBytes;            // bytes used per key row
+  static constexpr int kSegs = (kRowBytes + 127) / 128;
+  static constexpr int kSegBytes = kBlockN * 128;                  // one segment of a tile
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kSegElems = 128 / kKvBytes;                 // elements per segment row
+  static constexpr int kTileBytes = kSegs * kSegBytes;  // K or V of one stage
+  static constexpr int kScaleBytes = kFp8 ? 2 * kBlockN * 4 : 0;
+  static constexpr int kStageBytes = (2 * kTileBytes + kScaleBytes + 1023) / 1024 * 1024;
+  static constexpr int kQRowBytes = kHeadDim * 2 + 16;
+  static constexpr int kQBytes = kRows * kQRowBytes;
+  // As many stages (2..8) as leave two blocks per SM (about 110 KB each of the H100/H200's
+  // 227 KB): 3 for 16-bit d <= 128, 6 for fp8 d <= 128, 2 for 16-bit d > 128.
 #ifdef FLASHATTN_DECODE_STAGES
   static constexpr int kStages = FLASHATTN_DECODE_STAGES;
 #else
-  static constexpr int kStages = (kHeadDim > 128 && !kFp8) ? 2 : 3;
+  static constexpr int kFitStages = (110 * 1024 - kQBytes - 1024 - 64) / kStageBytes;
+  static constexpr int kStages = kFitStages < 2 ? 2 : (kFitStages > 8 ? 8 : kFitStages);
 #endif
-  static constexpr int kTileBytes = kBlockN * kRowBytes;  // K or V of one stage
-  static constexpr int kStageBytes = 2 * kTileBytes + (kFp8 ? 2 * kBlockN * 4 : 0);
-  static constexpr int kQRowBytes = kHeadDim * 2 + 16;
-  static constexpr int kQBytes = kRows * kQRowBytes;
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
   static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;
-  static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 bulk copies)
+  static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 tensor copies)
+  // + 1024: the pipeline starts at the first 1024-byte boundary (the swizzle's period).
   static constexpr int kSmemBytes =
-      kQBytes + kBarBytes + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
+      kQBytes + kBarBytes + 1024 + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
+};
+
+// A CUtensorMap (cuda.h), kept opaque here: 128 bytes, 64-byte aligned.
+struct alignas(64) TensorMapBytes {
+  unsigned char bytes[128];
 };
 
 // Run-time arguments of one decode launch besides FwdParams.
 struct DecodeArgs {
+  // sm90: K/V tiles by TMA tensor copies over k_map / v_map (4-d: d, rows of a cache row or
+  // block, h_k, cache rows or blocks), box_rows rows per copy (a paged cache's blocks hold
+  // whole boxes). Else (sm80, block sizes % 8 != 0, small or unaligned rows) 16-byte cp.async.
+  TensorMapBytes k_map{}, v_map{};
+  bool tma = false;
+  int box_rows = 0;
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool q_bf16 = false; // fp8 variant: q / out dtype
