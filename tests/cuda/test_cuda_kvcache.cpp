@@ -142,7 +142,7 @@ int pick(Rng& rng, std::initializer_list<int> v) {
 TEST(CudaKVCache, RandomPagedLayouts) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  for (int it = 0; it < 24; ++it) {
+  for (int it = 0; it < 36; ++it) {
     KVCacheConfig cfg;
     cfg.dtype = it % 2 ? DType::kBFloat16 : DType::kFloat16;
     cfg.batch = uniform_int(rng, 1, 3);
@@ -153,7 +153,7 @@ TEST(CudaKVCache, RandomPagedLayouts) {
     cfg.s_new = pick(rng, {0, 1, cfg.s_q});
     cfg.d = pick(rng, {64, 128, 40, 72});
     cfg.max_cache_len = pick(rng, {0, 37, 300, 1500});
-    cfg.block_size = it % 6 == 5 ? 0 : pick(rng, {1, 3, 16, 64, 256});
+    cfg.block_size = it % 6 == 5 ? 0 : pick(rng, {1, 3, 8, 16, 32, 64, 256});
     cfg.share_blocks = cfg.block_size > 0 && it % 3 == 0;
     cfg.use_batch_idx = cfg.block_size == 0;
     cfg.cache_rows = cfg.block_size == 0 ? cfg.batch + 2 : 0;

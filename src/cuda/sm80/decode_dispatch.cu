@@ -49,12 +49,15 @@ struct TileFacts {
   int block_n = 64;
   int smem = 0;
   int seg_elems = 64;  // elements per 128-byte segment of a key row (the TMA box width)
+  int segs = 2;        // 128-byte segments of the bucket's key row
 };
 
 template <int D>
 TileFacts facts_for(bool fp8) {
-  if (fp8) return {DecodeTraits<D, true>::kBlockN, DecodeTraits<D, true>::kSmemBytes, DecodeTraits<D, true>::kSegElems};
-  return {DecodeTraits<D, false>::kBlockN, DecodeTraits<D, false>::kSmemBytes, DecodeTraits<D, false>::kSegElems};
+  using T8 = DecodeTraits<D, true>;
+  using T16 = DecodeTraits<D, false>;
+  if (fp8) return {T8::kBlockN, T8::kSmemBytes, T8::kSegElems, T8::kSegs};
+  return {T16::kBlockN, T16::kSmemBytes, T16::kSegElems, T16::kSegs};
 }
 
 int cc_major(int device) {
@@ -85,32 +88,60 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The 4-d map (d, rows of a cache row or block, h_k, cache rows or blocks) of a K or V
-// cache, boxes of seg_elems x box_rows with 128-byte swizzle. False when the layout does
-// not meet TMA's rules (16-byte aligned base and strides) or encoding fails.
-bool encode_kv_map(const FwdParams& p, const void* base, std::int64_t row_stride, std::int64_t head_stride,
-                   std::int64_t batch_stride, int elem, int seg_elems, int box_rows, TensorMapBytes& out) {
+// The tensor map of a K or V cache, boxes of box_rows rows with 128-byte swizzle:
+// rank 5 (segment elements, rows of a cache row or block, 128-byte segments of d, h_k,
+// cache rows or blocks), a box covering a row's segments, where d is a whole number of
+// segments (segs of them); else rank 4 (d, rows, h_k, cache rows or blocks), a box per
+// segment, the last one's columns past d zero-filled. 0 when the layout does not meet
+// TMA's rules (16-byte aligned base and strides) or encoding fails.
+// L2 promotion of the copies: 128 B, a segment. 256 B (the next segment too) doubled the
+// L2 traffic (2.17 GB of L2 bytes for 1.07 GB read from DRAM, against the peers' 1.62 GB)
+// and cost 10% at 32k-128k (docs/performance.md); none measures the same as 128 B.
+#ifdef FLASHATTN_DECODE_L2_PROMOTION  // experiments: 0 none, 1 64 B, 2 128 B, 3 256 B
+constexpr auto kL2Promotion = static_cast<CUtensorMapL2promotion>(FLASHATTN_DECODE_L2_PROMOTION);
+#else
+constexpr auto kL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+#endif
+int encode_kv_map(const FwdParams& p, const void* base, std::int64_t row_stride, std::int64_t head_stride,
+                  std::int64_t batch_stride, int elem, int seg_elems, int segs, int box_rows, TensorMapBytes& out) {
   const auto encode = tensor_map_encoder();
-  if (encode == nullptr || p.d < seg_elems) return false;
-  if (reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return false;
+  if (encode == nullptr || p.d < seg_elems) return 0;
+  if (reinterpret_cast<std::uintptr_t>(base) % 16 != 0) return 0;
   const std::int64_t strides[3] = {row_stride * elem, head_stride * elem, batch_stride * elem};
   for (std::int64_t st : strides) {
-    if (st <= 0 || st % 16 != 0 || st >= (std::int64_t(1) << 40)) return false;
+    if (st <= 0 || st % 16 != 0 || st >= (std::int64_t(1) << 40)) return 0;
+  }
+  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "CUtensorMap size");
+  const auto dtype = elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
+  const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+#ifdef FLASHATTN_DECODE_FORCE_RANK4  // experiments: a copy per box and segment
+  if (false) {
+#else
+  if (p.d == seg_elems * segs) {
+#endif
+    const cuuint64_t dims[5] = {cuuint64_t(seg_elems), cuuint64_t(p.kv_cache_len), cuuint64_t(segs),
+                                cuuint64_t(p.h_k), cuuint64_t(p.kv_cache_rows)};
+    const cuuint64_t gstrides[4] = {cuuint64_t(strides[0]), 128, cuuint64_t(strides[1]), cuuint64_t(strides[2])};
+    const cuuint32_t box[5] = {cuuint32_t(seg_elems), cuuint32_t(box_rows), cuuint32_t(segs), 1, 1};
+    if (encode(&map, dtype, 5, const_cast<void*>(base), dims, gstrides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, kL2Promotion,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS) {
+      std::memcpy(out.bytes, &map, sizeof(map));
+      return 5;
+    }
   }
   const cuuint64_t dims[4] = {cuuint64_t(p.d), cuuint64_t(p.kv_cache_len), cuuint64_t(p.h_k),
                               cuuint64_t(p.kv_cache_rows)};
   const cuuint64_t gstrides[3] = {cuuint64_t(strides[0]), cuuint64_t(strides[1]), cuuint64_t(strides[2])};
   const cuuint32_t box[4] = {cuuint32_t(seg_elems), cuuint32_t(box_rows), 1, 1};
-  const cuuint32_t estrides[4] = {1, 1, 1, 1};
-  static_assert(sizeof(CUtensorMap) == sizeof(TensorMapBytes), "CUtensorMap size");
-  CUtensorMap map;
-  const CUresult r = encode(&map, elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
-                            const_cast<void*>(base), dims, gstrides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return false;
+  if (encode(&map, dtype, 4, const_cast<void*>(base), dims, gstrides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, kL2Promotion,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    return 0;
+  }
   std::memcpy(out.bytes, &map, sizeof(map));
-  return true;
+  return 4;
 }
 
 // sm90 tensor copies for this call, when the cache layout allows them: a dense cache in
@@ -123,10 +154,15 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   if (box_rows < 8) return;
   const int elem = p.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
   a.box_rows = box_rows;
-  a.tma = encode_kv_map(p, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, elem, tf.seg_elems, box_rows,
-                        a.k_map) &&
-          encode_kv_map(p, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride, elem, tf.seg_elems, box_rows,
-                        a.v_map);
+  const int rk = encode_kv_map(p, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, elem, tf.seg_elems,
+                               tf.segs, box_rows, a.k_map);
+  const int rv = rk == 0 ? 0
+                         : encode_kv_map(p, p.v, p.v_row_stride, p.v_head_stride, p.v_batch_stride, elem,
+                                         tf.seg_elems, tf.segs, box_rows, a.v_map);
+  if (rk != 0 && rk == rv) {
+    a.tma = true;
+    a.map_rank = rk;
+  }
 }
 
 TileFacts tile_facts(int d, bool fp8) {

@@ -6,11 +6,12 @@
 // (query token i, head g * h_ratio + hh) into the 16 rows of one m16n8k16 row block, so a
 // KV byte is read once per 16 rows. The 4 warps split the keys of each K/V tile (16 or 32
 // keys each, not the rows); each keeps its own online softmax state, and the warps merge
-// (max, sum, O) through shared memory at the end. K/V tiles arrive through a 2-3 stage
-// pipeline with per-row addresses (paged caches of any block size, dense with
-// cache_batch_idx): on sm90 one bulk copy (cp.async.bulk, TMA engine) per K/V row completing
-// on a per-stage mbarrier, with the block-table entries loaded one tile ahead; on sm80
-// 16-byte cp.async. Rows beyond the sequence's key count are zero-filled, never read.
+// (max, sum, O) through shared memory at the end. K/V tiles arrive through a multi-stage
+// pipeline: on sm90 by TMA tensor copies (a box per tile when dense, per block when paged
+// with block sizes that are multiples of 8; the warps share the issue) completing on a
+// per-stage mbarrier, with the block-table entries loaded one tile ahead; else (sm80,
+// other block sizes, unaligned layouts) by 16-byte cp.async with per-row addresses.
+// Rows beyond the sequence's key count are zero-filled, never read.
 //
 // fp8: K/V stay e4m3 in shared memory (half the bytes of the copy) and are converted in
 // registers to f16 (exact), so the fp8 variant runs f16 MMAs whatever q's dtype (q is
@@ -97,12 +98,49 @@ __device__ __forceinline__ void tensor_copy_4d(std::uint32_t dst, const void* tm
 #endif
 }
 
-// Byte offset of 16-byte chunk `chunk` of key row `row` in a K or V tile (decode_launch.hpp:
-// 128-byte segments, chunks XOR-swizzled by row % 8, as a TMA box with 128-byte swizzle).
-template <class Tr>
-__device__ __forceinline__ std::uint32_t tile_offset(int row, int chunk) {
-  return static_cast<std::uint32_t>((chunk >> 3) * Tr::kSegBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+__device__ __forceinline__ void tensor_copy_5d(std::uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                               int c4, std::uint32_t bar) {
+#if FLASHATTN_DECODE_BULK
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
+      "%6}], [%7];\n" ::"r"(dst),
+      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
+      : "memory");
+#endif
 }
+
+// Where the 16-byte chunks of a K or V tile live (decode_launch.hpp): the tile's rows in
+// boxes of 2^box_shift rows (a whole tile when dense, a paged cache's block otherwise),
+// each box holding its rows' 128-byte segments one after another ([box][segment][row]
+// [128 B]), the chunks of a row XOR-swizzled by row % 8: the layout that TMA tensor copies
+// with 128-byte swizzle write, one copy per box (or per box and segment), and that
+// ldmatrix reads without bank conflicts.
+template <class Tr>
+struct TileLayout {
+  int box_shift;  // log2 rows per box, >= 3
+  __device__ __forceinline__ std::uint32_t seg_stride() const { return 1u << (box_shift + 7); }
+  __device__ __forceinline__ std::uint32_t box_bytes() const { return Tr::kSegs * seg_stride(); }
+  __device__ __forceinline__ std::uint32_t row_base(int row) const {
+    return static_cast<std::uint32_t>(row >> box_shift) * box_bytes() +
+           (static_cast<std::uint32_t>(row & ((1 << box_shift) - 1)) << 7);
+  }
+  __device__ __forceinline__ std::uint32_t offset(int row, int chunk) const {
+    return row_base(row) + static_cast<std::uint32_t>(chunk >> 3) * seg_stride() +
+           static_cast<std::uint32_t>(((chunk & 7) ^ (row & 7)) << 4);
+  }
+};
+// One thread's ldmatrix row of a tile: chunk 2 * s + bit for s = 0, 1, ... with a
+// per-thread bit, the row part computed once.
+struct LdsmRow {
+  std::uint32_t base, seg_stride;
+  int x;  // (row % 8) ^ bit
+  template <class Tr>
+  __device__ __forceinline__ LdsmRow(const TileLayout<Tr>& l, int row, int bit)
+      : base(l.row_base(row)), seg_stride(l.seg_stride()), x((row & 7) ^ bit) {}
+  __device__ __forceinline__ std::uint32_t at(int s) const {
+    return base + static_cast<std::uint32_t>(s >> 2) * seg_stride + static_cast<std::uint32_t>((((2 * s) & 7) ^ x) << 4);
+  }
+};
 __device__ __forceinline__ void fence_proxy_async() {
 #if FLASHATTN_DECODE_BULK
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -252,18 +290,24 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       }
     }
   };
-  // sm90: thread 0 arms the stage's mbarrier and issues the tensor copies of a tile: per
-  // box of box_rows keys (a paged cache's block ids loaded one tile ahead) and per 128-byte
-  // segment of the rows, K and V. Boxes past the sequence are not copied; rows past it are
-  // zeroed after arrival (zero_tail), so stale or unused cache slots never reach the MMAs.
+  // sm90: the tensor copies of a tile, per box of box_rows keys (a paged cache's block ids
+  // loaded one tile ahead): one copy for all of a box's segments (5-d map) or one per
+  // segment (4-d), K and V. Lane 0 of warp w issues boxes w, w + kWarps, ... (the issue
+  // runs on each warp's uniform datapath, so the warps share it); warp 0's lane 0 arms the
+  // stage's mbarrier with the tile's bytes (a copy completing first only makes the
+  // transaction count negative meanwhile). Boxes past the sequence are not copied; rows
+  // past it are zeroed after arrival (zero_tail), so unused cache slots never reach the MMAs.
   constexpr int kMaxBoxes = kBlockN / 8;
-  int pf_blk[kMaxBoxes];
-  const int box_rows = a.box_rows > 0 ? a.box_rows : kBlockN;
+  constexpr int kBoxesPerWarp = (kMaxBoxes + Tr::kWarps - 1) / Tr::kWarps;
+  const int box_rows = tma ? a.box_rows : kBlockN;
+  const TileLayout<Tr> lay{31 - __clz(box_rows)};
+  int pf_blk[kBoxesPerWarp];
   auto prefetch_table = [&](std::int64_t tile) {
 #pragma unroll
-    for (int k = 0; k < kMaxBoxes; ++k) {
+    for (int q = 0; q < kBoxesPerWarp; ++q) {
+      const int k = warp + q * Tr::kWarps;
       const std::int64_t j = tile * kBlockN + std::int64_t(k) * box_rows;
-      pf_blk[k] = (btab != nullptr && k * box_rows < kBlockN && j < s_k) ? btab[j / p.block_size] : 0;
+      pf_blk[q] = (btab != nullptr && k * box_rows < kBlockN && j < s_k) ? btab[j / p.block_size] : 0;
     }
   };
   auto issue_tma = [&](std::int64_t tile, int stage) {
@@ -272,18 +316,25 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
     const std::int64_t j0 = tile * kBlockN;
     const int rows = static_cast<int>(min(std::int64_t(kBlockN), std::int64_t(s_k) - j0));
     const int boxes = (rows + box_rows - 1) / box_rows;
-    mbar_expect_tx(bar, static_cast<std::uint32_t>(boxes * box_rows * 128 * Tr::kSegs * 2));
+    if (warp == 0) mbar_expect_tx(bar, static_cast<std::uint32_t>(boxes * box_rows * 128 * Tr::kSegs * 2));
 #pragma unroll
-    for (int k = 0; k < kMaxBoxes; ++k) {
+    for (int q = 0; q < kBoxesPerWarp; ++q) {
+      const int k = warp + q * Tr::kWarps;
       if (k < boxes) {
         const std::int64_t j = j0 + std::int64_t(k) * box_rows;
         const int c1 = btab ? static_cast<int>(j % p.block_size) : static_cast<int>(j);
-        const int c3 = btab ? pf_blk[k] : static_cast<int>(cache_row);
+        const int c3 = btab ? pf_blk[q] : static_cast<int>(cache_row);
+        const std::uint32_t dk = smem_u32(ks) + k * lay.box_bytes();
+        const std::uint32_t dv = dk + Tr::kTileBytes;
+        if (a.map_rank == 5) {
+          tensor_copy_5d(dk, &a.k_map, 0, c1, 0, g_kv, c3, bar);
+          tensor_copy_5d(dv, &a.v_map, 0, c1, 0, g_kv, c3, bar);
+        } else {
 #pragma unroll
-        for (int sg = 0; sg < Tr::kSegs; ++sg) {
-          const int off = sg * Tr::kSegBytes + k * box_rows * 128;
-          tensor_copy_4d(smem_u32(ks + off), &a.k_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
-          tensor_copy_4d(smem_u32(ks + Tr::kTileBytes + off), &a.v_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
+          for (int sg = 0; sg < Tr::kSegs; ++sg) {
+            tensor_copy_4d(dk + sg * lay.seg_stride(), &a.k_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
+            tensor_copy_4d(dv + sg * lay.seg_stride(), &a.v_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
+          }
         }
       }
     }
@@ -294,13 +345,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
     const int first = static_cast<int>(std::int64_t(s_k) - tile * kBlockN);
     if (first >= kBlockN) return;
     unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    const int n = (kBlockN - first) * Tr::kSegs * 2 * 8;  // 16-byte stores
+    const int n = (kBlockN - first) * Tr::kChunksTotal * 2;  // 16-byte stores, K then V
     for (int idx = tid; idx < n; idx += Tr::kThreads) {
-      const int c = idx & 7, rest = idx >> 3;
+      const int c = idx % Tr::kChunksTotal, rest = idx / Tr::kChunksTotal;
       const int row = first + rest % (kBlockN - first);
-      const int sg = rest / (kBlockN - first);  // 0 .. 2 * kSegs - 1 (K segments, then V)
-      *reinterpret_cast<uint4*>(ks + (sg / Tr::kSegs) * Tr::kTileBytes + (sg % Tr::kSegs) * Tr::kSegBytes +
-                                row * 128 + c * 16) = make_uint4(0, 0, 0, 0);
+      const int kv = rest / (kBlockN - first);
+      *reinterpret_cast<uint4*>(ks + kv * Tr::kTileBytes + lay.offset(row, c)) = make_uint4(0, 0, 0, 0);
     }
     fence_proxy_async();  // before the stage is a tensor copy's destination again
   };
@@ -335,14 +385,14 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         }
       }
       const int bytes = row_ok ? max(0, min(16, row_bytes_used - ch * 16)) : 0;
-      const std::uint32_t so = tile_offset<Tr>(row, ch);
+      const std::uint32_t so = lay.offset(row, ch);
       cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
       cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
     }
   };
   auto load_tile = [&](std::int64_t tile, int stage) {
     if (tma) {
-      if (tid == 0) {
+      if (lane == 0) {
         issue_tma(tile, stage);
         if (btab) prefetch_table(tile + t_step);
       }
@@ -373,8 +423,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
   if (tma && tid == 0) {
     for (int st = 0; st < Tr::kStages; ++st) mbar_init(smem_u32(bars + 8 * st));
     fence_mbarrier_init();
-    if (btab) prefetch_table(t_begin);
   }
+  if (tma && lane == 0 && btab) prefetch_table(t_begin);
   __syncthreads();  // barriers initialised
 #pragma unroll
   for (int st = 0; st < Tr::kStages - 1; ++st) {
@@ -438,11 +488,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
       const int m = lane >> 3, lr = lane & 7;
       if constexpr (kFp8) {
         const std::uint32_t kbase = smem_u32(ks);
-        const int krow = base + (m & 1) * 8 + lr;
+        const LdsmRow krow(lay, base + (m & 1) * 8 + lr, m >> 1);
 #pragma unroll
         for (int s2 = 0; s2 < kHeadDim / 32; ++s2) {
           std::uint32_t r[4];
-          ldmatrix_x4(kbase + tile_offset<Tr>(krow, 2 * s2 + (m >> 1)), r);
+          ldmatrix_x4(kbase + krow.at(s2), r);
           std::uint32_t qa[4], qb[4];
           if constexpr (kQInRegs) {
 #pragma unroll
@@ -458,11 +508,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
         }
       } else {
         const std::uint32_t kbase = smem_u32(ks);
-        const int krow = base + (m >> 1) * 8 + lr;
+        const LdsmRow krow(lay, base + (m >> 1) * 8 + lr, m & 1);
 #pragma unroll
         for (int s = 0; s < kKSteps; ++s) {
           std::uint32_t r[4];
-          ldmatrix_x4(kbase + tile_offset<Tr>(krow, 2 * s + (m & 1)), r);
+          ldmatrix_x4(kbase + krow.at(s), r);
           std::uint32_t qa[4];
           if constexpr (kQInRegs) {
 #pragma unroll
@@ -561,12 +611,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
 
       // O += P V.
       const std::uint32_t vbase = smem_u32(vs);
-      const int vr = base + (m & 1) * 8 + lr;
+      const LdsmRow vr(lay, base + (m & 1) * 8 + lr, m >> 1);
       if constexpr (kFp8) {
 #pragma unroll
         for (int cc = 0; cc < kHeadDim / 32; ++cc) {
           std::uint32_t r[4];
-          ldmatrix_x4_trans(vbase + tile_offset<Tr>(vr, 2 * cc + (m >> 1)), r);
+          ldmatrix_x4_trans(vbase + vr.at(cc), r);
 #pragma unroll
           for (int hv = 0; hv < 2; ++hv) {
             const std::uint32_t x0 = r[2 * hv], x1 = r[2 * hv + 1];
@@ -580,7 +630,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8>::kThreads)
 #pragma unroll
         for (int c = 0; c < kHeadDim / 16; ++c) {
           std::uint32_t r[4];
-          ldmatrix_x4_trans(vbase + tile_offset<Tr>(vr, 2 * c + (m >> 1)), r);
+          ldmatrix_x4_trans(vbase + vr.at(c), r);
           mma_m16n8k16<MmaElement>(o[2 * c], pa, r[0], r[1]);
           mma_m16n8k16<MmaElement>(o[2 * c + 1], pa, r[2], r[3]);
         }

@@ -23,14 +23,16 @@ struct DecodeTraits {
 #endif
   static constexpr int kBlockN = kWarps * 16 * kSub;     // keys per K/V tile
   static constexpr int kKvBytes = kFp8 ? 1 : 2;
-  // K/V tiles in shared memory: each key row split into 128-byte segments, segment s of
-  // the tile's kBlockN rows stored together ([kSegs][kBlockN][128 B]), the 16-byte chunks
-  // of a row XOR-swizzled by (row % 8): the layout of a TMA box with 128-byte swizzle, so
-  // one tensor copy fills a segment, and ldmatrix reads it without bank conflicts.
+  // K/V tiles in shared memory: each key row split into 128-byte segments; the tile's rows
+  // in boxes (the whole tile when dense, one paged block's rows otherwise), a box's rows
+  // stored segment by segment ([box][kSegs][box rows][128 B]), the 16-byte chunks of a row
+  // XOR-swizzled by (row % 8): the layout TMA tensor copies with 128-byte swizzle write
+  // (decode_kernel.cuh: TileLayout), read by ldmatrix without bank conflicts.
   static constexpr int kRowBytes = kHeadDim * kKvBytes;            // bytes used per key row
   static constexpr int kSegs = (kRowBytes + 127) / 128;
   static constexpr int kSegBytes = kBlockN * 128;                  // one segment of a tile
   static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kChunksTotal = kSegs * 8;                   // incl. a last segment's padding
   static constexpr int kSegElems = 128 / kKvBytes;                 // elements per segment row
   static constexpr int kTileBytes = kSegs * kSegBytes;  // K or V of one stage
   static constexpr int kScaleBytes = kFp8 ? 2 * kBlockN * 4 : 0;
@@ -61,11 +63,14 @@ struct alignas(64) TensorMapBytes {
 
 // Run-time arguments of one decode launch besides FwdParams.
 struct DecodeArgs {
-  // sm90: K/V tiles by TMA tensor copies over k_map / v_map (4-d: d, rows of a cache row or
-  // block, h_k, cache rows or blocks), box_rows rows per copy (a paged cache's blocks hold
-  // whole boxes). Else (sm80, block sizes % 8 != 0, small or unaligned rows) 16-byte cp.async.
+  // sm90: K/V tiles by TMA tensor copies over k_map / v_map, box_rows rows per copy (a paged
+  // cache's blocks hold whole boxes). map_rank 5 (d a whole number of 128-byte segments):
+  // (segment elements, rows of a cache row or block, segments, h_k, cache rows or blocks),
+  // one copy per box; 4: (d, rows, h_k, cache rows or blocks), one copy per box and segment.
+  // Else (sm80, block sizes % 8 != 0, small or unaligned rows) 16-byte cp.async.
   TensorMapBytes k_map{}, v_map{};
   bool tma = false;
+  int map_rank = 4;
   int box_rows = 0;
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
