@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
           continue;
         const int b = kTokens / s, h = kModelDim / d;
         FwdParams p;
-        p.dtype = flashattn::DType::kBFloat16;
+        p.dtype = p.kv_dtype = flashattn::DType::kBFloat16;
         p.batch = b;
         p.h_q = p.h_k = h;
         p.d = d;

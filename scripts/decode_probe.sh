@@ -19,8 +19,10 @@ for b in "$DIR"/decode_bench_*; do
 done
 if command -v ncu >/dev/null; then
   base=$(ls "$DIR"/decode_bench_* | head -1)
-  BENCH_ONLY=dense:$CTX timeout 90 ncu --metrics $M --kernel-name regex:decode --launch-skip 4 --launch-count 2 \
-    --csv "$base" >"$OUT/ncu_ours.csv" 2>"$OUT/ncu_ours.err"
+  for c in ${NCU_CONFIGS:-dense}; do  # bench configs: dense paged16 paged256 fp8
+    BENCH_ONLY=$c:$CTX timeout 90 ncu --metrics $M --kernel-name regex:decode_kernel --launch-skip 4 --launch-count 1 \
+      --csv "$base" >>"$OUT/ncu_ours.csv" 2>>"$OUT/ncu_ours.err"
+  done
   timeout 120 ncu --metrics $M --profile-from-start off --csv python3 bench/peers/sdpa_decode_profile.py "$CTX" \
     >"$OUT/ncu_peers.csv" 2>"$OUT/ncu_peers.err"
   python3 - "$OUT/ncu_ours.csv" "$OUT/ncu_peers.csv" <<'PY'

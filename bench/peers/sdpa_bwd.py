@@ -31,7 +31,7 @@ def main():
     if args.ours:
         for line in open(args.ours):
             f = line.split()
-            if len(f) == 6 and f[0] == "bwd":
+            if len(f) >= 6 and f[0] == "bwd":  # then "relerr X ok|FAIL"
                 ours[(int(f[1]), int(f[2]), int(f[3]))] = float(f[5])
     print(f"# backward TFLOP/s, bf16, 16k tokens, model dim 2048 ({torch.cuda.get_device_name()},"
           f" torch {torch.__version__})")

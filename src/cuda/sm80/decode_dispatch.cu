@@ -173,8 +173,9 @@ TileFacts tile_facts(int d, bool fp8) {
   return {};
 }
 
-// (b, h, i) rows of the combine, one warp each.
-__global__ void decode_combine_kernel(const __grid_constant__ FwdParams p, const DecodeArgs a) {
+// (b, h, i) rows of the combine, one warp each. (A programmatic dependent launch of it
+// measured no faster on the H200 under graph replay: 44.1 against 43.8 us at 4k.)
+__global__ void decode_combine_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ DecodeArgs a) {
   const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
   const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;

@@ -39,12 +39,21 @@ struct DecodeTraits {
   static constexpr int kStageBytes = (2 * kTileBytes + kScaleBytes + 1023) / 1024 * 1024;
   static constexpr int kQRowBytes = kHeadDim * 2 + 16;
   static constexpr int kQBytes = kRows * kQRowBytes;
-  // As many stages (2..8) as leave two blocks per SM (about 110 KB each of the H100/H200's
-  // 227 KB): 3 for 16-bit d <= 128, 6 for fp8 d <= 128, 2 for 16-bit d > 128.
+  // Blocks per SM the kernel is built for (__launch_bounds__: registers <= 64K / (128 x
+  // this)), and as many stages (2..8) as fit that many blocks in the H100/H200's 228 KB
+  // (a 220 KB budget; 2 blocks: 110 KB each): 16-bit d <= 128: 2 blocks x 3 stages (3
+  // blocks measured no faster: it is memory-bound); fp8 d <= 128: 3 blocks x 4 stages
+  // (latency-bound at 2 x 6: +15% at 32k, 219.5 -> 190.0 us; 4 blocks spill 340 B and
+  // lose); 16-bit d > 128: 2 x 2.
+#if defined(FLASHATTN_DECODE_MIN_BLOCKS_FP8) && defined(FLASHATTN_DECODE_MIN_BLOCKS_16)
+  static constexpr int kMinBlocks = kFp8 ? FLASHATTN_DECODE_MIN_BLOCKS_FP8 : FLASHATTN_DECODE_MIN_BLOCKS_16;
+#else
+  static constexpr int kMinBlocks = kFp8 && kHeadDim <= 128 ? 3 : 2;
+#endif
 #ifdef FLASHATTN_DECODE_STAGES
   static constexpr int kStages = FLASHATTN_DECODE_STAGES;
 #else
-  static constexpr int kFitStages = (110 * 1024 - kQBytes - 1024 - 64) / kStageBytes;
+  static constexpr int kFitStages = (220 * 1024 / kMinBlocks - kQBytes - 1024 - 64) / kStageBytes;
   static constexpr int kStages = kFitStages < 2 ? 2 : (kFitStages > 8 ? 8 : kFitStages);
 #endif
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded

@@ -36,20 +36,13 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
-template <int kHeadDim_, typename Element_>
+// kLarge: the bucket's large tile (tile_size.hpp: fwd_tile_large), for GPUs with the
+// shared memory for it.
+template <int kHeadDim_, typename Element_, bool kLarge = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-#ifdef FLASHATTN_H3_FWD256_BM
-  // Experiment (issue #3): -DFLASHATTN_H3_FWD256_{BM,BN,WARPS,STAGES}=... replace the
-  // hdim-256 tile of fwd_tile() (sm90 builds only; the default build defines none).
-  static constexpr FwdTile kTile =
-      kHeadDim == 256 ? FwdTile{FLASHATTN_H3_FWD256_BM, FLASHATTN_H3_FWD256_BN,
-                                FLASHATTN_H3_FWD256_WARPS, FLASHATTN_H3_FWD256_STAGES}
-                      : fwd_tile(kHeadDim);
-#else
-  static constexpr FwdTile kTile = fwd_tile(kHeadDim);
-#endif
+  static constexpr FwdTile kTile = kLarge ? fwd_tile_large(kHeadDim) : fwd_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kWarps = kTile.warps;
@@ -68,11 +61,7 @@ struct FwdTraits {
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
   static_assert(is_head_dim_bucket(kHeadDim) && fwd_tile_valid(kHeadDim));
-#ifdef FLASHATTN_H3_FWD256_BM
-  static_assert(kSmemBytes <= 227 * 1024 && kBlockM % (16 * kWarps) == 0 && kStages >= 2);
-#else
-  static_assert(kSmemBytes == fwd_smem_bytes(kHeadDim));
-#endif
+  static_assert(kSmemBytes == fwd_smem_bytes(kTile, kHeadDim));
 };
 
 // Issues the cp.async copies of one [Tile::kRows x kHeadDim] tile. row_ptr(r) gives the
@@ -177,10 +166,10 @@ enum class FwdMode { kGeneral, kPlainMasked, kPlainInterior };
 template <FwdMode kMode>
 using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 
-template <int kHeadDim, typename Element>
-__global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
+template <int kHeadDim, typename Element, bool kLarge>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
-  using Tr = FwdTraits<kHeadDim, Element>;
+  using Tr = FwdTraits<kHeadDim, Element, kLarge>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
@@ -575,19 +564,37 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element>::kThreads, 1)
   }
 }
 
+template <int kHeadDim, typename Element, bool kLarge>
+void launch_fwd(const FwdParams& p) {
+  using Tr = FwdTraits<kHeadDim, Element, kLarge>;
+  auto kernel = fwd_kernel<kHeadDim, Element, kLarge>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h_q, p.batch);
+  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
 template <int kHeadDim, typename Element>
 void run_fwd(const FwdParams& p) {
   using Tr = FwdTraits<kHeadDim, Element>;
   if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
-  auto kernel = fwd_kernel<kHeadDim, Element>;
   constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024) {
+  if constexpr (kSmem > 48 * 1024 || has_large_fwd_tile(kHeadDim)) {
     // The tiles are sized for A100/H100-class parts; a GPU with less shared memory per block
-    // (sm86/sm89: 99 KiB) gets a clear error rather than a failed launch.
+    // (sm86/sm89: 99 KiB) gets a clear error rather than a failed launch. One with room for
+    // the bucket's large tile (H100/H200) runs that.
     int device = 0, optin = 0;
     FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
-    FLASHATTN_CUDA_CHECK(
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if constexpr (has_large_fwd_tile(kHeadDim)) {
+      if (optin >= FwdTraits<kHeadDim, Element, true>::kSmemBytes) {
+        launch_fwd<kHeadDim, Element, true>(p);
+        return;
+      }
+    }
     if (optin < kSmem) {
       throw Unsupported("flashattn::forward", "q",
                         "a GPU with at least " + std::to_string(kSmem) +
@@ -595,12 +602,8 @@ void run_fwd(const FwdParams& p) {
                             std::to_string(kHeadDim),
                         std::to_string(optin) + " bytes on this GPU");
     }
-    FLASHATTN_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
-  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h_q, p.batch);
-  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
-  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  launch_fwd<kHeadDim, Element, false>(p);
 }
 
 }  // namespace flashattn::detail::cuda::sm80
