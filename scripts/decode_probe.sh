@@ -17,7 +17,7 @@ for b in "$DIR"/decode_bench_*; do
   BENCH_ONLY=${BENCH_ONLY:-grid} timeout 60 "$b" >"$OUT/dec_$v.txt" 2>&1
   echo "== $v (rc $?)"; grep '^| [a-z]' "$OUT/dec_$v.txt" | grep -v cache
 done
-if command -v ncu >/dev/null; then
+if command -v ncu >/dev/null && [ "${NCU:-1}" = 1 ]; then  # NCU=0: variants only
   base=$(ls "$DIR"/decode_bench_* | head -1)
   for c in ${NCU_CONFIGS:-dense}; do  # bench configs: dense paged16 paged256 fp8
     BENCH_ONLY=$c:$CTX timeout 90 ncu --metrics $M --kernel-name regex:decode_kernel --launch-skip 4 --launch-count 1 \

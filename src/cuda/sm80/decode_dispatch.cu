@@ -52,12 +52,23 @@ struct TileFacts {
   int segs = 2;        // 128-byte segments of the bucket's key row
 };
 
+template <class Tr>
+TileFacts facts_of() {
+  return {Tr::kBlockN, Tr::kSmemBytes, Tr::kSegElems, Tr::kSegs};
+}
 template <int D>
-TileFacts facts_for(bool fp8) {
-  using T8 = DecodeTraits<D, true>;
-  using T16 = DecodeTraits<D, false>;
-  if (fp8) return {T8::kBlockN, T8::kSmemBytes, T8::kSegElems, T8::kSegs};
-  return {T16::kBlockN, T16::kSmemBytes, T16::kSegElems, T16::kSegs};
+TileFacts facts_for(bool fp8, bool t8) {
+  if (fp8) return t8 ? facts_of<DecodeTraits<D, true, true>>() : facts_of<DecodeTraits<D, true, false>>();
+  return t8 ? facts_of<DecodeTraits<D, false, true>>() : facts_of<DecodeTraits<D, false, false>>();
+}
+
+// At most 8 GQA-packed rows per KV head: the transposed kernel (decode_kernel.cuh: kT8).
+bool use_t8(const FwdParams& p) {
+#ifdef FLASHATTN_DECODE_NO_T8  // experiment: the 16-row kernel for every call
+  return false;
+#else
+  return std::int64_t(p.seqlen_q) * p.h_ratio <= 8;
+#endif
 }
 
 int cc_major(int device) {
@@ -165,9 +176,9 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   }
 }
 
-TileFacts tile_facts(int d, bool fp8) {
+TileFacts tile_facts(int d, bool fp8, bool t8) {
 #define FLASHATTN_DECODE_FACTS(D) \
-  if (d <= D) return facts_for<D>(fp8);
+  if (d <= D) return facts_for<D>(fp8, t8);
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_FACTS)
 #undef FLASHATTN_DECODE_FACTS
   return {};
@@ -232,7 +243,7 @@ DecodePlan plan_decode(const FwdParams& p) {
   if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows)) return plan;
   plan.use = true;
   plan.row_chunks = static_cast<int>((rows + 15) / 16);
-  const TileFacts tf = tile_facts(p.d, fp8);
+  const TileFacts tf = tile_facts(p.d, fp8, use_t8(p));
   const std::int64_t max_tiles = (std::int64_t(p.seqlen_k) + tf.block_n - 1) / tf.block_n;
   int splits = p.num_splits;
   if (splits == 0) {
@@ -258,6 +269,7 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   DecodeArgs a;
   a.splits = plan.splits;
   a.row_chunks = plan.row_chunks;
+  a.t8 = use_t8(p);
   a.q_bf16 = p.dtype == DType::kBFloat16;
   // Interleaved and contiguous split ranges measured the same on the H200 (3.58 / 3.57 TB/s
   // at 32k); interleaved keeps a sequence's blocks in one region of the cache.
@@ -269,7 +281,7 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
 #ifndef FLASHATTN_DECODE_NO_BULK
-  plan_tma(p, tile_facts(p.d, fp8), a);
+  plan_tma(p, tile_facts(p.d, fp8, a.t8), a);
 #endif
 #define FLASHATTN_DECODE_BUCKET(D)                          \
   if (p.d <= D) {                                           \

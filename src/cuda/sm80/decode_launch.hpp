@@ -11,7 +11,9 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
-template <int kHeadDim, bool kFp8>
+// kT8: the transposed kernel for at most 8 packed rows (decode_kernel.cuh), which needs
+// fewer registers and so fits more blocks per SM.
+template <int kHeadDim, bool kFp8, bool kT8 = false>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -41,14 +43,16 @@ struct DecodeTraits {
   static constexpr int kQBytes = kRows * kQRowBytes;
   // Blocks per SM the kernel is built for (__launch_bounds__: registers <= 64K / (128 x
   // this)), and as many stages (2..8) as fit that many blocks in the H100/H200's 228 KB
-  // (a 220 KB budget; 2 blocks: 110 KB each): 16-bit d <= 128: 2 blocks x 3 stages (3
-  // blocks measured no faster: it is memory-bound); fp8 d <= 128: 3 blocks x 4 stages
-  // (latency-bound at 2 x 6: +15% at 32k, 219.5 -> 190.0 us; 4 blocks spill 340 B and
-  // lose); 16-bit d > 128: 2 x 2.
+  // (a 220 KB budget; 2 blocks: 110 KB each). Measured on the H200 at 32k (decode bench):
+  // 16-row kernel, 16-bit d <= 128: 2 blocks x 3 stages (3 blocks measured no faster and
+  // spill 80 B); fp8 d <= 128: 3 x 4 (2 x 6: latency-bound, 219.5 against 190.0 us; 4
+  // blocks spill 340 B). Transposed kernel (158-163 registers unbounded), d <= 128: 3
+  // blocks (16-bit: 2 stages, 248.5 against 254.4 us at 2 x 3; fp8: 4 stages, 141.0 us,
+  // against 190.8 at 4 blocks, 32 B of spills). d > 128: 2 blocks.
 #if defined(FLASHATTN_DECODE_MIN_BLOCKS_FP8) && defined(FLASHATTN_DECODE_MIN_BLOCKS_16)
   static constexpr int kMinBlocks = kFp8 ? FLASHATTN_DECODE_MIN_BLOCKS_FP8 : FLASHATTN_DECODE_MIN_BLOCKS_16;
 #else
-  static constexpr int kMinBlocks = kFp8 && kHeadDim <= 128 ? 3 : 2;
+  static constexpr int kMinBlocks = kHeadDim <= 128 && (kFp8 || kT8) ? 3 : 2;
 #endif
 #ifdef FLASHATTN_DECODE_STAGES
   static constexpr int kStages = FLASHATTN_DECODE_STAGES;
@@ -83,6 +87,7 @@ struct DecodeArgs {
   int box_rows = 0;
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
+  bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
   bool q_bf16 = false; // fp8 variant: q / out dtype
   bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
