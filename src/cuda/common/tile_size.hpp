@@ -60,21 +60,19 @@ constexpr bool is_head_dim_bucket(int d) {
          d == 256;
 }
 
-// Limits every bucket must respect on every target (sm80 has 163 KiB of shared memory
-// per block, sm86/89 99 KiB are not targets of the sm80 build's large buckets).
-constexpr bool fwd_tile_valid(int d) {
-  const FwdTile t = fwd_tile(d);
+// A tile's shape rules: whole 16-row tiles per warp, 16-key steps, at least two stages, the
+// shared memory under smem_limit, and the accumulators under ~192 fp32 per thread.
+constexpr bool fwd_tile_fits(FwdTile t, int d, int smem_limit) {
   const int m_tiles = t.block_m / (16 * t.warps);
   return t.block_m % (16 * t.warps) == 0 && m_tiles >= 1 && t.block_n % 16 == 0 &&
-         t.stages >= 2 && fwd_smem_bytes(d) <= 163 * 1024 &&
+         t.stages >= 2 && fwd_smem_bytes(t, d) <= smem_limit &&
          m_tiles * (d / 8 + t.block_n / 8) * 4 <= 192;
 }
-constexpr bool fwd_tile_large_valid(int d) {
-  const FwdTile t = fwd_tile_large(d);
-  const int m_tiles = t.block_m / (16 * t.warps);
-  return t.block_m % (16 * t.warps) == 0 && m_tiles >= 1 && t.block_n % 16 == 0 && t.stages >= 2 &&
-         fwd_smem_bytes(t, d) <= 227 * 1024 && m_tiles * (d / 8 + t.block_n / 8) * 4 <= 192;
-}
+// Limits every bucket must respect on every target (sm80 has 163 KiB of shared memory
+// per block, sm86/89 99 KiB are not targets of the sm80 build's large buckets); the large
+// tiles, sm90's 227 KiB.
+constexpr bool fwd_tile_valid(int d) { return fwd_tile_fits(fwd_tile(d), d, 163 * 1024); }
+constexpr bool fwd_tile_large_valid(int d) { return fwd_tile_fits(fwd_tile_large(d), d, 227 * 1024); }
 static_assert(fwd_tile_large_valid(256), "fwd_tile_large: hdim 256 breaks the sm90 budget");
 static_assert(fwd_tile_valid(32) && fwd_tile_valid(64) && fwd_tile_valid(96) &&
                   fwd_tile_valid(128) && fwd_tile_valid(160) && fwd_tile_valid(192) &&

@@ -33,17 +33,22 @@ constexpr int kDecodeMaxRows = 128;
 
 std::size_t round_up(std::size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-int sm_count(int device) {
+// A positive device attribute, cached per device (the first 64); `fallback` where the
+// query fails.
+template <cudaDeviceAttr kAttr>
+int device_attribute(int device, int fallback) {
   static int cached[64] = {};
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, kAttr, device) != cudaSuccess || v <= 0) {
     cudaGetLastError();
-    n = 108;
+    return fallback;
   }
-  if (device >= 0 && device < 64) cached[device] = n;
-  return n;
+  if (device >= 0 && device < 64) cached[device] = v;
+  return v;
 }
+int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 108); }
+int cc_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
 struct TileFacts {
   int block_n = 64;
@@ -69,18 +74,6 @@ bool use_t8(const FwdParams& p) {
 #else
   return std::int64_t(p.seqlen_q) * p.h_ratio <= 8;
 #endif
-}
-
-int cc_major(int device) {
-  static int cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    cudaGetLastError();
-    v = 0;
-  }
-  if (device >= 0 && device < 64 && v > 0) cached[device] = v;
-  return v;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link); null

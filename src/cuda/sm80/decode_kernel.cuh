@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   constexpr int kOTiles = kHeadDim / 8;
   constexpr int kKSteps = kHeadDim / 16;
   // (fp8 with q's fragments re-read from shared memory, which removes the 48 B of spills at
-  // 168 registers, together with the split S above measured 189.5 against 186.2 us at 32k.)
+  // 168 registers, together with the split S below measured 189.5 against 186.2 us at 32k.)
   constexpr bool kQInRegs = kHeadDim <= 128;
   extern __shared__ __align__(128) unsigned char smem[];
 
@@ -262,13 +262,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   // The pipeline at the first 1024-byte boundary past q and the barriers (swizzle period).
   unsigned char* pipe = bars + Tr::kBarBytes;
   pipe += (1024u - (smem_u32(pipe) & 1023u)) & 1023u;
-  // ---- per-row facts for this thread's rows gq and gq + 8
+  // ---- per-row facts for this thread's two packed rows (relative to r0): gq and gq + 8 in
+  // the 16-row form (MMA rows), 2 tq and 2 tq + 1 in the transposed one (MMA columns)
+  auto my_row = [&](int hf) { return kT8 ? 2 * tq + hf : gq + 8 * hf; };
   int row_i[2], row_jb[2], row_je[2];
   float row_slope[2];
   const std::uint32_t* row_tree[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int r = r0 + (kT8 ? 2 * tq + hf : gq + 8 * hf);  // this thread's rows
+    const int r = r0 + my_row(hf);
     const bool valid = r < nrows;
     const int i = valid ? r / h_ratio : i_lo;
     row_i[hf] = i;
@@ -680,19 +682,19 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         // dependency chain measured no faster on the H200: fp8 32k 191.4 against 186.2 us,
         // bf16 256.2 against 255.8.)
         float sacc[2][4];
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 2; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.0f;
         const int m = lane >> 3, lr = lane & 7;
         if constexpr (kFp8) {
           const std::uint32_t kbase = smem_u32(ks);
           const LdsmRow krow(lay, base + (m & 1) * 8 + lr, m >> 1);
-  #pragma unroll
+#pragma unroll
           for (int s2 = 0; s2 < kHeadDim / 32; ++s2) {
             std::uint32_t r[4];
             ldmatrix_x4(kbase + krow.at(s2), r);
             std::uint32_t qa[4], qb[4];
             if constexpr (kQInRegs) {
-  #pragma unroll
+#pragma unroll
               for (int k = 0; k < 4; ++k) qa[k] = qf[2 * s2][k], qb[k] = qf[2 * s2 + 1][k];
             } else {
               q_frag(2 * s2, qa);
@@ -706,13 +708,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         } else {
           const std::uint32_t kbase = smem_u32(ks);
           const LdsmRow krow(lay, base + (m >> 1) * 8 + lr, m & 1);
-  #pragma unroll
+#pragma unroll
           for (int s = 0; s < kKSteps; ++s) {
             std::uint32_t r[4];
             ldmatrix_x4(kbase + krow.at(s), r);
             std::uint32_t qa[4];
             if constexpr (kQInRegs) {
-  #pragma unroll
+#pragma unroll
               for (int k = 0; k < 4; ++k) qa[k] = qf[s][k];
             } else {
               q_frag(s, qa);
@@ -723,9 +725,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         }
 
         // Scores in log2 units, masked.
-  #pragma unroll
+#pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int hf = e >> 1;
             const int kl = base + nt * 8 + 2 * tq + (e & 1);
@@ -759,7 +761,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         }
         // Online softmax (this warp's keys only).
         float pr[2][4], alpha[2];
-  #pragma unroll
+#pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           float mx = fmaxf(fmaxf(sacc[0][2 * hf], sacc[0][2 * hf + 1]), fmaxf(sacc[1][2 * hf], sacc[1][2 * hf + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -769,9 +771,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
           alpha[hf] = fast_exp2(row_max[hf] - m_use);
           row_max[hf] = m_new;
           float sum = row_sum[hf] * alpha[hf];
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
-  #pragma unroll
+#pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float pv = fast_exp2(sacc[nt][2 * hf + e] - m_use);
               sum += pv;
@@ -783,7 +785,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         // O rescale, skipped when no row of the warp saw a new maximum (alpha == 1 exactly):
         // after the first tiles of a long context, nearly always.
         if (!__all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f)) {
-  #pragma unroll
+#pragma unroll
           for (int nt = 0; nt < kOTiles; ++nt) {
             o[nt][0] *= alpha[0];
             o[nt][1] *= alpha[0];
@@ -793,9 +795,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         }
         if constexpr (kFp8) {
           if (per_key_scale) {
-  #pragma unroll
+#pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
-  #pragma unroll
+#pragma unroll
               for (int e = 0; e < 4; ++e) pr[nt][e] *= vss[base + nt * 8 + 2 * tq + (e & 1)];
             }
           }
@@ -810,11 +812,11 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         const std::uint32_t vbase = smem_u32(vs);
         const LdsmRow vr(lay, base + (m & 1) * 8 + lr, m >> 1);
         if constexpr (kFp8) {
-  #pragma unroll
+#pragma unroll
           for (int cc = 0; cc < kHeadDim / 32; ++cc) {
             std::uint32_t r[4];
             ldmatrix_x4_trans(vbase + vr.at(cc), r);
-  #pragma unroll
+#pragma unroll
             for (int hv = 0; hv < 2; ++hv) {
               // Even bytes of x0 and x1 (w0), odd bytes (w1): one permute per pair of B halves.
               const std::uint32_t w0 = __byte_perm(r[2 * hv], r[2 * hv + 1], 0x6420);
@@ -824,7 +826,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
             }
           }
         } else {
-  #pragma unroll
+#pragma unroll
           for (int c = 0; c < kHeadDim / 16; ++c) {
             std::uint32_t r[4];
             ldmatrix_x4_trans(vbase + vr.at(c), r);
@@ -832,8 +834,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
             mma_m16n8k16<MmaElement>(o[2 * c + 1], pa, r[2], r[3]);
           }
         }
-          }
-}
+      }
+    }
     if (++stage == Tr::kStages) {
       stage = 0;
       phase ^= 1u;
@@ -846,7 +848,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   float* o_smem = reinterpret_cast<float*>(pipe);
   float* m_smem = o_smem + Tr::kWarps * Tr::kRows * Tr::kOStride;
   float* l_smem = m_smem + Tr::kWarps * Tr::kRows;
-  // This thread's rows (gq, gq + 8; kT8: 2 tq, 2 tq + 1) and the lanes sharing each.
+  // A row's sum over the lanes sharing it (same gq; kT8: same tq), stored by one of them.
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float l = row_sum[hf];
@@ -859,7 +861,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       l += __shfl_xor_sync(0xffffffffu, l, 2);
     }
     row_sum[hf] = l;
-    const int rr = kT8 ? 2 * tq + hf : gq + 8 * hf;
+    const int rr = my_row(hf);
     if ((kT8 ? gq : tq) == 0) {
       m_smem[warp * Tr::kRows + rr] = row_max[hf];
       l_smem[warp * Tr::kRows + rr] = l;
@@ -868,7 +870,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   __syncthreads();
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
-    const int rr = kT8 ? 2 * tq + hf : gq + 8 * hf;
+    const int rr = my_row(hf);
     float mm = -INFINITY;
 #pragma unroll
     for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + rr]);
