@@ -30,6 +30,17 @@ struct TileMask {
     hi = right >= 0 ? min(diag + right + 1, s_k) : s_k;
   }
 
+  // Whether some row of [i0, i1) sees a key of [n0, n1). Both ends of a row's visible
+  // range move right with i, so the rows' union lies within [lo(i0), hi(i1 - 1)): false
+  // means no row sees any of the keys (true may over-report for narrow windows).
+  __device__ __forceinline__ bool rows_see_keys(int i0, int i1, int n0, int n1) const {
+    if (i0 >= i1) return false;
+    int lo0, hi0, lo1, hi1;
+    row_range(i0, lo0, hi0);
+    row_range(i1 - 1, lo1, hi1);
+    return lo0 < n1 && hi1 > n0 && lo0 < hi1;
+  }
+
   // Whether the key tile [n0, n0 + block_n) needs element masking for some query row of
   // [m0, m0 + block_m): it crosses the end of the keys or one of the window edges.
   __device__ __forceinline__ bool tile_needs_mask(int m0, int block_m, int n0, int block_n) const {

@@ -166,6 +166,14 @@ enum class FwdMode { kGeneral, kPlainMasked, kPlainInterior };
 template <FwdMode kMode>
 using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 
+// The launch order (fwd_kernel: grid (query tile, head, sequence) or tile major).
+#ifndef FLASHATTN_FWD_ORDER  // experiments: 0 head major always, 2 tile major always
+#define FLASHATTN_FWD_ORDER 1
+#endif
+__host__ __device__ inline bool fwd_tile_major(const FwdParams& p) {
+  return FLASHATTN_FWD_ORDER == 2 || (FLASHATTN_FWD_ORDER == 1 && !p.mask.unbounded());
+}
+
 template <int kHeadDim, typename Element, bool kLarge>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -180,10 +188,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
   Element* const sQ = reinterpret_cast<Element*>(smem_raw);
   Element* const sKV = sQ + QTile::kElements;  // stage s: K at 2s, V at 2s + 1 (KVTile units)
 
-  // Heavier query tiles (more keys under causal masks) are launched first.
-  const int m_block = static_cast<int>(gridDim.x - 1 - blockIdx.x);
-  const int h = blockIdx.y;
-  const int b = blockIdx.z;
+  // Heavier query tiles (more keys under causal masks) are launched first. Without a
+  // mask every tile costs the same and the grid is (query tile, head, sequence): the
+  // blocks go head by head and the query tiles of a head share its K/V in L2. With causal
+  // / window masks the tiles' costs differ and the grid is (head, sequence, query tile)
+  // (launch_fwd): the heaviest query tile of every head first, the lightest last, so the
+  // last blocks to start are the shortest (with one block of a 128-row tile per SM, a
+  // heavy tile started last would run alone at the end).
+  const bool tile_major = fwd_tile_major(p);
+  const int m_block = static_cast<int>(tile_major ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x);
+  const int h = tile_major ? blockIdx.x : blockIdx.y;
+  const int b = tile_major ? blockIdx.y : blockIdx.z;
   const int s_q = p.seq_len_q(b);
   const int m0 = m_block * kBlockM;
   if (m0 >= s_q) return;
@@ -363,6 +378,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
       cp_async_commit();
     }
     const int n0 = (tile_end - 1 - it) * kBlockN;
+    // A warp whose rows see none of this tile's keys (its rows above the causal diagonal,
+    // or past the queries' end) skips the tile: its softmax state and O are what a tile of
+    // -inf scores leaves them, and the SM sub-partition's tensor cores go to the other
+    // warps (warp-uniform; the tile's barrier and refill above stay shared). Plain masked
+    // tiles only: in the general copy the test cost hdim 256 28 B of spills.
+    if constexpr (kMode == FwdMode::kPlainMasked) {
+      const int wr0 = m0 + warp_row0;
+      if (!mask.rows_see_keys(wr0, min(wr0 + kMTiles * 16, s_q), n0, n0 + kBlockN)) return;
+    }
     const int stage = it % kStages;
     std::uint32_t k_lane[KVTile::kColVariants], v_lane[KVTile::kColVariants];
 #pragma unroll
@@ -572,7 +596,8 @@ void launch_fwd(const FwdParams& p) {
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
-  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h_q, p.batch);
+  const unsigned m_tiles = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const dim3 grid = fwd_tile_major(p) ? dim3(p.h_q, p.batch, m_tiles) : dim3(m_tiles, p.h_q, p.batch);
   kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
