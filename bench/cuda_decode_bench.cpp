@@ -263,11 +263,24 @@ int main(int argc, char** argv) {
   };
   std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
   std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
-  const char* only = std::getenv("BENCH_ONLY");  // "grid" (no long context), "dense" or "dense:32768"
-  for (const Config& c : grid) {
-    if (only && std::string(only) != "grid" && std::string(only) != c.name &&
-        std::string(only) != std::string(c.name) + ":" + std::to_string(c.ctx))
-      continue;
+  // BENCH_ONLY: "grid" (no long context), a name ("dense"), or a comma list of names or
+  // name:context, run in the list's order ("dense:131072,paged16:4096,dense:4096").
+  const char* only = std::getenv("BENCH_ONLY");
+  std::vector<Config> order;
+  if (only && std::string(only) != "grid") {
+    std::string list = only;
+    for (std::size_t pos = 0; pos <= list.size();) {
+      const std::size_t end = std::min(list.find(',', pos), list.size());
+      const std::string tok = list.substr(pos, end - pos);
+      for (const Config& c : grid) {
+        if (tok == c.name || tok == std::string(c.name) + ":" + std::to_string(c.ctx)) order.push_back(c);
+      }
+      pos = end + 1;
+    }
+  } else {
+    order = grid;
+  }
+  for (const Config& c : order) {
     const Result r = run_decode(c, stream);
     std::printf("| %s | %d | %.1f | %.2f | %.0f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s);
     std::fflush(stdout);
