@@ -12,6 +12,9 @@
 // b * s * h_k * d * 2 (K and V) * element size.
 //
 //   flashattn_cuda_decode_bench [csv path|-]
+// Environment: BENCH_ONLY ("grid": the grid without the long context; a configuration
+// name, or a comma list of names / name:context run in that order, e.g.
+// "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0).
 #include <cuda_runtime.h>
 
 #include <algorithm>
