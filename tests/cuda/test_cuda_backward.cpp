@@ -123,7 +123,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CudaBackward, HeadDims) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  for (int d : {32, 40, 64, 72, 96, 128, 136, 160, 192, 224, 248, 256}) {
+  for (int d : {32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 224, 248, 256}) {
     if (!detail::cuda::supports_head_dim(d)) continue;
     for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
       DenseCase c = DenseCase::random(rng, shape_of(1, 83, 141, 2, 1, d), dtype);

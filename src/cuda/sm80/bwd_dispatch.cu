@@ -117,6 +117,18 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
     FLASHATTN_CUDA_CHECK(cudaGetLastError());
   }
   bool launched = p.seqlen_k == 0;
+  // 192 < d <= 224 runs in the d = 256 bucket where that bucket runs its tall tile (sm90):
+  // measured on the H200 1.20-1.25x the d = 224 bucket's own kernel at d = 224, despite
+  // the 14% more MMA work of the padding (docs/performance.md).
+#define FLASHATTN_BWD_TALL_256(D)                                                        \
+  if constexpr (D == 256) {                                                              \
+    if (!launched && p.d > 192 && p.d <= 224 && bwd_main_runs_tall<Element, D>()) {      \
+      run_bwd_main<Element, D>(p, ws, stream);                                           \
+      launched = true;                                                                   \
+    }                                                                                    \
+  }
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_TALL_256)
+#undef FLASHATTN_BWD_TALL_256
 #define FLASHATTN_BWD_BUCKET(D)                    \
   if (!launched && p.d <= D) {                     \
     run_bwd_main<Element, D>(p, ws, stream);       \

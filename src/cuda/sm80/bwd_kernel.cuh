@@ -34,15 +34,16 @@
 namespace flashattn::detail::cuda::sm80 {
 
 // Tile shapes of the backward per head-dim bucket (8 warps always).
-//   d <= 64: BM 128 x BN 128;  d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64.
+//   d <= 64: BM 128 x BN 128;  d <= 128: BM 64 x BN 128;  d > 128: BM 64 x BN 64, and
+//   d = 256 on sm90: BM 128 x BN 64 (kTall: one Q / dO stage, dQ in two 64-row passes).
 // Per-thread fp32 accumulators: dK + dV = 2 * BN * d / 256, S + dP = 2 * BM * BN / 256,
-// dQ = BM * d / 256 (live only after S/dP are consumed), at most ~224 at d = 128 / 256.
+// dQ = (rows of a dQ pass) * d / 256 (live only after S/dP are consumed), at most ~224.
 // d <= 64 takes 128 query rows: with 64 its pair did half the d = 128 pair's products
 // for the same fixed cost (two barriers, lse / D, loop head, atomics); 128 x 128 brings
 // its accumulators (S + dP 128, dK + dV 64) to the d = 128 footprint. The workspace stays
 // in 64-row tiles (kBwdBlockM), so a 128-row query tile covers two of them.
 // Opt-in shared memory per block: sm80's 163 KiB (the default build target) and sm90's
-// 227 KiB, which gives the d = 224 / 256 buckets a second Q / dO stage.
+// 227 KiB, which gives the d = 224 bucket a second Q / dO stage and d = 256 its tall tile.
 inline constexpr int kSm80SmemLimit = 163 * 1024;
 inline constexpr int kSm90SmemLimit = 227 * 1024;
 
@@ -50,14 +51,24 @@ template <int kHeadDim_, int kSmemLimit_ = kSm80SmemLimit>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kSmemLimit = kSmemLimit_;
-  static constexpr int kBlockM = kHeadDim <= 64 ? 2 * kBwdBlockM : kBwdBlockM;
+  // kTall: 128 query rows also above d = 64, where sm90's shared memory holds a 128-row Q / dO
+  // stage (one stage; dQ in two 64-row passes). S / dP then run on 32 x 32 warp tiles
+  // (4 ldmatrix per 8 mma instead of 3 per 4 on 32 x 16) and the per-pair fixed costs
+  // (barriers, loop head, lse / D) are paid once per 128 rows. Measured on the H200 at
+  // d = 256 against 64 x 64 with two stages, same run: +7.6% (non-causal 512) to +12.9%
+  // (16k, 245.8 -> 277.6 TFLOP/s), causal +10-11% from 2k, equal at causal 512; at
+  // d = 160 / 192 (4k) +15% / +11-13%. Not d = 224: there it spills 184 B and measured as
+  // its 64-row kernel, while the d = 256 tall kernel runs d = 224 1.20-1.25x faster (the
+  // dispatch sends it there, bwd_main_runs_tall).
+  static constexpr bool kTall = kHeadDim > 128 && kHeadDim != 224 && kSmemLimit >= kSm90SmemLimit;
+  static constexpr int kBlockM = kHeadDim <= 64 || kTall ? 2 * kBwdBlockM : kBwdBlockM;
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
   static constexpr int kWorkspaceTilesPerM = kBlockM / kBwdBlockM;  // dq_accum tiles per Q tile
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
   // S and dP [kBlockM x kBlockN]: 2 (rows) x 4 (keys) warps. (For 128 rows, 4 x 2 warps
   // spilled 76 bytes at d = 64 where 2 x 4 spills nothing; ptxas, sm_90.)
-  static constexpr int kWarpsNsdp = 4;
+  static constexpr int kWarpsNsdp = kTall ? 2 : 4;
   static constexpr int kWarpMsdp = kBlockM / (kNWarps / kWarpsNsdp);  // 32 or 64 query rows
   static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;              // 32 or 16 keys
   // dK / dV [kBlockN x kHeadDim] and dQ [kBlockM x kHeadDim]: (8 / kWarpsD) row groups x
@@ -71,8 +82,12 @@ struct BwdTileConfig {
   static constexpr int kWarpDdkv = kHeadDim / kWarpsDdkv;
   // A dQ warp's 16 or 32 rows lie in one 64-row workspace tile. (d = 128 takes 32 x 32
   // since the interval mask freed registers; before it, 32 x 32 spilled 100 B / 232 B.)
-  static constexpr int kWarpsDdq = kBlockM == 64 && kHeadDim % 64 == 0 ? 4 : 2;
-  static constexpr int kWarpMdq = kBlockM / (kNWarps / kWarpsDdq);  // 32 or 16 rows
+  // dQ runs in passes of kDqRows query rows (each its own accumulators) where the whole
+  // tile's would not fit beside dK / dV.
+  static constexpr int kDqRows = kTall ? kBwdBlockM : kBlockM;
+  static constexpr int kDqPasses = kBlockM / kDqRows;
+  static constexpr int kWarpsDdq = kDqRows == 64 && kHeadDim % 64 == 0 ? 4 : 2;
+  static constexpr int kWarpMdq = kDqRows / (kNWarps / kWarpsDdq);  // 32 or 16 rows
   static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
   // Named barriers after the P / dS stores (bwd_named_barriers) renumber the dK / dV warps;
   // at d = 128 and 224 ptxas then spills (sm_90 bf16: 24 B st / 40 B ld against none at
@@ -133,7 +148,7 @@ template <class Cfg>
 constexpr bool bwd_named_barriers() {
   // S / dP key slices nest in dK / dV key slices, one key group per dK / dV key slice
   // holding kWarpsDdkv warps, and every dQ warp's rows in its own S / dP slab.
-  if (Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0) return false;
+  if (Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0 || Cfg::kDqPasses != 1) return false;
   constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
   if ((Cfg::kNWarps / Cfg::kWarpsNsdp) * r != Cfg::kWarpsDdkv) return false;
   for (int w = 0; w < Cfg::kNWarps; ++w)
@@ -353,6 +368,18 @@ __device__ __forceinline__ void stmatrix_x4(std::uint32_t addr, std::uint32_t r0
                : "memory");
 }
 #endif
+
+// dst[0..3] += v[0..3] in global memory, no result (sm90: one vector reduction).
+__device__ __forceinline__ void red_add_f32x4(float* dst, const float (&v)[4]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v[0]), "f"(v[1]),
+               "f"(v[2]), "f"(v[3])
+               : "memory");
+#else
+#pragma unroll
+  for (int e = 0; e < 4; ++e) atomicAdd(dst + e, v[e]);
+#endif
+}
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
   unsigned v;
@@ -657,56 +684,66 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
       named_barrier_sync_group<1 + kKeyGroups, 32 * Cfg::kWarpsNsdp>(  // its row group
           wm_s, std::make_integer_sequence<int, Cfg::kNWarps / Cfg::kWarpsNsdp>{});
     }
-    float acc_dq[kMTdq][kNTdq][4];
-    zero_acc(acc_dq);
-    warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK, Cfg::kPrefetch>(
-        acc_dq, s_ds_tile, wm_dq * Cfg::kWarpMdq, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
-
     unsigned* sem = nullptr;
-    if (p.deterministic) {
-      // Key tiles add to a query tile in ascending order: this one is the
-      // (n_block - first)-th of the contiguous run of tiles that see query tile m. Every
-      // key tile that visits a query tile adds to all of its workspace tiles, so the
-      // counter of the first one orders them all.
-      sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
-            m_block * Cfg::kWorkspaceTilesPerM;
-      const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
-      const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
-      if (tid == 0) {
-        while (ld_acquire_gpu(sem) != target) __nanosleep(32);
-      }
-      __syncthreads();
-    }
-    // The warp's rows [m0 + wm_dq * kWarpMdq, + kWarpMdq) lie in one 64-row workspace
-    // tile; a warp whose rows all lie past s_q skips (that tile may not exist when the
-    // last 128-row query tile has fewer than 65 rows).
-    const int dq_row0 = m0 + wm_dq * Cfg::kWarpMdq;
-    if (dq_row0 < s_q) {
-      // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
-      // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not exist.
-      // Fragment (r / 16, c / 8) starts at dq_accum_index(r, c) = 128 * fragment for
-      // r % 16 == 0, c % 8 == 0, linear in both steps: one base pointer per warp and
-      // compile-time offsets (immediates of the red instruction).
-      constexpr int kFragmentsPerSlab = kBwdBlockM / 16;  // fragments of one 8-column slab
-      float* const dq_warp =
-          ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
-          dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
 #pragma unroll
-      for (int nt = 0; nt < kNTdq; ++nt) {
-        const int c = wd_dq * Cfg::kWarpDdq + nt * 8;
-        if (c >= p.d) continue;  // head-dim padding of the bucket
-#pragma unroll
-        for (int mt = 0; mt < kMTdq; ++mt) {
-          float* const dst = dq_warp + (nt * kFragmentsPerSlab + mt) * 128;
-#if __CUDA_ARCH__ >= 900
-          atomicAdd(reinterpret_cast<float4*>(dst),
-                    make_float4(acc_dq[mt][nt][0], acc_dq[mt][nt][1], acc_dq[mt][nt][2],
-                                acc_dq[mt][nt][3]));
-#else
-#pragma unroll
-          for (int e = 0; e < 4; ++e) atomicAdd(dst + e, acc_dq[mt][nt][e]);
-#endif
+    for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
+      const int r0 = pass * Cfg::kDqRows;  // the pass's first row in the tile
+      if (Cfg::kDqPasses > 1 && m0 + r0 >= s_q) break;  // no rows left (block-uniform)
+      float acc_dq[kMTdq][kNTdq][4];
+      zero_acc(acc_dq);
+      warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK, Cfg::kPrefetch>(
+          acc_dq, s_ds_tile, r0 + wm_dq * Cfg::kWarpMdq, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
+
+      if (pass == 0 && p.deterministic) {
+        // Key tiles add to a query tile in ascending order: this one is the
+        // (n_block - first)-th of the contiguous run of tiles that see query tile m. Every
+        // key tile that visits a query tile adds to all of its workspace tiles, so the
+        // counter of the first one orders them all.
+        sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
+              m_block * Cfg::kWorkspaceTilesPerM;
+        const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
+        const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
+        if (tid == 0) {
+          while (ld_acquire_gpu(sem) != target) __nanosleep(32);
         }
+        __syncthreads();
+      }
+      // The warp's rows [m0 + r0 + wm_dq * kWarpMdq, + kWarpMdq) lie in one 64-row
+      // workspace tile; a warp whose rows all lie past s_q skips (that tile may not exist
+      // when the last 128-row query tile has fewer than 65 rows).
+      const int dq_row0 = m0 + r0 + wm_dq * Cfg::kWarpMdq;
+      if (dq_row0 < s_q) {
+        // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
+        // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not
+        // exist. Fragment (r / 16, c / 8) starts at dq_accum_index(r, c) = 128 * fragment
+        // for r % 16 == 0, c % 8 == 0, linear in both steps: one base pointer per warp and
+        // compile-time offsets (immediates of the red instruction).
+        constexpr int kFragmentsPerSlab = kBwdBlockM / 16;  // fragments of one 8-column slab
+        float* const dq_warp =
+            ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
+            dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
+        // kPadded: the bucket is wider than d, so slabs past d are skipped. Without padding
+        // no per-slab branch splits the adds, and they issue back to back off one base.
+        auto add_dq = [&](auto padded_tag) {
+          constexpr bool kPadded = decltype(padded_tag)::value;
+#pragma unroll
+          for (int nt = 0; nt < kNTdq; ++nt) {
+            if (kPadded && wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;
+#pragma unroll
+            for (int mt = 0; mt < kMTdq; ++mt) {
+              red_add_f32x4(dq_warp + (nt * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
+            }
+          }
+        };
+#ifdef FLASHATTN_BWD_NO_DQ_FAST  // experiment: the padded loop for every d
+        add_dq(std::true_type{});
+#else
+        if (p.d == kHeadDim) {
+          add_dq(std::false_type{});
+        } else {
+          add_dq(std::true_type{});
+        }
+#endif
       }
     }
     if (p.deterministic) {
@@ -775,21 +812,37 @@ void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t st
   }
 }
 
+// Whether the current device takes the bucket's sm90 configuration: sm90 or newer with
+// the opt-in shared memory it needs, and the configuration differs from sm80's.
+template <int kHeadDim>
+bool bwd_sm90_config_launches() {
+  using Sm90Cfg = BwdTileConfig<kHeadDim, kSm90SmemLimit>;
+  if constexpr (Sm90Cfg::kSmemBytes == BwdTileConfig<kHeadDim>::kSmemBytes) {
+    return false;
+  } else {
+    int device = 0, major = 0, optin = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return major >= 9 && optin >= Sm90Cfg::kSmemBytes;
+  }
+}
+
+template <typename Element, int kHeadDim>
+bool bwd_main_runs_tall() {
+  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>();
+}
+
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  using Sm90Cfg = BwdTileConfig<kHeadDim, kSm90SmemLimit>;
-  if constexpr (Sm90Cfg::kStages > BwdTileConfig<kHeadDim>::kStages) {
-    int device = 0, major = 0, optin = 0;
-    if (cudaGetDevice(&device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
-            cudaSuccess &&
-        major >= 9 && optin >= Sm90Cfg::kSmemBytes) {
-      launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
-      return;
-    }
+  if (bwd_sm90_config_launches<kHeadDim>()) {
+    launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
+  } else {
+    launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
   }
-  launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
 }
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -81,5 +81,9 @@ inline BwdWorkspaceLayout bwd_workspace_layout(const BwdParams& p) {
 // accumulated into ws.dq_accum. Defined in bwd_kernel.cuh, instantiated per bucket.
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream);
+// Whether run_bwd_main<Element, kHeadDim> runs the bucket's 128-row sm90 tile (BwdTileConfig
+// kTall) on the current device.
+template <typename Element, int kHeadDim>
+bool bwd_main_runs_tall();
 
 }  // namespace flashattn::detail::cuda::sm80
