@@ -99,7 +99,11 @@ struct BwdTileConfig {
   // warp_gemm's fragment double-buffering: measured on the H200 (same run) +1.4-3.6% at
   // d = 64 (16k non-causal 270.7 -> 280.5 TFLOP/s) and -0.5 to -1% at d = 128 / 256, so
   // only the 128-row buckets (d <= 64) take it.
+#ifdef FLASHATTN_BWD_NO_PREFETCH  // experiment: no fragment double-buffering anywhere
+  static constexpr bool kPrefetch = false;
+#else
   static constexpr bool kPrefetch = kHeadDim <= 64;
+#endif
 
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
   using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]
