@@ -275,8 +275,16 @@ int main(int argc, char** argv) {
     for (std::size_t pos = 0; pos <= list.size();) {
       const std::size_t end = std::min(list.find(',', pos), list.size());
       const std::string tok = list.substr(pos, end - pos);
+      const std::size_t before = order.size();
       for (const Config& c : grid) {
         if (tok == c.name || tok == std::string(c.name) + ":" + std::to_string(c.ctx)) order.push_back(c);
+      }
+      if (order.size() == before) {
+        std::fprintf(stderr, "BENCH_ONLY: '%s' names no configuration (expected grid, a name or name:context)\n",
+                     tok.c_str());
+        if (csv) std::fclose(csv);
+        cudaStreamDestroy(stream);
+        return 2;
       }
       pos = end + 1;
     }
