@@ -122,7 +122,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   // the 14% more MMA work of the padding (docs/performance.md).
 #define FLASHATTN_BWD_TALL_256(D)                                                        \
   if constexpr (D == 256) {                                                              \
-    if (!launched && p.d > 192 && p.d <= 224 && bwd_main_runs_tall<Element, D>()) {      \
+    if (!launched && p.d > 192 && p.d <= 224 && bwd_main_runs_tall<Element, D>(p)) {     \
       run_bwd_main<Element, D>(p, ws, stream);                                           \
       launched = true;                                                                   \
     }                                                                                    \

@@ -24,6 +24,7 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/common/device_attribute.hpp"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/smem_layout.cuh"
 #include "core/params.hpp"
@@ -816,37 +817,34 @@ void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t st
   }
 }
 
-// Whether the current device takes the bucket's sm90 configuration: sm90 or newer with
-// the opt-in shared memory it needs, and the configuration differs from sm80's.
+// Whether the call's device takes the bucket's sm90 configuration: sm90 or newer with the
+// opt-in shared memory it needs, and the configuration differs from sm80's.
+// (kHasSm90Config false: the bucket has one configuration, compiled once.)
 template <int kHeadDim>
-bool bwd_sm90_config_launches() {
-  using Sm90Cfg = BwdTileConfig<kHeadDim, kSm90SmemLimit>;
-  if constexpr (Sm90Cfg::kSmemBytes == BwdTileConfig<kHeadDim>::kSmemBytes) {
-    return false;
-  } else {
-    int device = 0, major = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return major >= 9 && optin >= Sm90Cfg::kSmemBytes;
-  }
+inline constexpr bool kHasSm90Config =
+    BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes != BwdTileConfig<kHeadDim>::kSmemBytes;
+
+template <int kHeadDim>
+bool bwd_sm90_config_launches(int device) {
+  return kHasSm90Config<kHeadDim> && device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 &&
+         device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0) >=
+             BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes;
 }
 
 template <typename Element, int kHeadDim>
-bool bwd_main_runs_tall() {
-  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>();
+bool bwd_main_runs_tall(const BwdParams& p) {
+  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>(p.device_index);
 }
 
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  if (bwd_sm90_config_launches<kHeadDim>()) {
-    launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
-  } else {
-    launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
+  if constexpr (kHasSm90Config<kHeadDim>) {
+    if (bwd_sm90_config_launches<kHeadDim>(p.device_index)) {
+      launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
+      return;
+    }
   }
+  launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
 }
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -82,8 +82,8 @@ inline BwdWorkspaceLayout bwd_workspace_layout(const BwdParams& p) {
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream);
 // Whether run_bwd_main<Element, kHeadDim> runs the bucket's 128-row sm90 tile (BwdTileConfig
-// kTall) on the current device.
+// kTall) on the call's device.
 template <typename Element, int kHeadDim>
-bool bwd_main_runs_tall();
+bool bwd_main_runs_tall(const BwdParams& p);
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/device_attribute.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/decode_launch.hpp"
 #include "flashattn_cuda_manifest.hpp"
@@ -33,20 +34,6 @@ constexpr int kDecodeMaxRows = 128;
 
 std::size_t round_up(std::size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// A positive device attribute, cached per device (the first 64); `fallback` where the
-// query fails.
-template <cudaDeviceAttr kAttr>
-int device_attribute(int device, int fallback) {
-  static int cached[64] = {};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, kAttr, device) != cudaSuccess || v <= 0) {
-    cudaGetLastError();
-    return fallback;
-  }
-  if (device >= 0 && device < 64) cached[device] = v;
-  return v;
-}
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 108); }
 int cc_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
