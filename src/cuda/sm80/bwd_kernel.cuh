@@ -153,13 +153,19 @@ template <class Cfg>
 constexpr bool bwd_named_barriers() {
   // S / dP key slices nest in dK / dV key slices, one key group per dK / dV key slice
   // holding kWarpsDdkv warps, and every dQ warp's rows in its own S / dP slab.
-  if (Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0 || Cfg::kDqPasses != 1) return false;
-  constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
-  if ((Cfg::kNWarps / Cfg::kWarpsNsdp) * r != Cfg::kWarpsDdkv) return false;
-  for (int w = 0; w < Cfg::kNWarps; ++w)
-    if ((w / Cfg::kWarpsDdq) * Cfg::kWarpMdq / Cfg::kWarpMsdp != w / Cfg::kWarpsNsdp) return false;
-  return Cfg::kNamedBarriersFit &&
-         1 + Cfg::kNWarps / Cfg::kWarpsDdkv + Cfg::kNWarps / Cfg::kWarpsNsdp <= 16;
+  // (if constexpr: a tile whose dK / dV key slice is narrower than its S / dP one, as the
+  // tall d = 160 tile's, never instantiates the divisions by r = 0.)
+  if constexpr (Cfg::kWarpNdkv < Cfg::kWarpNsdp || Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0 ||
+                Cfg::kDqPasses != 1) {
+    return false;
+  } else {
+    constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
+    if ((Cfg::kNWarps / Cfg::kWarpsNsdp) * r != Cfg::kWarpsDdkv) return false;
+    for (int w = 0; w < Cfg::kNWarps; ++w)
+      if ((w / Cfg::kWarpsDdq) * Cfg::kWarpMdq / Cfg::kWarpMsdp != w / Cfg::kWarpsNsdp) return false;
+    return Cfg::kNamedBarriersFit &&
+           1 + Cfg::kNWarps / Cfg::kWarpsDdkv + Cfg::kNWarps / Cfg::kWarpsNsdp <= 16;
+  }
 }
 
 template <int kId, int kThreads>
@@ -498,8 +504,11 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   // dK / dV: with named barriers, warp w takes the key slice of its own S / dP keys.
   constexpr bool kNamedBarriers = bwd_named_barriers<Cfg>();
   const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
-  const int wn_kv = kNamedBarriers ? bwd_key_group<Cfg>(uwarp) : uwarp / Cfg::kWarpsDdkv;
-  const int wd_kv = kNamedBarriers ? bwd_key_group_part<Cfg>(uwarp) : uwarp % Cfg::kWarpsDdkv;
+  int wn_kv = uwarp / Cfg::kWarpsDdkv, wd_kv = uwarp % Cfg::kWarpsDdkv;
+  if constexpr (kNamedBarriers) {
+    wn_kv = bwd_key_group<Cfg>(uwarp);
+    wd_kv = bwd_key_group_part<Cfg>(uwarp);
+  }
   const int wm_dq = uwarp / Cfg::kWarpsDdq, wd_dq = uwarp % Cfg::kWarpsDdq;
   const int g8 = lane >> 2, t4 = lane & 3;
 
