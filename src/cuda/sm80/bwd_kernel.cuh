@@ -736,28 +736,14 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         float* const dq_warp =
             ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
             dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
-        // kPadded: the bucket is wider than d, so slabs past d are skipped. Without padding
-        // no per-slab branch splits the adds, and they issue back to back off one base.
-        auto add_dq = [&](auto padded_tag) {
-          constexpr bool kPadded = decltype(padded_tag)::value;
 #pragma unroll
-          for (int nt = 0; nt < kNTdq; ++nt) {
-            if (kPadded && wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;
+        for (int nt = 0; nt < kNTdq; ++nt) {
+          if (wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
 #pragma unroll
-            for (int mt = 0; mt < kMTdq; ++mt) {
-              red_add_f32x4(dq_warp + (nt * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
-            }
+          for (int mt = 0; mt < kMTdq; ++mt) {
+            red_add_f32x4(dq_warp + (nt * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
           }
-        };
-#ifdef FLASHATTN_BWD_NO_DQ_FAST  // experiment: the padded loop for every d
-        add_dq(std::true_type{});
-#else
-        if (p.d == kHeadDim) {
-          add_dq(std::false_type{});
-        } else {
-          add_dq(std::true_type{});
         }
-#endif
       }
     }
     if (p.deterministic) {
