@@ -78,8 +78,7 @@ def sass_table(path, label, top=22):
     if samp is None:
         print(f"{label}: columns {hdr[:40]}")
         return
-    stall_cols = [h for h in hdr if h.startswith("stall_") or "Stall" in h and h != samp and "Not" not in h
-                  and "All" not in h]
+    stall_cols = [h for h in hdr if h.startswith("stall_") and "Not Issued" not in h]
     body = [r for r in rows[hi + 1:] if len(r) == len(hdr)]
     tot = sum(num(r[ix[samp]]) or 0 for r in body)
     by_op = collections.Counter()
