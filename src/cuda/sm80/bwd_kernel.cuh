@@ -8,7 +8,8 @@
 //   P  = exp2(S * scale * log2e - lse * log2e)           (scores recomputed from lse)
 //   dS = P * (dP * keep / (1 - p) - D) * softcap'        (D = rowsum(dO * O), preprocess)
 //   P * keep / (1 - p) and dS go to shared memory as 16-bit tiles, then
-//   dV += P_dropped^T dO_m,  dK += dS^T Q_m              (warps 4 x 2 or 2 x 4 over [BN x d])
+//   dV += P_dropped^T dO_m,  dK += dS^T Q_m              (4 warps each, kSplitDkDv; else
+//                                                         every warp both, 4 x 2 or 2 x 4)
 //   dQ_m += dS K_n                                        (warps 4 x 2 or 2 x 4 over [BM x d])
 // with dQ added to the fp32 workspace by red.global.add (or, deterministic, in key-tile
 // order behind a per-query-tile counter). All products run on mma.sync m16n8k16 fed by
@@ -78,8 +79,35 @@ struct BwdTileConfig {
   // at 64 x 256 a 16 x 128 tile needs 9 ldmatrix per 8 mma, a 32 x 64 tile 6. So a
   // 64-wide side is split 2 ways and the head dim 4 ways where d / 4 is a whole n16 pair
   // (d % 64 == 0); other buckets keep 2 head-dim halves.
-  static constexpr int kWarpsDdkv = kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2;
-  static constexpr int kWarpNdkv = kBlockN / (kNWarps / kWarpsDdkv);  // 32 or 16 keys
+  // kSplitDkDv: warps [0, kNWarps / 2) accumulate dV, the others dK, each product tiled
+  // over half the warps. A warp then holds one [BN x d] part twice the size instead of two
+  // parts of both (the same accumulators), and its operands are reloaded half as often:
+  // the dV / dK phase reads (M_w + N_w) * BM * 2 bytes per warp once instead of twice for
+  // a tile half as wide (d = 64: 192 instead of 256 KiB per pair, d = 128 and d = 256 tall:
+  // 64 x 64 warp tiles, 128 instead of 192 / 256 instead of 384 KiB). Not the sm80-sized
+  // tiles above d = 128 (their named key-group barriers assume both products per warp).
+#ifdef FLASHATTN_BWD_NO_SPLIT_DKDV  // experiment: every warp computes both products
+  static constexpr bool kSplitDkDv = false;
+#else
+  static constexpr bool kSplitDkDv = kHeadDim <= 128 || kTall;
+#endif
+  static constexpr int kKvWarps = kSplitDkDv ? kNWarps / 2 : kNWarps;  // warps per product
+  // Head-dim parts of a split product: of 1, 2, 4 the one with whole n16 / m16 warp tiles
+  // and the least operand traffic (M_w + N_w), the narrower key slice on a tie.
+  static constexpr int split_dkdv_parts() {
+    int best = 0, best_cost = 1 << 30;
+    for (int wd = 1; wd <= kKvWarps; wd *= 2) {
+      const int wn = kKvWarps / wd;
+      if (kBlockN % wn != 0 || kHeadDim % wd != 0) continue;
+      const int mw = kBlockN / wn, nw = kHeadDim / wd;
+      if (mw % 16 != 0 || nw % 16 != 0) continue;
+      if (mw + nw < best_cost) best = wd, best_cost = mw + nw;
+    }
+    return best;
+  }
+  static constexpr int kWarpsDdkv =
+      kSplitDkDv ? split_dkdv_parts() : (kBlockN == 64 && kHeadDim % 64 == 0 ? 4 : 2);
+  static constexpr int kWarpNdkv = kBlockN / (kKvWarps / kWarpsDdkv);  // keys per warp
   static constexpr int kWarpDdkv = kHeadDim / kWarpsDdkv;
   // A dQ warp's 16 or 32 rows lie in one 64-row workspace tile. (d = 128 takes 32 x 32
   // since the interval mask freed registers; before it, 32 x 32 spilled 100 B / 232 B.)
@@ -125,6 +153,7 @@ struct BwdTileConfig {
   static_assert(kBlockM % kBwdBlockM == 0 && kBwdBlockM % kWarpMdq == 0,
                 "BwdTileConfig: a query tile is whole workspace tiles, a dQ warp tile in one");
   static_assert(kSmemBytes <= kSmemLimit, "BwdTileConfig: shared memory beyond the limit");
+  static_assert(kWarpsDdkv > 0, "BwdTileConfig: no whole-tile split of the dK / dV products");
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
                 "BwdTileConfig: accumulators would not fit in registers");
 };
@@ -155,8 +184,8 @@ constexpr bool bwd_named_barriers() {
   // holding kWarpsDdkv warps, and every dQ warp's rows in its own S / dP slab.
   // (if constexpr: a tile whose dK / dV key slice is narrower than its S / dP one, as the
   // tall d = 160 tile's, never instantiates the divisions by r = 0.)
-  if constexpr (Cfg::kWarpNdkv < Cfg::kWarpNsdp || Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0 ||
-                Cfg::kDqPasses != 1) {
+  if constexpr (Cfg::kSplitDkDv || Cfg::kWarpNdkv < Cfg::kWarpNsdp ||
+                Cfg::kWarpNdkv % Cfg::kWarpNsdp != 0 || Cfg::kDqPasses != 1) {
     return false;
   } else {
     constexpr int r = Cfg::kWarpNdkv / Cfg::kWarpNsdp;
@@ -476,7 +505,10 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     }
   };
 
-  float acc_dk[kMTkv][kNTkv][4];
+  // dV and dK of the warp's part; split (Cfg::kSplitDkDv): acc_dv is the one product this
+  // warp computes (dV for the first half of the warps, dK for the others), acc_dk unused.
+  constexpr int kMTdk = Cfg::kSplitDkDv ? 1 : kMTkv, kNTdk = Cfg::kSplitDkDv ? 1 : kNTkv;
+  float acc_dk[kMTdk][kNTdk][4];
   float acc_dv[kMTkv][kNTkv][4];
   zero_acc(acc_dk);
   zero_acc(acc_dv);
@@ -504,7 +536,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   // dK / dV: with named barriers, warp w takes the key slice of its own S / dP keys.
   constexpr bool kNamedBarriers = bwd_named_barriers<Cfg>();
   const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
-  int wn_kv = uwarp / Cfg::kWarpsDdkv, wd_kv = uwarp % Cfg::kWarpsDdkv;
+  const unsigned kv_warp = uwarp % Cfg::kKvWarps;  // the warp's index in its product
+  const bool dv_warp = uwarp < Cfg::kKvWarps;      // split: this warp computes dV (else dK)
+  int wn_kv = kv_warp / Cfg::kWarpsDdkv, wd_kv = kv_warp % Cfg::kWarpsDdkv;
   if constexpr (kNamedBarriers) {
     wn_kv = bwd_key_group<Cfg>(uwarp);
     wd_kv = bwd_key_group_part<Cfg>(uwarp);
@@ -681,10 +715,16 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     }
 
     // dV += P_dropped^T dO, dK += dS^T Q: A operands are the transposed [BM, BN] tiles.
-    warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
-        acc_dv, s_p_tile, wn_kv * Cfg::kWarpNdkv, s_do_cur, wd_kv * Cfg::kWarpDdkv, lane);
-    warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
-        acc_dk, s_ds_tile, wn_kv * Cfg::kWarpNdkv, s_q_cur, wd_kv * Cfg::kWarpDdkv, lane);
+    if constexpr (Cfg::kSplitDkDv) {  // one product per warp: operands by the warp's role
+      warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
+          acc_dv, dv_warp ? s_p_tile : s_ds_tile, wn_kv * Cfg::kWarpNdkv, dv_warp ? s_do_cur : s_q_cur,
+          wd_kv * Cfg::kWarpDdkv, lane);
+    } else {
+      warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
+          acc_dv, s_p_tile, wn_kv * Cfg::kWarpNdkv, s_do_cur, wd_kv * Cfg::kWarpDdkv, lane);
+      warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
+          acc_dk, s_ds_tile, wn_kv * Cfg::kWarpNdkv, s_q_cur, wd_kv * Cfg::kWarpDdkv, lane);
+    }
 
     if constexpr (Cfg::kStages == 1) {
       __syncthreads();  // Q and dO consumed: refill them while dQ is computed
@@ -768,10 +808,17 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         const int j = n0 + wn_kv * Cfg::kWarpNdkv + mt * 16 + g8 + hf * 8;
         const int c = wd_kv * Cfg::kWarpDdkv + nt * 8 + 2 * t4;
         if (j < len_k && c < p.d) {
-          *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
-              pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
-          *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
-              pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+          if constexpr (Cfg::kSplitDkDv) {
+            const float sc = dv_warp ? 1.0f : p.scale;
+            Element* const dst = dv_warp ? dv_ptr + p.dv_offset(b, j, kv_head) : dk_ptr + p.dk_offset(b, j, kv_head);
+            *reinterpret_cast<std::uint32_t*>(dst + c) =
+                pack2<Element>(acc_dv[mt][nt][2 * hf] * sc, acc_dv[mt][nt][2 * hf + 1] * sc);
+          } else {
+            *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
+                pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
+            *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
+                pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+          }
         }
       }
 }
