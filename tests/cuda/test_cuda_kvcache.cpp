@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -222,11 +223,16 @@ TEST(CudaKVCache, TreeMasks) {
 
 // ---------------------------------------------------------------- splits
 
-// Split counts from 1 to more than the key tiles (empty splits) agree with no split.
+// Split counts from 1 to more than the key tiles (empty splits) agree with no split; at
+// d = 40 (bucket 64, 128-key tiles) the combine's warp covers d with 10 lanes and the
+// longer sequence's splits 10..19 are not empty: their merge weights come by shuffle from
+// lanes without columns (wrong before the combine ran every lane through the loop).
 TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+  for (const auto [dtype, d] : {std::pair{DType::kFloat16, 128}, std::pair{DType::kBFloat16, 128},
+                                std::pair{DType::kBFloat16, 40}}) {
+    SCOPED_TRACE("d " + std::to_string(d));
     KVCacheConfig cfg;
     cfg.dtype = dtype;
     cfg.batch = 2;
@@ -234,15 +240,15 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
     cfg.h_k = 4;
     cfg.s_q = 2;
     cfg.s_new = 1;
-    cfg.d = 128;
-    cfg.cache_lens = {1000, 333};
+    cfg.d = d;
+    cfg.cache_lens = {d == 40 ? 2500 : 1000, 333};
     cfg.block_size = 16;
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.opts.causal = true;
     c.num_splits = 1;
     check_case(c);
     const ForwardResults base = forward_results(c);
-    for (int splits : {2, 7, 0, 64}) {
+    for (int splits : {2, 7, 0, 17, 31, 64}) {
       c.num_splits = splits;
       check_case(c);
       const ForwardResults r = forward_results(c);

@@ -201,14 +201,20 @@ __global__ void decode_combine_kernel(const __grid_constant__ FwdParams p, const
   const bool bf16 = a.q_bf16;
   auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
               std::int64_t(h) * p.o_head_stride;
-  for (int c = lane * 4; c < p.d; c += 128) {
+  // Every lane runs every column group (those past d load and store nothing): the
+  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
+  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
+  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
+  for (int c0 = 0; c0 < p.d; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool col = c < p.d;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < n; s0 += kBatch) {
       float4 v[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
-        v[k] = s0 + k < n ? *reinterpret_cast<const float4*>(a.ws_o + ((s0 + k) * rows + warp) * p.d + c)
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[k] = col && s0 + k < n ? *reinterpret_cast<const float4*>(a.ws_o + ((s0 + k) * rows + warp) * p.d + c)
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -218,6 +224,7 @@ __global__ void decode_combine_kernel(const __grid_constant__ FwdParams p, const
         if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
       }
     }
+    if (!col) continue;
     std::uint32_t lo, hi;
     if (bf16) {
       const __nv_bfloat162 x = __floats2bfloat162_rn(acc.x, acc.y), y = __floats2bfloat162_rn(acc.z, acc.w);
