@@ -21,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -36,17 +37,24 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
-// kLarge: the bucket's large tile (tile_size.hpp: fwd_tile_large), for GPUs with the
-// shared memory for it.
-template <int kHeadDim_, typename Element_, bool kLarge = false>
+// The bucket's tiles (tile_size.hpp): kBase fwd_tile, everywhere; kLarge fwd_tile_large and
+// kStaggered fwd_tile_staggered, for GPUs with the shared memory for them.
+enum FwdTileKind : int { kFwdBase = 0, kFwdLarge = 1, kFwdStaggered = 2 };
+
+template <int kHeadDim_, typename Element_, int kKind = kFwdBase>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr FwdTile kTile = kLarge ? fwd_tile_large(kHeadDim) : fwd_tile(kHeadDim);
+  static constexpr FwdTile kTile = kKind == kFwdStaggered ? fwd_tile_staggered(kHeadDim)
+                                   : kKind == kFwdLarge   ? fwd_tile_large(kHeadDim)
+                                                          : fwd_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
   static constexpr int kWarps = kTile.warps;
   static constexpr int kStages = kTile.stages;
+  // One K and one V buffer, staggered (FwdTile::stages == 1): V_j is copied while S_j runs,
+  // K_{j+1} while O += P V_j runs, so Q + K + V is all the shared memory a block needs.
+  static constexpr bool kStaggered = kStages == 1;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row tiles per warp
   static constexpr int kNTiles = kBlockN / 8;              // 8-key tiles of S per warp row tile
@@ -161,6 +169,9 @@ struct FullTileCopy {
   }
 };
 
+// Which halves of a key tile a copy issues (fwd_kernel's loaders).
+inline constexpr int kLoadK = 1, kLoadV = 2, kLoadKV = 3;
+
 // The compile-time copies of the key-tile step (see key_tile in fwd_kernel).
 enum class FwdMode { kGeneral, kPlainMasked, kPlainInterior };
 template <FwdMode kMode>
@@ -174,10 +185,10 @@ __host__ __device__ inline bool fwd_tile_major(const FwdParams& p) {
   return FLASHATTN_FWD_ORDER == 2 || (FLASHATTN_FWD_ORDER == 1 && !p.mask.unbounded());
 }
 
-template <int kHeadDim, typename Element, bool kLarge>
-__global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads, 1)
+template <int kHeadDim, typename Element, int kKind>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
-  using Tr = FwdTraits<kHeadDim, Element, kLarge>;
+  using Tr = FwdTraits<kHeadDim, Element, kKind>;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
@@ -237,14 +248,21 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
       (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
       std::int64_t(g) * p.v_head_stride;
 
-  auto load_kv_dense = [&](int stage, int tile) {
+  // `parts`: which of the tile's K (kLoadK) and V (kLoadV) to copy; the staggered pipeline
+  // (Tr::kStaggered) copies them at different points of the key loop. A constant at every
+  // call, so the unused half folds away.
+  auto load_kv_dense = [&](int stage, int tile, int parts) {
     const int n0 = tile * kBlockN;
     Element* sK = sKV + (2 * stage) * KVTile::kElements;
     Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
-    load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
-                                            p.k_row_stride, s_k - n0, p.d, p.k, tid);
-    load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                            p.v_row_stride, s_k - n0, p.d, p.v, tid);
+    if (parts & kLoadK) {
+      load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
+                                              p.k_row_stride, s_k - n0, p.d, p.k, tid);
+    }
+    if (parts & kLoadV) {
+      load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
+                                              p.v_row_stride, s_k - n0, p.d, p.v, tid);
+    }
   };
   // Key tiles below the last are full, which is every tile the main loop refills.
   using FullKV = FullTileCopy<KVTile, Tr::kThreads>;
@@ -258,20 +276,24 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
   for (int v = 0; v < FullKV::kDstVariants; ++v) {
     kv_full_dst[v] = smem_u32(sKV) + FullKV::dst_bytes(tid, v);
   }
-  auto load_kv_full = [&](int stage, int tile) {
+  auto load_kv_full = [&](int stage, int tile, int parts) {
     if constexpr (FullKV::kApplies) {
       const std::int64_t n0 = std::int64_t(tile) * kBlockN;
       const std::uint32_t base = stage * (2 * KVTile::kBytes);
-      FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
-      FullKV::issue(kv_full_dst, base + KVTile::kBytes, v_full + n0 * p.v_row_stride,
-                    p.v_row_stride, full_col_ok);
+      if (parts & kLoadK) {
+        FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
+      }
+      if (parts & kLoadV) {
+        FullKV::issue(kv_full_dst, base + KVTile::kBytes, v_full + n0 * p.v_row_stride,
+                      p.v_row_stride, full_col_ok);
+      }
     } else {
-      load_kv_dense(stage, tile);
+      load_kv_dense(stage, tile, parts);
     }
   };
-  auto load_kv = [&](int stage, int tile) {
+  auto load_kv = [&](int stage, int tile, int parts) {
     if (!paged) {
-      load_kv_dense(stage, tile);
+      load_kv_dense(stage, tile, parts);
       return;
     }
     // Paged rows: one block-table lookup (a load and a division) per chunk serves K and V.
@@ -296,8 +318,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
         v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
       }
       const std::uint32_t off = 2 * KVTile::offset(row, col);
-      cp_async_16(sK + off, k_src, valid);
-      cp_async_16(sV + off, v_src, valid);
+      if (parts & kLoadK) cp_async_16(sK + off, k_src, valid);
+      if (parts & kLoadV) cp_async_16(sV + off, v_src, valid);
     }
   };
 
@@ -326,13 +348,20 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
   // ---- prologue: Q with the first key tile in one group, then kStages - 2 more tiles.
   // Key tiles are visited from the last to the first, so the tiles that cross the end
   // of the keys or the causal diagonal come first.
+  // Staggered: Q and the first K, then the first V in a group of its own (the first tile
+  // visited is the last key tile, which may end past s_k: bounds-checked copies, here once
+  // rather than in the key loop); each later tile's V is issued at the top of its step.
   if (n_tiles > 0) {
     load_tile_strided<QTile, Tr::kThreads>(sQ, q_rows, p.q_row_stride, rows_here, p.d, p.q, tid);
-    load_kv(0, tile_end - 1);
+    load_kv(0, tile_end - 1, Tr::kStaggered ? kLoadK : kLoadKV);
     cp_async_commit();
+    if constexpr (Tr::kStaggered) {
+      load_kv(0, tile_end - 1, kLoadV);
+      cp_async_commit();
+    }
 #pragma unroll
     for (int s = 1; s < kStages - 1; ++s) {
-      if (s < n_tiles) load_kv(s, tile_end - 1 - s);
+      if (s < n_tiles) load_kv(s, tile_end - 1 - s, kLoadKV);
       cp_async_commit();
     }
   }
@@ -364,17 +393,39 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
   auto key_tile = [&](int it, auto mode_tag) {
     constexpr FwdMode kMode = decltype(mode_tag)::value;
     constexpr bool kGeneral = kMode == FwdMode::kGeneral;
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
-    {
-      const int ahead = it + kStages - 1;
-      if (ahead < n_tiles) {
-        if constexpr (kGeneral) {
-          load_kv(ahead % kStages, tile_end - 1 - ahead);
-        } else {
-          load_kv_full(ahead % kStages, tile_end - 1 - ahead);
-        }
+    // Interior tiles (every one below the last) take the per-thread full-tile copy plan.
+    auto issue = [&](int stage, int tile, int parts) {
+      if constexpr (kGeneral) {
+        load_kv(stage, tile, parts);
+      } else {
+        load_kv_full(stage, tile, parts);
       }
+    };
+    // Staggered, after the scores: V_it has landed and every warp is done with K_it, so the
+    // next tile's K goes into the one K buffer while O += P V_it runs.
+    auto staggered_mid = [&] {
+      if constexpr (Tr::kStaggered) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_tiles) issue(0, tile_end - 2 - it, kLoadK);
+        cp_async_commit();
+      }
+    };
+    if constexpr (Tr::kStaggered) {
+      // The first V came with the prologue (its own group, still in flight here).
+      if (it == 0) {
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // K_it is visible to all; every warp is done with V_{it-1}
+      if (it > 0) issue(0, tile_end - 1 - it, kLoadV);
+      cp_async_commit();
+    } else {
+      cp_async_wait<kStages - 2>();
+      __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
+      const int ahead = it + kStages - 1;
+      if (ahead < n_tiles) issue(ahead % kStages, tile_end - 1 - ahead, kLoadKV);
       cp_async_commit();
     }
     const int n0 = (tile_end - 1 - it) * kBlockN;
@@ -385,7 +436,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
     // tiles only: in the general copy the test cost hdim 256 28 B of spills.
     if constexpr (kMode == FwdMode::kPlainMasked) {
       const int wr0 = m0 + warp_row0;
-      if (!mask.rows_see_keys(wr0, min(wr0 + kMTiles * 16, s_q), n0, n0 + kBlockN)) return;
+      if (!mask.rows_see_keys(wr0, min(wr0 + kMTiles * 16, s_q), n0, n0 + kBlockN)) {
+        staggered_mid();  // the block's barrier and the next K's copies still need this warp
+        return;
+      }
     }
     const int stage = it % kStages;
     std::uint32_t k_lane[KVTile::kColVariants], v_lane[KVTile::kColVariants];
@@ -487,6 +541,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
       softmax.update_lazy(s, acc_o, to_log2);
     }
     if (kGeneral && has_dropout) apply_dropout(s, p.rng, dropout_bh, row_base, col_base);
+    staggered_mid();
 
     // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk. The V
     // fragments (k halves 0, 1 of d-tiles 2dp, 2dp + 1) are double-buffered over the
@@ -588,10 +643,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kLarge>::kThreads
   }
 }
 
-template <int kHeadDim, typename Element, bool kLarge>
+template <int kHeadDim, typename Element, int kKind>
 void launch_fwd(const FwdParams& p) {
-  using Tr = FwdTraits<kHeadDim, Element, kLarge>;
-  auto kernel = fwd_kernel<kHeadDim, Element, kLarge>;
+  using Tr = FwdTraits<kHeadDim, Element, kKind>;
+  auto kernel = fwd_kernel<kHeadDim, Element, kKind>;
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -600,6 +655,26 @@ void launch_fwd(const FwdParams& p) {
   const dim3 grid = fwd_tile_major(p) ? dim3(p.h_q, p.batch, m_tiles) : dim3(m_tiles, p.h_q, p.batch);
   kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
+// Keys a query row sees on average, from the shapes and the mask alone (varlen: the maximum
+// lengths): row i of s_q sees keys [i + s_k - s_q - left, i + s_k - s_q + right] within
+// [0, s_k). An estimate for the tile choice, not a bound.
+inline double fwd_mean_visible_keys(const FwdParams& p) {
+  const double s_q = p.seqlen_q, s_k = p.seqlen_k;
+  if (s_q <= 0 || s_k <= 0) return 0.0;
+  double sum = 0.0;
+  // the mean over rows of the visible count, sampled at 64 rows (exact for the bounds that
+  // matter here: linear in i between the clamps)
+  constexpr int kSamples = 64;
+  for (int t = 0; t < kSamples; ++t) {
+    const double i = (t + 0.5) * s_q / kSamples;
+    const double diag = i + s_k - s_q;
+    const double lo = p.mask.left >= 0 ? std::max(0.0, diag - p.mask.left) : 0.0;
+    const double hi = p.mask.right >= 0 ? std::min(s_k, diag + p.mask.right + 1) : s_k;
+    sum += std::max(0.0, hi - lo);
+  }
+  return sum / kSamples;
 }
 
 template <int kHeadDim, typename Element>
@@ -615,8 +690,12 @@ void run_fwd(const FwdParams& p) {
     FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
     FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     if constexpr (has_large_fwd_tile(kHeadDim)) {
-      if (optin >= FwdTraits<kHeadDim, Element, true>::kSmemBytes) {
-        launch_fwd<kHeadDim, Element, true>(p);
+      if (optin >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
+        if (fwd_mean_visible_keys(p) >= double(kFwdStaggeredMinKeys)) {
+          launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
+        } else {
+          launch_fwd<kHeadDim, Element, kFwdLarge>(p);
+        }
         return;
       }
     }
@@ -628,7 +707,7 @@ void run_fwd(const FwdParams& p) {
                         std::to_string(optin) + " bytes on this GPU");
     }
   }
-  launch_fwd<kHeadDim, Element, false>(p);
+  launch_fwd<kHeadDim, Element, kFwdBase>(p);
 }
 
 }  // namespace flashattn::detail::cuda::sm80
