@@ -60,7 +60,9 @@ struct Options {
 };
 
 // Optional caller-provided scratch memory on the call's device. When absent
-// (size 0) and the call needs scratch, the library allocates it stream-ordered.
+// (size 0) and the call needs scratch, the library allocates it stream-ordered. Its
+// contents before a call do not matter (nothing needs zeroing, also between replays of a
+// captured call); calls that share one workspace must not run concurrently.
 struct Workspace {
   void* data = nullptr;
   std::size_t bytes = 0;

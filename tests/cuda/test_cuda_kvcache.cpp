@@ -7,8 +7,9 @@
 // backend (same call, host tensors): the caches after the append must be bitwise equal
 // (fp8: the same e4m3 bytes), and the outputs are checked against the fp64 oracle under
 // the suite's tolerance rule; outputs are NaN-poisoned before every call. Splits must
-// agree with no split, and a call captured in a CUDA graph (caller workspace) must
-// replay to the same bits as the direct call.
+// agree with no split, a call captured in a CUDA graph (caller workspace) must replay to
+// the same bits as the direct call, and the split merge must not depend on what the
+// workspace held before.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -323,6 +324,115 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     cudaStreamDestroy(s);
     if (ws) cudaFree(ws);
   }
+}
+
+// The split merge counts the splits' arrivals in the caller's workspace (decode_launch.hpp:
+// tag and count words, no zeroing asked of the caller). Whatever the workspace held
+// before (random bytes, all ones, another call's partials and words), and over replays of
+// one captured call with another call between them on the same workspace, a call gives
+// the same bits as on a zeroed workspace.
+TEST(CudaKVCache, SplitMergeIgnoresWhatTheWorkspaceHeld) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  KVCacheConfig fa;
+  fa.dtype = DType::kBFloat16;
+  fa.batch = 3;
+  fa.h_q = 32;
+  fa.h_k = 8;
+  fa.s_q = 1;
+  fa.s_new = 1;
+  fa.d = 128;
+  fa.cache_lens = {2999, 1500, 1};
+  KVCacheCase a = KVCacheCase::make(rng, fa);
+  a.num_splits = 6;
+  KVCacheConfig fb = fa;  // another shape over the same workspace: 2 row chunks per KV head
+  fb.dtype = DType::kFloat16;
+  fb.batch = 2;
+  fb.h_q = 16;
+  fb.h_k = 2;
+  fb.s_q = 3;
+  fb.cache_lens = {2000, 777};
+  fb.block_size = 16;
+  KVCacheCase bc = KVCacheCase::make(rng, fb);
+  bc.num_splits = 13;
+  SCOPED_TRACE(describe_case(a) + " / " + describe_case(bc));
+  DeviceCase da(a), db(bc);
+  const std::size_t wa = kvcache_workspace_size(da.args, da.opts), wb = kvcache_workspace_size(db.args, db.opts);
+  ASSERT_GT(wa, 0u);
+  ASSERT_GT(wb, 0u);
+  const std::size_t ws_bytes = std::max(wa, wb);
+  void* ws = nullptr;
+  FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+  cudaStream_t s;
+  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  Options oa = da.opts, ob = db.opts;
+  oa.stream = ob.stream = s;
+  auto run_a = [&] {
+    da.reset(a);
+    FA_CUDA_OK(cudaDeviceSynchronize());  // the uploads (default stream) before s uses them
+    EXPECT_NO_THROW(kvcache_forward(da.args, da.out->view(), da.lse->view(), oa, {ws, ws_bytes}));
+  };
+  auto run_b = [&] {
+    db.reset(bc);
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_NO_THROW(kvcache_forward(db.args, db.out->view(), db.lse->view(), ob, {ws, ws_bytes}));
+  };
+  HostTensor out_a = a.out, lse_a = a.lse;
+  auto expect_as_ref = [&](const char* what) {
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor o = a.out, l = a.lse;
+    da.out->download(o);
+    da.lse->download(l);
+    EXPECT_TRUE(o.bitwise_equal(out_a)) << "out: " << what;
+    EXPECT_TRUE(l.bitwise_equal(lse_a)) << "lse: " << what;
+  };
+
+  FA_CUDA_OK(cudaMemsetAsync(ws, 0, ws_bytes, s));
+  run_a();
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  da.out->download(out_a);
+  da.lse->download(lse_a);
+  a.out = out_a;
+  a.lse = lse_a;
+  expect_forward_matches(a.problem(), a.cfg.dtype, forward_results(a));
+
+  std::vector<unsigned char> noise(ws_bytes);
+  for (auto& x : noise) x = static_cast<unsigned char>(uniform_int(rng, 0, 255));
+  FA_CUDA_OK(cudaMemcpy(ws, noise.data(), ws_bytes, cudaMemcpyHostToDevice));
+  run_a();
+  expect_as_ref("workspace of random bytes");
+  FA_CUDA_OK(cudaMemsetAsync(ws, 0xff, ws_bytes, s));
+  run_a();
+  expect_as_ref("workspace of 0xff bytes");
+  run_a();
+  expect_as_ref("second call on the same workspace");
+  run_b();
+  run_a();
+  expect_as_ref("after another call on the workspace");
+
+  cudaGraph_t graph;
+  FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  EXPECT_NO_THROW(kvcache_forward(da.args, da.out->view(), da.lse->view(), oa, {ws, ws_bytes}));
+  FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 4; ++replay) {
+    if (replay == 2) run_b();  // another call's words between two replays
+    if (replay == 3) FA_CUDA_OK(cudaMemcpy(ws, noise.data(), ws_bytes, cudaMemcpyHostToDevice));
+    da.reset(a);
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    FA_CUDA_OK(cudaGraphLaunch(exec, s));
+    expect_as_ref(("graph replay " + std::to_string(replay)).c_str());
+  }
+  // b's own result, from the last call of it above.
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  db.out->download(bc.out);
+  db.lse->download(bc.lse);
+  expect_forward_matches(bc.problem(), bc.cfg.dtype, forward_results(bc));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  cudaFree(ws);
 }
 
 }  // namespace

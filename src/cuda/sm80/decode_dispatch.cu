@@ -1,7 +1,7 @@
 // The KV-cache decode path on the host: which calls take it, the split count
 // (num_splits = 0: a heuristic from the SM count and the work), the exact workspace need
-// (from upper bounds only, never device memory: the same during CUDA graph capture), the
-// launch of the decode kernel and of the log-sum-exp combine of the split partials.
+// (from upper bounds only, never device memory: the same during CUDA graph capture), and
+// the launch of the decode kernel (with splits, its last block per row chunk merges them).
 #include <cuda.h>  // CUtensorMap and its enums (the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -12,6 +12,7 @@
 #include <numeric>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -164,77 +165,15 @@ TileFacts tile_facts(int d, bool fp8, bool t8) {
   return {};
 }
 
-// (b, h, i) rows of the combine, one warp each: lane l holds split l's lse and merge
-// weight (splits <= 32; more take the lanes in turn), then for each 4-column group the
-// splits' partial O rows are loaded kBatch at a time, all in flight together, and summed
-// in split order with the weights broadcast by shuffle. (The first version loaded a
-// split's lse and O row one after the other, a dependent L2 round trip per split: 5.2 us
-// of a 42.2 us decode step at 4k, H200. A programmatic dependent launch measured no
-// faster under graph replay: 44.1 against 43.8 us at 4k.)
-__global__ void decode_combine_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ DecodeArgs a) {
-  constexpr int kBatch = 8;
-  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int lane = threadIdx.x & 31;
-  const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
-  if (warp >= rows) return;
-  const int i = static_cast<int>(warp % p.seqlen_q);
-  const int h = static_cast<int>((warp / p.seqlen_q) % p.h_q);
-  const int b = static_cast<int>(warp / (std::int64_t(p.seqlen_q) * p.h_q));
-  const float* lse_s = a.ws_lse + warp;
-  const int n = a.splits;
-  const bool lane_held = n <= 32;  // every split's lse in its own lane
-  const float my_ls = lane < n ? lse_s[std::int64_t(lane) * rows] : -INFINITY;
-  float m = my_ls;
-  for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, lse_s[s * rows]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    sum = expf(my_ls - m);
-    for (int s = lane + 32; s < n; s += 32) sum += expf(lse_s[s * rows] - m);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
-  if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
-  const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
-  const bool bf16 = a.q_bf16;
-  auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
-              std::int64_t(h) * p.o_head_stride;
-  // Every lane runs every column group (those past d load and store nothing): the
-  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
-  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
-  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
-  for (int c0 = 0; c0 < p.d; c0 += 128) {
-    const int c = c0 + lane * 4;
-    const bool col = c < p.d;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n; s0 += kBatch) {
-      float4 v[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        v[k] = col && s0 + k < n ? *reinterpret_cast<const float4*>(a.ws_o + ((s0 + k) * rows + warp) * p.d + c)
-                                 : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int s = s0 + k;
-        float w = __shfl_sync(0xffffffffu, my_w, s & 31);
-        if (!lane_held) w = s < n && lse != -INFINITY ? semantics::merge_weight(lse_s[s * rows], lse) : 0.0f;
-        if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
-      }
-    }
-    if (!col) continue;
-    std::uint32_t lo, hi;
-    if (bf16) {
-      const __nv_bfloat162 x = __floats2bfloat162_rn(acc.x, acc.y), y = __floats2bfloat162_rn(acc.z, acc.w);
-      lo = *reinterpret_cast<const std::uint32_t*>(&x), hi = *reinterpret_cast<const std::uint32_t*>(&y);
-    } else {
-      const __half2 x = __floats2half2_rn(acc.x, acc.y), y = __floats2half2_rn(acc.z, acc.w);
-      lo = *reinterpret_cast<const std::uint32_t*>(&x), hi = *reinterpret_cast<const std::uint32_t*>(&y);
-    }
-    *reinterpret_cast<uint2*>(out + c) = make_uint2(lo, hi);
-  }
+// A tag per host call for the split merge's arrival words (decode_launch.hpp): splitmix64
+// of a process-wide counter, count bits cleared, never 0.
+unsigned long long next_split_tag() {
+  static std::atomic<unsigned long long> calls{0};
+  unsigned long long x = calls.fetch_add(1, std::memory_order_relaxed) + 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  x = (x ^ (x >> 31)) & ~kSplitCountMask;
+  return x == 0 ? kSplitCountMask + 1 : x;
 }
 
 }  // namespace
@@ -262,8 +201,10 @@ DecodePlan plan_decode(const FwdParams& p) {
   if (plan.splits > 1) {
     const std::size_t partial_rows =
         std::size_t(plan.splits) * std::size_t(p.batch) * std::size_t(p.h_q) * std::size_t(p.seqlen_q);
+    const std::size_t words = std::size_t(p.batch) * std::size_t(p.h_k) * std::size_t(plan.row_chunks);
     plan.o_bytes = round_up(partial_rows * std::size_t(p.d) * sizeof(float));
-    plan.workspace_bytes = plan.o_bytes + round_up(partial_rows * sizeof(float));
+    plan.lse_bytes = round_up(partial_rows * sizeof(float));
+    plan.workspace_bytes = plan.o_bytes + plan.lse_bytes + round_up(words * sizeof(unsigned long long));
   }
   return plan;
 }
@@ -281,6 +222,8 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);
+    a.ws_count = reinterpret_cast<unsigned long long*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
+    a.tag = next_split_tag();
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
@@ -292,19 +235,10 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
     if (fp8) run_decode_fp8<D>(p, a);                       \
     else if (bf16) run_decode<D, __nv_bfloat16>(p, a);      \
     else run_decode<D, __half>(p, a);                       \
-    goto combine;                                           \
+    return;                                                 \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_BUCKET)
 #undef FLASHATTN_DECODE_BUCKET
-  return;
-combine:
-  if (plan.splits > 1) {
-    const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
-    constexpr int kThreads = 128;
-    const std::int64_t blocks = (rows * 32 + kThreads - 1) / kThreads;
-    decode_combine_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p, a);
-    FLASHATTN_CUDA_CHECK(cudaGetLastError());
-  }
 }
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -27,8 +27,9 @@
 // (per (block, head)) multiply S columns and P before PV; per-head scales fold into the
 // softmax scale and the output.
 //
-// With splits > 1 each block writes fp32 partial O and lse to the workspace and
-// decode_combine merges them by log-sum-exp (semantics::merged_lse / merge_weight).
+// With splits > 1 each block writes fp32 partial O and lse to the workspace, and the last
+// split of each row chunk to finish merges them by log-sum-exp (semantics::merge_weight):
+// arrive_split / merge_split_row below, one launch per call.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -197,6 +198,92 @@ __device__ __forceinline__ float to_float(std::uint16_t bits, bool bf16) {
 
 __device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16) {
   return bf16 ? pack2<__nv_bfloat16>(lo, hi) : pack2<__half>(lo, hi);
+}
+
+// Split-KV merge, in the decode kernel itself (no second launch): each split's block
+// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival word
+// (decode_launch.hpp: the call's tag over a 16-bit count); the one that brings the count
+// to a.splits merges every split's partials. A word holding another tag (a previous call's,
+// or whatever the caller's workspace held) counts as nothing arrived; the last split resets
+// the word to (tag, 0), which a replay of the same captured call starts from. Returns true
+// in the merging block's thread (one thread per block calls it, after a __threadfence).
+// (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
+// launch and ramp more than its loads; docs/performance.md.)
+__device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
+  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
+  for (;;) {
+    const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
+    const unsigned long long seen = atomicCAS(word, cur, next);
+    if (seen == cur) {
+      const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
+      if (last) {
+        atomicExch(word, tag);
+        __threadfence();  // the other splits' partials are read after this
+      }
+      return last;
+    }
+    cur = seen;
+  }
+}
+
+// One warp merges the split partials of one (b, h, i) row (index `row` of the
+// [batch, h_q, seqlen_q] rows) by log-sum-exp and writes out (and lse): lane l holds split
+// l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
+// 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
+// together, and summed in split order (the same bits whichever split merges) with the
+// weights broadcast by shuffle. The loads go to L2 (ld.global.cg): the partials were
+// written by other blocks.
+__device__ __forceinline__ void merge_split_row(const FwdParams& p, const DecodeArgs& a, std::int64_t row, int b,
+                                                int h, int i, int lane) {
+  constexpr int kBatch = 8;
+  const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
+  const float* lse_s = a.ws_lse + row;
+  const int n = a.splits;
+  const bool lane_held = n <= 32;  // every split's lse in its own lane
+  const float my_ls = lane < n ? __ldcg(lse_s + std::int64_t(lane) * rows) : -INFINITY;
+  float m = my_ls;
+  for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+    sum = expf(my_ls - m);
+    for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
+  if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
+  const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
+  auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
+              std::int64_t(h) * p.o_head_stride;
+  // Every lane runs every column group (those past d load and store nothing): the
+  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
+  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
+  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
+  for (int c0 = 0; c0 < p.d; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool col = c < p.d;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < n; s0 += kBatch) {
+      float4 v[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
+        v[k] = col && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = s0 + k;
+        float w = __shfl_sync(0xffffffffu, my_w, s & 31);
+        if (!lane_held) w = s < n && lse != -INFINITY ? semantics::merge_weight(__ldcg(lse_s + s * rows), lse) : 0.0f;
+        if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+      }
+    }
+    if (col) {
+      *reinterpret_cast<uint2*>(out + c) = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
+    }
+  }
 }
 
 }  // namespace decode_detail
@@ -429,6 +516,37 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   const float scale_log2 = p.scale * k_head_scale * kLog2e;  // plain path
   const float dot_scale = p.scale * k_head_scale;            // softcap / ALiBi path
 
+  // Score x of this thread's packed row hf with key j0 + kl of the tile, in log2 units
+  // (softmax scale, per-key fp8 scale, softcap, ALiBi), -inf where masked (skipped for a
+  // tile that every row sees whole: full).
+  auto score = [&](float x, int kl, int hf, std::int64_t j0, bool full, const float* kss) {
+    const std::int64_t j = j0 + kl;
+    if constexpr (kFp8) {
+      if (per_key_scale) x *= kss[kl];
+    }
+    if (plain) {
+      x *= scale_log2;
+    } else {
+      x *= dot_scale;
+      if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+      if (row_slope[hf] != 0.0f) {
+        std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
+        if (dist < 0) dist = -dist;
+        x -= row_slope[hf] * static_cast<float>(dist);
+      }
+      x *= kLog2e;
+    }
+    if (!full) {
+      bool vis = j >= row_jb[hf] && j < row_je[hf];
+      if (vis && j >= draft0) {
+        const std::int64_t t = j - draft0;
+        vis = (row_tree[hf][t >> 5] >> (t & 31)) & 1u;
+      }
+      if (!vis) x = -INFINITY;
+    }
+    return x;
+  };
+
   // O (16 rows x d: kOTiles 8-dim tiles) or, kT8, O^T (d x 8 rows: d / 16 16-dim tiles).
   constexpr int kOAcc = kT8 ? kHeadDim / 16 : kOTiles;
   float o[kOAcc][4];
@@ -584,36 +702,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         }
         // Scores in log2 units, masked (element e: key base + gq + 8 (e / 2), row e % 2).
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hf = e & 1;
-          const int kl = base + gq + 8 * (e >> 1);
-          const std::int64_t j = j0 + kl;
-          float x = st[e];
-          if constexpr (kFp8) {
-            if (per_key_scale) x *= kss[kl];
-          }
-          if (plain) {
-            x *= scale_log2;
-          } else {
-            x *= dot_scale;
-            if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-            if (row_slope[hf] != 0.0f) {
-              std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
-              if (dist < 0) dist = -dist;
-              x -= row_slope[hf] * static_cast<float>(dist);
-            }
-            x *= kLog2e;
-          }
-          if (!full) {
-            bool vis = j >= row_jb[hf] && j < row_je[hf];
-            if (vis && j >= draft0) {
-              const std::int64_t t = j - draft0;
-              vis = (row_tree[hf][t >> 5] >> (t & 31)) & 1u;
-            }
-            if (!vis) x = -INFINITY;
-          }
-          st[e] = x;
-        }
+        for (int e = 0; e < 4; ++e) st[e] = score(st[e], base + gq + 8 * (e >> 1), e & 1, j0, full, kss);
         // Online softmax per row (a row's 16 keys lie in the 8 lanes of one tq).
         float pr[4], alpha[2];
 #pragma unroll
@@ -729,34 +818,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int hf = e >> 1;
-            const int kl = base + nt * 8 + 2 * tq + (e & 1);
-            const std::int64_t j = j0 + kl;
-            float x = sacc[nt][e];
-            if constexpr (kFp8) {
-              if (per_key_scale) x *= kss[kl];
-            }
-            if (plain) {
-              x *= scale_log2;
-            } else {
-              x *= dot_scale;
-              if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-              if (row_slope[hf] != 0.0f) {
-                std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
-                if (dist < 0) dist = -dist;
-                x -= row_slope[hf] * static_cast<float>(dist);
-              }
-              x *= kLog2e;
-            }
-            if (!full) {
-              bool vis = j >= row_jb[hf] && j < row_je[hf];
-              if (vis && j >= draft0) {
-                const std::int64_t t = j - draft0;
-                vis = (row_tree[hf][t >> 5] >> (t & 31)) & 1u;
-              }
-              if (!vis) x = -INFINITY;
-            }
-            sacc[nt][e] = x;
+            sacc[nt][e] = score(sacc[nt][e], base + nt * 8 + 2 * tq + (e & 1), e >> 1, j0, full, kss);
           }
         }
         // Online softmax (this warp's keys only).
@@ -949,6 +1011,22 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       } else if (p.lse) {
         p.lse[p.lse_offset(b, h) + i] = lse;
       }
+    }
+  }
+
+  // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
+  if (a.splits > 1) {
+    __shared__ int merges;
+    __threadfence();  // this thread's partials, before the block counts itself
+    __syncthreads();
+    if (tid == 0) {
+      merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
+    }
+    __syncthreads();
+    if (!merges) return;
+    for (int r = r0 + warp; r <= r_last; r += Tr::kWarps) {
+      const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+      merge_split_row(p, a, (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i, b, h, i, lane);
     }
   }
 }

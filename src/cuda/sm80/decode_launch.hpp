@@ -85,14 +85,23 @@ struct DecodeArgs {
   bool tma = false;
   int map_rank = 4;
   int box_rows = 0;
-  int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse
+  int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse, the last merges
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
   bool q_bf16 = false; // fp8 variant: q / out dtype
   bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
   float* ws_lse = nullptr;  // [splits, batch, h_q, seqlen_q] fp32
+  // [batch, h_k, row_chunks] arrival words of the split merge (decode_kernel.cuh:
+  // arrive_split): the call's tag in the upper 48 bits, the splits arrived in the lower 16.
+  // Whatever the workspace held before, a word with another tag counts as none arrived, and
+  // the last split leaves (tag, 0) behind, so graph replays of one call start from zero too.
+  unsigned long long* ws_count = nullptr;
+  unsigned long long tag = 0;  // per host call, low 16 bits zero (decode_dispatch.cu)
 };
+
+// The split merge's arrival words: count bits, the rest is the call's tag.
+inline constexpr unsigned long long kSplitCountMask = 0xffffull;
 
 template <int kHeadDim, typename Element>
 void run_decode(const FwdParams& p, const DecodeArgs& a);
