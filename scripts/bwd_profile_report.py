@@ -1,6 +1,6 @@
-"""Side-by-side summary of scripts/bwd_profile.sh's Nsight Compute exports: chosen raw
-metrics of our backward kernel and the peer's per head dim, then the SASS instructions of
-ours (and the peer's) that hold the most warp-stall samples, grouped by opcode.
+"""Side-by-side summary of scripts/profile.sh's Nsight Compute exports (fwd or bwd): chosen
+raw metrics of our kernel and the peer's per head dim, then the SASS instructions of ours
+(and the peer's) that hold the most warp-stall samples, grouped by opcode.
     python3 scripts/bwd_profile_report.py DIR HDIM...
 """
 import collections

@@ -10,6 +10,8 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from sdpa_profile import profile_once  # bench/peers/, the script's own folder
+
 B, HQ, HK, D = 8, 32, 8, 128
 
 
@@ -27,11 +29,7 @@ def main(ctx):
                 ke, ve = (x.repeat_interleave(HQ // HK, dim=1) for x in (k, v))
                 call = lambda: sdpa(q, ke, ve)
                 call()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStart()
-            call()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
+            profile_once(call)
             print(f"{name}: profiled one call at context {ctx}", flush=True)
 
 
