@@ -31,7 +31,7 @@ if [[ $STEPS == *tests* ]]; then
   add "CUDA tests: rc=$rc, $(grep -E '^\[  PASSED  \]' "$OUT/cuda_tests.txt" | sed 's/\[  PASSED  \] //') passed, $(grep -c '^\[  FAILED  \]' "$OUT/cuda_tests.txt") failed lines"
 fi
 if [[ $STEPS == *sanitize* ]]; then
-  f='Cuda/CudaForwardFeature.MatchesOracle/everything:Cuda/CudaForwardFeature.MatchesOracle/hd256_long:Cuda/CudaBackwardFeature.MatchesOracle/plain:CudaBackward.HeadDims:CudaForward.VarlenWith*:CudaKVCache.RandomPagedLayouts:CudaKVCache.Fp8Caches'
+  f='Cuda/CudaForwardFeature.MatchesOracle/everything:Cuda/CudaForwardFeature.MatchesOracle/hd256_long:Cuda/CudaBackwardFeature.MatchesOracle/plain:CudaBackward.HeadDims:CudaForward.VarlenWith*:CudaKVCache.RandomPagedLayouts:CudaKVCache.Fp8Caches:CudaKVCache.Split*'
   timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$T" --gtest_filter="$f" >"$OUT/memcheck.txt" 2>&1
   add "memcheck: rc=$? $(grep -m1 'ERROR SUMMARY' "$OUT/memcheck.txt")"
   timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 "$T" \
