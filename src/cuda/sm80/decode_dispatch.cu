@@ -219,6 +219,14 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   // Interleaved and contiguous split ranges measured the same on the H200 (3.58 / 3.57 TB/s
   // at 32k); interleaved keeps a sequence's blocks in one region of the cache.
   a.interleave = true;
+  // Programmatic dependent launch on sm90: the kernel's launch and start overlap the end
+  // of the kernel before it in the stream (it waits for that kernel's results before its
+  // first global access), and the next kernel's those of this one.
+#ifdef FLASHATTN_DECODE_NO_PDL  // experiment: plain launches
+  a.pdl = false;
+#else
+  a.pdl = cc_major(p.device_index) >= 9;
+#endif
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);

@@ -181,6 +181,22 @@ __device__ __forceinline__ std::uint32_t e4m3x2_hi_to_f16x2(std::uint32_t x) {
 #endif
 }
 
+// Programmatic dependent launch (sm90; launch_decode sets the launch attribute there):
+// the kernel may start while the previous kernel in the stream finishes, and waits for it
+// (its completion and memory flush) before the first global memory access; it lets the
+// next kernel launch once all its blocks have started. Without the attribute both are
+// no-ops.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // The 8 x 8 16-bit matrix held as one register per lane (lane l: row l / 4, columns
 // 2 (l % 4) and + 1), transposed across the warp (sm75+).
 __device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
@@ -206,10 +222,13 @@ __device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16)
 // to a.splits merges every split's partials. A word holding another tag (a previous call's,
 // or whatever the caller's workspace held) counts as nothing arrived; the last split resets
 // the word to (tag, 0), which a replay of the same captured call starts from. Returns true
-// in the merging block's thread (one thread per block calls it, after a __threadfence).
+// in the merging block's thread (one thread per block calls it, after a barrier: the one
+// fence there covers the whole block's stores, as in a grid barrier).
 // (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
 // launch and ramp more than its loads; docs/performance.md.)
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 __device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
+  fence_acq_rel_gpu();  // releases the block's partials (ordered before it by the barrier)
   unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
   for (;;) {
     const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
@@ -218,7 +237,7 @@ __device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned 
       const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
       if (last) {
         atomicExch(word, tag);
-        __threadfence();  // the other splits' partials are read after this
+        fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
       }
       return last;
     }
@@ -241,6 +260,16 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const Decode
   const int n = a.splits;
   const bool lane_held = n <= 32;  // every split's lse in its own lane
   const float my_ls = lane < n ? __ldcg(lse_s + std::int64_t(lane) * rows) : -INFINITY;
+  // The first column group's first kBatch partial rows, in flight with the lse loads.
+  auto load_o = [&](int c, int s0, float4 (&v)[kBatch]) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
+      v[k] = c < p.d && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  float4 first[kBatch];
+  load_o(lane * 4, 0, first);
   float m = my_ls;
   for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
 #pragma unroll
@@ -267,10 +296,11 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const Decode
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < n; s0 += kBatch) {
       float4 v[kBatch];
+      if (c0 == 0 && s0 == 0) {
 #pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
-        v[k] = col && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int k = 0; k < kBatch; ++k) v[k] = first[k];
+      } else {
+        load_o(c, s0, v);
       }
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -281,7 +311,8 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const Decode
       }
     }
     if (col) {
-      *reinterpret_cast<uint2*>(out + c) = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
+      const uint2 packed = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
+      *reinterpret_cast<uint2*>(out + c) = packed;
     }
   }
 }
@@ -305,6 +336,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   constexpr bool kQInRegs = kHeadDim <= 128;
   extern __shared__ __align__(128) unsigned char smem[];
 
+  griddep_wait();  // nothing in global memory is touched before this
+  griddep_launch_dependents();
   const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.row_chunks));
   const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.row_chunks));
   const int g_kv = blockIdx.y, b = blockIdx.z;
@@ -1017,8 +1050,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
   if (a.splits > 1) {
     __shared__ int merges;
-    __threadfence();  // this thread's partials, before the block counts itself
-    __syncthreads();
+    __syncthreads();  // the block's partials are stored
     if (tid == 0) {
       merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
     }
@@ -1039,10 +1071,18 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
-  const dim3 grid(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
-                  static_cast<unsigned>(p.batch));
-  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p, a);
-  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
+                     static_cast<unsigned>(p.batch));
+  cfg.blockDim = dim3(Tr::kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.pdl ? 1 : 0;
+  FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
 }
 
 template <int kHeadDim, typename Element>

@@ -90,6 +90,7 @@ struct DecodeArgs {
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
   bool q_bf16 = false; // fp8 variant: q / out dtype
   bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
+  bool pdl = false;        // sm90: programmatic dependent launch (decode_kernel.cuh: griddep_wait)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
   float* ws_lse = nullptr;  // [splits, batch, h_q, seqlen_q] fp32
   // [batch, h_k, row_chunks] arrival words of the split merge (decode_kernel.cuh:
