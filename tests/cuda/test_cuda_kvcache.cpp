@@ -262,20 +262,27 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
 
 // ---------------------------------------------------------------- CUDA graphs
 
+// One decode step of a GQA model: bf16, 3 sequences, 32 query heads over 8 KV heads,
+// hdim 128, one new token appended.
+KVCacheConfig decode_step_config() {
+  KVCacheConfig cfg;
+  cfg.dtype = DType::kBFloat16;
+  cfg.batch = 3;
+  cfg.h_q = 32;
+  cfg.h_k = 8;
+  cfg.s_q = 1;
+  cfg.s_new = 1;
+  cfg.d = 128;
+  return cfg;
+}
+
 // A decode step with splits and a caller workspace, captured and replayed: the same bits
 // as the direct call, and the workspace size does not depend on device memory.
 TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
   for (bool fp8 : {false, true}) {
-    KVCacheConfig cfg;
-    cfg.dtype = DType::kBFloat16;
-    cfg.batch = 3;
-    cfg.h_q = 32;
-    cfg.h_k = 8;
-    cfg.s_q = 1;
-    cfg.s_new = 1;
-    cfg.d = 128;
+    KVCacheConfig cfg = decode_step_config();
     cfg.max_cache_len = 2000;
     cfg.block_size = 16;
     cfg.fp8 = fp8;
@@ -334,14 +341,7 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
 TEST(CudaKVCache, SplitMergeIgnoresWhatTheWorkspaceHeld) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  KVCacheConfig fa;
-  fa.dtype = DType::kBFloat16;
-  fa.batch = 3;
-  fa.h_q = 32;
-  fa.h_k = 8;
-  fa.s_q = 1;
-  fa.s_new = 1;
-  fa.d = 128;
+  KVCacheConfig fa = decode_step_config();
   fa.cache_lens = {2999, 1500, 1};
   KVCacheCase a = KVCacheCase::make(rng, fa);
   a.num_splits = 6;
