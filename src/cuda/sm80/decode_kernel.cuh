@@ -317,6 +317,31 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const Decode
   }
 }
 
+#ifdef FLASHATTN_DECODE_TIMELINE
+// Experiment (docs/performance.md): per-block %globaltimer stamps of launch number
+// FLASHATTN_DECODE_TIMELINE (counted over the process's decode blocks), printed by each
+// block's thread 0 as "TL sm x y z merged t0..t5": entry, after the grid dependency wait,
+// first tile in, last tile done, partials stored, exit.
+__device__ unsigned long long g_timeline_blocks;
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void timeline_print(const unsigned long long (&tl)[6], int merged) {
+  if (threadIdx.x != 0) return;
+  const unsigned long long grid = static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z;
+  if (atomicAdd(&g_timeline_blocks, 1ull) / grid != FLASHATTN_DECODE_TIMELINE) return;
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  printf("TL %u %u %u %u %d %llu %llu %llu %llu %llu %llu\n", sm, blockIdx.x, blockIdx.y, blockIdx.z, merged, tl[0],
+         tl[1], tl[2], tl[3], tl[4], tl[5]);
+}
+#define FLASHATTN_TL(k) (tl[k] = global_ns())
+#else
+#define FLASHATTN_TL(k) ((void)0)
+#endif
+
 }  // namespace decode_detail
 
 // kT8 (at most 8 packed rows): the transposed products S^T = K Q^T and O^T = V^T P^T, keys
@@ -336,7 +361,12 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   constexpr bool kQInRegs = kHeadDim <= 128;
   extern __shared__ __align__(128) unsigned char smem[];
 
+#ifdef FLASHATTN_DECODE_TIMELINE
+  unsigned long long tl[6] = {0, 0, 0, 0, 0, 0};
+#endif
+  FLASHATTN_TL(0);
   griddep_wait();  // nothing in global memory is touched before this
+  FLASHATTN_TL(1);
   griddep_launch_dependents();
   const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.row_chunks));
   const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.row_chunks));
@@ -592,26 +622,28 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     for (int st = 0; st < Tr::kStages; ++st) mbar_init(smem_u32(bars + 8 * st));
     fence_mbarrier_init();
   }
+  // The pipeline: every stage is filled in the prologue, and a stage is refilled as soon
+  // as all warps are done with its tile, so kStages tiles are in flight while a block
+  // waits (kStages - 1 while it computes). (Refilling the previous stage at the start of
+  // the next tile, after that tile's arrival, kept one tile fewer in flight: with the two
+  // stages of the 16-bit transposed kernel, one; the first tiles then arrived 5 us after
+  // the start at 4k, and the DRAM idled while the blocks waited for q behind them.)
+#ifdef FLASHATTN_DECODE_REFILL_BEFORE  // experiment: the older order
+  constexpr bool kRefillAfter = false;
+#else
+  constexpr bool kRefillAfter = true;
+#endif
+  constexpr int kPro = kRefillAfter ? Tr::kStages : Tr::kStages - 1;
   // A paged cache's block ids of every prologue tile, loaded together (not one tile's
   // load after the other's copies), then those of the first tile of the main loop.
-  int pro_blk[Tr::kStages - 1][kBoxesPerWarp];
+  int pro_blk[kPro][kBoxesPerWarp];
   if (tma && lane == 0 && btab) {
 #pragma unroll
-    for (int st = 0; st < Tr::kStages - 1; ++st) table_ids(t_begin + st * t_step, pro_blk[st]);
-  }
-  __syncthreads();  // barriers initialised
-#pragma unroll
-  for (int st = 0; st < Tr::kStages - 1; ++st) {
-    if (tma && btab) {
-#pragma unroll
-      for (int q = 0; q < kBoxesPerWarp; ++q) pf_blk[q] = pro_blk[st][q];
-    }
-    if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == Tr::kStages - 2);
-    cp_async_commit();
+    for (int st = 0; st < kPro; ++st) table_ids(t_begin + st * t_step, pro_blk[st]);
   }
   // q: 16 packed rows into shared memory (as the MMA element type), while the first K/V
   // tiles are on their way.
-  {
+  auto load_q = [&] {
     constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
     const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
     for (int idx = tid; idx < kQChunks; idx += Tr::kThreads) {
@@ -636,7 +668,23 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       }
       *reinterpret_cast<uint4*>(q_smem + rr * Tr::kQRowBytes + c * 2) = v;
     }
+  };
+#ifdef FLASHATTN_DECODE_Q_FIRST  // experiment: q's loads before the K/V copies
+  load_q();
+#endif
+  __syncthreads();  // barriers initialised
+#pragma unroll
+  for (int st = 0; st < kPro; ++st) {
+    if (tma && btab) {
+#pragma unroll
+      for (int q = 0; q < kBoxesPerWarp; ++q) pf_blk[q] = pro_blk[st][q];
+    }
+    if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == kPro - 1);
+    cp_async_commit();
   }
+#ifndef FLASHATTN_DECODE_Q_FIRST
+  load_q();
+#endif
 
   __syncthreads();  // q in shared memory
 
@@ -668,17 +716,22 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   int stage = 0;
   std::uint32_t phase = 0;
   for (std::int64_t tile = t_begin; tile < t_end; tile += t_step) {
-    const std::int64_t nxt = tile + (Tr::kStages - 1) * t_step;
-    int ns = stage + Tr::kStages - 1;
-    if (ns >= Tr::kStages) ns -= Tr::kStages;
-    cp_async_wait<Tr::kStages - 2>();
+    cp_async_wait<kRefillAfter ? Tr::kStages - 1 : Tr::kStages - 2>();
     if (tma) {
       mbar_wait(smem_u32(bars + 8 * stage), phase);
       zero_tail(tile, stage);
+#ifdef FLASHATTN_DECODE_TIMELINE
+      if (tile == t_begin) FLASHATTN_TL(2);
+#endif
     }
-    __syncthreads();  // the tile is in; every warp is done with stage ns (tile - 1)
-    if (nxt < t_end) load_tile(nxt, ns, true);
-    cp_async_commit();
+    __syncthreads();  // the tile is in (older order: and every warp is done with tile - 1)
+    if constexpr (!kRefillAfter) {
+      const std::int64_t nxt = tile + (Tr::kStages - 1) * t_step;
+      int ns = stage + Tr::kStages - 1;
+      if (ns >= Tr::kStages) ns -= Tr::kStages;
+      if (nxt < t_end) load_tile(nxt, ns, true);
+      cp_async_commit();
+    }
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const unsigned char* vs = ks + Tr::kTileBytes;
     const float* kss = reinterpret_cast<const float*>(vs + Tr::kTileBytes);
@@ -931,11 +984,18 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
         }
       }
     }
+    if constexpr (kRefillAfter) {
+      __syncthreads();  // every warp is done with this stage
+      const std::int64_t nxt = tile + Tr::kStages * t_step;
+      if (nxt < t_end) load_tile(nxt, stage, true);
+      cp_async_commit();
+    }
     if (++stage == Tr::kStages) {
       stage = 0;
       phase ^= 1u;
     }
   }
+  FLASHATTN_TL(3);
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
@@ -1051,15 +1111,27 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   if (a.splits > 1) {
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored
+    FLASHATTN_TL(4);
     if (tid == 0) {
       merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
     }
     __syncthreads();
-    if (!merges) return;
+    if (!merges) {
+#ifdef FLASHATTN_DECODE_TIMELINE
+      FLASHATTN_TL(5);
+      timeline_print(tl, 0);
+#endif
+      return;
+    }
     for (int r = r0 + warp; r <= r_last; r += Tr::kWarps) {
       const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
       merge_split_row(p, a, (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i, b, h, i, lane);
     }
+#ifdef FLASHATTN_DECODE_TIMELINE
+    __syncthreads();
+    FLASHATTN_TL(5);
+    timeline_print(tl, 1);
+#endif
   }
 }
 
