@@ -622,28 +622,26 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     for (int st = 0; st < Tr::kStages; ++st) mbar_init(smem_u32(bars + 8 * st));
     fence_mbarrier_init();
   }
-  // The pipeline: every stage is filled in the prologue, and a stage is refilled as soon
-  // as all warps are done with its tile, so kStages tiles are in flight while a block
-  // waits (kStages - 1 while it computes). (Refilling the previous stage at the start of
-  // the next tile, after that tile's arrival, kept one tile fewer in flight: with the two
-  // stages of the 16-bit transposed kernel, one; the first tiles then arrived 5 us after
-  // the start at 4k, and the DRAM idled while the blocks waited for q behind them.)
-#ifdef FLASHATTN_DECODE_REFILL_BEFORE  // experiment: the older order
-  constexpr bool kRefillAfter = false;
-#else
-  constexpr bool kRefillAfter = true;
-#endif
-  constexpr int kPro = kRefillAfter ? Tr::kStages : Tr::kStages - 1;
   // A paged cache's block ids of every prologue tile, loaded together (not one tile's
   // load after the other's copies), then those of the first tile of the main loop.
-  int pro_blk[kPro][kBoxesPerWarp];
+  int pro_blk[Tr::kStages - 1][kBoxesPerWarp];
   if (tma && lane == 0 && btab) {
 #pragma unroll
-    for (int st = 0; st < kPro; ++st) table_ids(t_begin + st * t_step, pro_blk[st]);
+    for (int st = 0; st < Tr::kStages - 1; ++st) table_ids(t_begin + st * t_step, pro_blk[st]);
+  }
+  __syncthreads();  // barriers initialised
+#pragma unroll
+  for (int st = 0; st < Tr::kStages - 1; ++st) {
+    if (tma && btab) {
+#pragma unroll
+      for (int q = 0; q < kBoxesPerWarp; ++q) pf_blk[q] = pro_blk[st][q];
+    }
+    if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == Tr::kStages - 2);
+    cp_async_commit();
   }
   // q: 16 packed rows into shared memory (as the MMA element type), while the first K/V
   // tiles are on their way.
-  auto load_q = [&] {
+  {
     constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
     const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
     for (int idx = tid; idx < kQChunks; idx += Tr::kThreads) {
@@ -668,23 +666,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       }
       *reinterpret_cast<uint4*>(q_smem + rr * Tr::kQRowBytes + c * 2) = v;
     }
-  };
-#ifdef FLASHATTN_DECODE_Q_FIRST  // experiment: q's loads before the K/V copies
-  load_q();
-#endif
-  __syncthreads();  // barriers initialised
-#pragma unroll
-  for (int st = 0; st < kPro; ++st) {
-    if (tma && btab) {
-#pragma unroll
-      for (int q = 0; q < kBoxesPerWarp; ++q) pf_blk[q] = pro_blk[st][q];
-    }
-    if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == kPro - 1);
-    cp_async_commit();
   }
-#ifndef FLASHATTN_DECODE_Q_FIRST
-  load_q();
-#endif
 
   __syncthreads();  // q in shared memory
 
@@ -716,7 +698,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   int stage = 0;
   std::uint32_t phase = 0;
   for (std::int64_t tile = t_begin; tile < t_end; tile += t_step) {
-    cp_async_wait<kRefillAfter ? Tr::kStages - 1 : Tr::kStages - 2>();
+    const std::int64_t nxt = tile + (Tr::kStages - 1) * t_step;
+    int ns = stage + Tr::kStages - 1;
+    if (ns >= Tr::kStages) ns -= Tr::kStages;
+    cp_async_wait<Tr::kStages - 2>();
     if (tma) {
       mbar_wait(smem_u32(bars + 8 * stage), phase);
       zero_tail(tile, stage);
@@ -724,14 +709,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       if (tile == t_begin) FLASHATTN_TL(2);
 #endif
     }
-    __syncthreads();  // the tile is in (older order: and every warp is done with tile - 1)
-    if constexpr (!kRefillAfter) {
-      const std::int64_t nxt = tile + (Tr::kStages - 1) * t_step;
-      int ns = stage + Tr::kStages - 1;
-      if (ns >= Tr::kStages) ns -= Tr::kStages;
-      if (nxt < t_end) load_tile(nxt, ns, true);
-      cp_async_commit();
-    }
+    // (Filling every stage in the prologue and refilling a stage right after its tile, so
+    // that kStages tiles are in flight while a block waits, measured slower on the H200:
+    // dense 4k 39.9 -> 40.8 us, fp8 4k 30.8 -> 34.1 us; the first tiles arrived later, not
+    // sooner. docs/performance.md, the timeline entry.)
+    __syncthreads();  // the tile is in; every warp is done with stage ns (tile - 1)
+    if (nxt < t_end) load_tile(nxt, ns, true);
+    cp_async_commit();
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const unsigned char* vs = ks + Tr::kTileBytes;
     const float* kss = reinterpret_cast<const float*>(vs + Tr::kTileBytes);
@@ -983,12 +967,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
           }
         }
       }
-    }
-    if constexpr (kRefillAfter) {
-      __syncthreads();  // every warp is done with this stage
-      const std::int64_t nxt = tile + Tr::kStages * t_step;
-      if (nxt < t_end) load_tile(nxt, stage, true);
-      cp_async_commit();
     }
     if (++stage == Tr::kStages) {
       stage = 0;
