@@ -230,7 +230,8 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);
-    a.ws_count = reinterpret_cast<unsigned long long*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
+    a.ws_count =
+        reinterpret_cast<unsigned long long*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
     a.tag = next_split_tag();
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;

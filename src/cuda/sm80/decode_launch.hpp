@@ -88,7 +88,7 @@ struct DecodeArgs {
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse, the last merges
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
-  bool q_bf16 = false; // fp8 variant: q / out dtype
+  bool q_bf16 = false; // q / out dtype (read by the fp8 variant and the split merge)
   bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
   bool pdl = false;        // sm90: programmatic dependent launch (decode_kernel.cuh: griddep_wait)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
