@@ -245,17 +245,18 @@ __device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned 
   }
 }
 
-// One warp merges the split partials of one (b, h, i) row (index `row` of the
-// [batch, h_q, seqlen_q] rows) by log-sum-exp and writes out (and lse): lane l holds split
+// One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]
+// rows by log-sum-exp and writes out (and lse): lane l holds split
 // l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
 // 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
 // together, and summed in split order (the same bits whichever split merges) with the
 // weights broadcast by shuffle. The loads go to L2 (ld.global.cg): the partials were
 // written by other blocks.
-__device__ __forceinline__ void merge_split_row(const FwdParams& p, const DecodeArgs& a, std::int64_t row, int b,
-                                                int h, int i, int lane) {
+__device__ __forceinline__ void merge_split_row(const FwdParams& p, const DecodeArgs& a, int b, int h, int i,
+                                                int lane) {
   constexpr int kBatch = 8;
   const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
+  const std::int64_t row = (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i;
   const float* lse_s = a.ws_lse + row;
   const int n = a.splits;
   const bool lane_held = n <= 32;  // every split's lse in its own lane
@@ -1103,7 +1104,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     }
     for (int r = r0 + warp; r <= r_last; r += Tr::kWarps) {
       const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-      merge_split_row(p, a, (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i, b, h, i, lane);
+      merge_split_row(p, a, b, h, i, lane);
     }
 #ifdef FLASHATTN_DECODE_TIMELINE
     __syncthreads();
