@@ -137,6 +137,8 @@ void set_varlen_inputs(const VarlenArgs& a, const VarlenDims& dims, FwdParams& p
   p.cu_seqlens_q = static_cast<const int*>(a.cu_seqlens_q.data);
   p.cu_seqlens_k = static_cast<const int*>(a.cu_seqlens_k.data);
   p.seqused_k = static_cast<const int*>(a.seqused_k.data);
+  p.total_q = dims.total_q;
+  p.total_k = dims.total_k;
   p.num_splits = 1;
 }
 

@@ -47,6 +47,9 @@ struct FwdParams {
   const int* cu_seqlens_q = nullptr;  // [batch + 1] or null
   const int* cu_seqlens_k = nullptr;  // [batch + 1] or null
   const int* seqused_k = nullptr;     // [batch] or null: overrides the key count
+  // Varlen: the rows of the packed q / out (total_q) and k / v (total_k) tensors, the
+  // bounds of the sm90 tensor copies; 0 otherwise.
+  std::int64_t total_q = 0, total_k = 0;
 
   // KV cache. With cache_seqlens, sequence b has cache_seqlens[b] + seqlen_k_new keys.
   const int* cache_seqlens = nullptr;    // [batch] or null

@@ -6,6 +6,11 @@
 #include "cuda/common/device_guard.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/fwd_launch.hpp"
+#include "cuda/sm90/fwd.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
 
@@ -46,6 +51,17 @@ void forward(const FwdParams& p) {
     }
     sm80::run_decode_path(p, plan);
     return;
+  }
+  static const bool sm80_forced = [] {
+    const char* e = std::getenv("FLASHATTN_KERNEL_FAMILY");
+    return e != nullptr && std::strcmp(e, "sm80") == 0;
+  }();
+  if (!sm80_forced && sm90::fwd_built()) {
+    const char* why = sm90::fwd_unsupported(p);
+    if (why == nullptr) {
+      sm90::run_fwd(p);
+      return;
+    }
   }
   const bool bf16 = p.dtype == DType::kBFloat16;
 #define FLASHATTN_FWD_BUCKET(D)                           \

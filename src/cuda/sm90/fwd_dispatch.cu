@@ -1,8 +1,110 @@
-// Placeholder until the sm90a forward lands: the family is not built, every call falls back.
+// The sm90 forward's host side: which calls it runs, the tensor maps of a call, and the
+// configuration per head-dim bucket.
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/common/device_attribute.hpp"
+#include "cuda/common/device_guard.hpp"
 #include "cuda/sm90/fwd.hpp"
+#include "cuda/sm90/fwd_configs.hpp"
+#include "cuda/sm90/tensor_map.hpp"
 
 namespace flashattn::detail::cuda::sm90 {
-bool fwd_built() noexcept { return false; }
-const char* fwd_unsupported(const FwdParams&) noexcept { return "not built"; }
-void run_fwd(const FwdParams&) {}
+
+bool fwd_built() noexcept { return true; }
+
+const char* fwd_unsupported(const FwdParams& p) noexcept {
+  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) != 9 ||
+      device_attribute<cudaDevAttrComputeCapabilityMinor>(p.device_index, -1) != 0) {
+    return "not a compute capability 9.0 GPU";
+  }
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
+  if (p.d > 256 || p.d % 8 != 0) return "head dim";
+  if (p.kv_dtype != p.dtype) return "fp8 KV cache";
+  if (p.dropout_p > 0.0f) return "dropout";
+  if (p.probs != nullptr) return "return_probs";
+  if (p.block_table != nullptr) return "paged KV cache";
+  if (p.tree_mask != nullptr) return "tree mask";
+  if (p.num_splits > 1) return "split-KV";
+  if (p.is_varlen() && (p.total_q <= 0 || p.total_k <= 0)) return "varlen without packed totals";
+  if (p.is_varlen() != (p.cu_seqlens_k != nullptr)) return "mixed varlen layout";
+  if (!p.is_varlen() && p.cache_seqlens == nullptr && p.seqlen_k == 0) return "no keys";
+  return nullptr;
+}
+
+namespace {
+
+// TMA strides are multiples of 16 bytes; a dimension of extent 1 may carry any stride
+// (the API checks only the strides of longer dimensions), so it gets a harmless one.
+std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems) {
+  return extent > 1 ? std::uint64_t(stride_elems) * 2 : 16;
+}
+
+template <class Cfg, typename Element>
+void run(const FwdParams& p, FwdArgs& args) {
+  const std::int64_t q_rows = p.is_varlen() ? p.total_q : p.seqlen_q;
+  const std::int64_t q_batches = p.is_varlen() ? 1 : p.batch;
+  const std::int64_t k_rows = p.cu_seqlens_k ? p.total_k
+                              : p.cache_seqlens ? p.kv_cache_len
+                                                : p.seqlen_k;
+  const std::int64_t k_batches = p.cu_seqlens_k ? 1 : p.cache_seqlens ? p.kv_cache_rows : p.batch;
+  args.tmap_q = make_tensor_map_4d(
+      p.q, p.dtype, {std::uint64_t(p.d), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
+      {tma_stride(q_rows, p.q_row_stride), tma_stride(p.h_q, p.q_head_stride),
+       tma_stride(q_batches, p.q_batch_stride)},
+      Cfg::kBlockM);
+  const std::uint64_t k_dims[4] = {std::uint64_t(p.d), std::uint64_t(k_rows), std::uint64_t(p.h_k),
+                                   std::uint64_t(k_batches)};
+  args.tmap_k = make_tensor_map_4d(p.k, p.dtype, k_dims,
+                                   {tma_stride(k_rows, p.k_row_stride), tma_stride(p.h_k, p.k_head_stride),
+                                    tma_stride(k_batches, p.k_batch_stride)},
+                                   Cfg::kBlockN);
+  args.tmap_v = make_tensor_map_4d(p.v, p.dtype, k_dims,
+                                   {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
+                                    tma_stride(k_batches, p.v_batch_stride)},
+                                   Cfg::kBlockN);
+  launch_fwd<Cfg, Element>(args);
+}
+
+// Measurement aid (host side only): FLASHATTN_SM90_FWD_VARIANT=1 picks each bucket's
+// second configuration where it has one.
+int variant() {
+  static const int v = [] {
+    const char* e = std::getenv("FLASHATTN_SM90_FWD_VARIANT");
+    return e != nullptr ? std::atoi(e) : 0;
+  }();
+  return v;
+}
+
+template <typename Element>
+void run_bucket(const FwdParams& p, FwdArgs& args) {
+  if (p.d <= 64) {
+    if (variant() == 1) return run<FwdHdim64Tall, Element>(p, args);
+    return run<FwdHdim64, Element>(p, args);
+  }
+  if (p.d <= 128) {
+    if (variant() == 1) return run<FwdHdim128Wide, Element>(p, args);
+    return run<FwdHdim128, Element>(p, args);
+  }
+  return run<FwdHdim256, Element>(p, args);
+}
+
+}  // namespace
+
+void run_fwd(const FwdParams& p) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
+  DeviceGuard guard(p.device_index);
+  FwdArgs args{};
+  args.p = p;
+  args.raw_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr && p.scale > 0.0f;
+  constexpr float kLog2e = 1.4426950408889634f;
+  args.to_log2 = args.raw_scores ? p.scale * kLog2e : kLog2e;
+  if (p.dtype == DType::kBFloat16) {
+    run_bucket<__nv_bfloat16>(p, args);
+  } else {
+    run_bucket<__half>(p, args);
+  }
+}
+
 }  // namespace flashattn::detail::cuda::sm90

@@ -1,0 +1,69 @@
+// Hopper's asynchronous copies and their barriers, over CCCL's cuda::ptx: mbarrier
+// init / arrive / expect-tx / parity wait, tensor-map (TMA) loads into shared memory,
+// and the register reallocation and named barriers of warp-specialized kernels.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda/ptx>
+
+namespace flashattn::detail::cuda::sm90 {
+
+namespace ptx = ::cuda::ptx;
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier
+__device__ __forceinline__ void mbar_init(std::uint64_t* bar, std::uint32_t count) {
+  ptx::mbarrier_init(bar, count);
+}
+// Makes the initialised barriers visible to the async proxy (TMA) and the other threads;
+// follow with a block-wide barrier.
+__device__ __forceinline__ void mbar_init_fence() {
+  ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+}
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) { (void)ptx::mbarrier_arrive(bar); }
+// One arrival that also announces `bytes` of TMA transactions completing on the barrier.
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, std::uint32_t bytes) {
+  (void)ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared, bar, bytes);
+}
+// Waits until the phase of parity `phase` has completed. A fresh barrier is in phase 0,
+// so waiting on parity 1 returns at once (the producer's first pass over empty slots).
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t phase) {
+  while (!ptx::mbarrier_try_wait_parity(bar, phase)) {
+  }
+}
+
+// ---- TMA: a 4-D box of the tensor map into shared memory, completing on `bar`
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_map, int c0, int c1,
+                                            int c2, int c3, std::uint64_t* bar) {
+  const std::int32_t coords[4] = {c0, c1, c2, c3};
+  ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, smem_dst, tensor_map, coords, bar);
+}
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(tensor_map)) : "memory");
+}
+
+// ---- warp specialization
+// Register reallocation of a whole warpgroup (sm_90a; the kernel needs a register cap at
+// entry: __launch_bounds__(threads, 1)).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+// Named barriers (ids 1..15; 0 is __syncthreads): sync waits for `threads` arrivals,
+// arrive adds this warp's without waiting.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace flashattn::detail::cuda::sm90

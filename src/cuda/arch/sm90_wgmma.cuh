@@ -1,0 +1,133 @@
+// Thin wrappers over Hopper's warpgroup matrix multiply-accumulate (wgmma, sm_90a), which
+// CCCL's cuda::ptx does not cover: m64nNk16 with fp32 accumulators and fp16 / bf16
+// operands, A from shared memory (ss) or from registers (rs), B from shared memory.
+//
+// The accumulator of one warpgroup is 64 x N fp32: thread t (warp w = t / 32, lane l)
+// holds d[4 * c + e] at row 16 w + l / 4 + 8 (e / 2), column 8 c + 2 (l % 4) + e % 2, the
+// m16n8 layout of mma.sync repeated over N / 8 column tiles. The register A operand of
+// rs (64 x 16) is the m16n8k16 A fragment of each warp's 16 rows.
+//
+// Every wgmma is asynchronous: fence() before the first of a batch (after registers it
+// reads were written), commit() after the batch, wait<n>() before its accumulators or
+// register operands are touched again. ptxas checks the register hazards and serialises
+// (with a warning) where it cannot prove them absent.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace flashattn::detail::cuda::sm90 {
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Keeps the compiler from moving reads or writes of x across this point (accumulators
+// and register operands around an asynchronous wgmma).
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_operand(std::uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+// Shared-memory matrix descriptor for a tile written by TMA with the 128-byte swizzle
+// (rows of 64 16-bit elements, 8-row groups 1024 bytes apart, tile base 1024-aligned).
+//   K-major (Q, K: the reduction dimension contiguous): lbo unused, sbo = 1024.
+//   MN-major (V as B of P V: the output dimension contiguous): lbo = bytes between
+//   64-column blocks, sbo = 1024 (8 reduction rows).
+__device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
+  std::uint64_t desc = 0;
+  desc |= std::uint64_t((smem_addr & 0x3FFFF) >> 4);
+  desc |= std::uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16;
+  desc |= std::uint64_t(1024 >> 4) << 32;
+  desc |= std::uint64_t(1) << 62;  // 128-byte swizzle
+  return desc;
+}
+
+template <int N>
+struct Wgmma;  // m64nNk16, fp32 accumulators float d[N / 2]
+
+#define FA_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                   "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// scale_d = 0: d = A B; 1: d += A B. kTransB = 1: B is MN-major (V).
+#define FA_WGMMA_DEFINE(N, REGS, SS_TAIL, RS_TAIL, SS_P, RS_P, ...)                                  \
+  template <>                                                                                      \
+  struct Wgmma<N> {                                                                                \
+    template <typename Element, int kTransB>                                                       \
+    __device__ __forceinline__ static void ss(float (&d)[N / 2], std::uint64_t da, std::uint64_t db, \
+                                              int scale_d) {                                       \
+      if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                                      \
+        asm volatile("{\n.reg .pred p;\n" SS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k16.f32.bf16.bf16 " REGS ", " SS_TAIL "\n}\n"                                \
+                     : __VA_ARGS__                                                                 \
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(kTransB));                              \
+      } else {                                                                                     \
+        asm volatile("{\n.reg .pred p;\n" SS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k16.f32.f16.f16 " REGS ", " SS_TAIL "\n}\n"                                  \
+                     : __VA_ARGS__                                                                 \
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(kTransB));                              \
+      }                                                                                            \
+    }                                                                                              \
+    template <typename Element, int kTransB>                                                       \
+    __device__ __forceinline__ static void rs(float (&d)[N / 2], const std::uint32_t (&a)[4],     \
+                                              std::uint64_t db, int scale_d) {                     \
+      if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                                      \
+        asm volatile("{\n.reg .pred p;\n" RS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k16.f32.bf16.bf16 " REGS ", " RS_TAIL "\n}\n"                                \
+                     : __VA_ARGS__                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d),          \
+                       "n"(kTransB));                                                              \
+      } else {                                                                                     \
+        asm volatile("{\n.reg .pred p;\n" RS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k16.f32.f16.f16 " REGS ", " RS_TAIL "\n}\n"                                  \
+                     : __VA_ARGS__                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d),          \
+                       "n"(kTransB));                                                              \
+      }                                                                                            \
+    }                                                                                              \
+  };
+
+// The operand numbering of each N: accumulators %0 .. %(N/2 - 1), then the inputs.
+FA_WGMMA_DEFINE(64,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}",
+  "%32, %33, p, 1, 1, 0, %35;", "{%32, %33, %34, %35}, %36, p, 1, 1, %38;",
+  "setp.ne.b32 p, %34, 0;\n", "setp.ne.b32 p, %37, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24))
+FA_WGMMA_DEFINE(80,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}",
+  "%40, %41, p, 1, 1, 0, %43;", "{%40, %41, %42, %43}, %44, p, 1, 1, %46;",
+  "setp.ne.b32 p, %42, 0;\n", "setp.ne.b32 p, %45, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32))
+FA_WGMMA_DEFINE(96,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}",
+  "%48, %49, p, 1, 1, 0, %51;", "{%48, %49, %50, %51}, %52, p, 1, 1, %54;",
+  "setp.ne.b32 p, %50, 0;\n", "setp.ne.b32 p, %53, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40))
+FA_WGMMA_DEFINE(128,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}",
+  "%64, %65, p, 1, 1, 0, %67;", "{%64, %65, %66, %67}, %68, p, 1, 1, %70;",
+  "setp.ne.b32 p, %66, 0;\n", "setp.ne.b32 p, %69, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56))
+FA_WGMMA_DEFINE(176,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87}",
+  "%88, %89, p, 1, 1, 0, %91;", "{%88, %89, %90, %91}, %92, p, 1, 1, %94;",
+  "setp.ne.b32 p, %90, 0;\n", "setp.ne.b32 p, %93, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80))
+FA_WGMMA_DEFINE(192,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}",
+  "%96, %97, p, 1, 1, 0, %99;", "{%96, %97, %98, %99}, %100, p, 1, 1, %102;",
+  "setp.ne.b32 p, %98, 0;\n", "setp.ne.b32 p, %101, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80), FA_ACC8(88))
+FA_WGMMA_DEFINE(256,
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}",
+  "%128, %129, p, 1, 1, 0, %131;", "{%128, %129, %130, %131}, %132, p, 1, 1, %134;",
+  "setp.ne.b32 p, %130, 0;\n", "setp.ne.b32 p, %133, 0;\n",
+  FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80), FA_ACC8(88), FA_ACC8(96), FA_ACC8(104), FA_ACC8(112), FA_ACC8(120))
+
+#undef FA_WGMMA_DEFINE
+#undef FA_ACC8
+
+}  // namespace flashattn::detail::cuda::sm90

@@ -1,0 +1,10 @@
+// The sm90 forward kernels of head-dim bucket 128 (sm_90a).
+#include "cuda/sm90/fwd_configs.hpp"
+#include "cuda/sm90/fwd_launch.cuh"
+
+namespace flashattn::detail::cuda::sm90 {
+template void launch_fwd<FwdHdim128, __nv_bfloat16>(const FwdArgs&);
+template void launch_fwd<FwdHdim128, __half>(const FwdArgs&);
+template void launch_fwd<FwdHdim128Wide, __nv_bfloat16>(const FwdArgs&);
+template void launch_fwd<FwdHdim128Wide, __half>(const FwdArgs&);
+}  // namespace flashattn::detail::cuda::sm90
