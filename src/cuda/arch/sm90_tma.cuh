@@ -46,6 +46,10 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(tensor_map)) : "memory");
 }
 
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy
+// (TMA, wgmma) accesses of the same memory.
+__device__ __forceinline__ void fence_proxy_async_smem() { ptx::fence_proxy_async(ptx::space_shared); }
+
 // ---- warp specialization
 // Register reallocation of a whole warpgroup (sm_90a; the kernel needs a register cap at
 // entry: __launch_bounds__(threads, 1)).

@@ -100,6 +100,7 @@ void run_fwd(const FwdParams& p) {
   args.raw_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr && p.scale > 0.0f;
   constexpr float kLog2e = 1.4426950408889634f;
   args.to_log2 = args.raw_scores ? p.scale * kLog2e : kLog2e;
+  args.v_tail_zero = !p.is_varlen() && p.cache_seqlens == nullptr && p.seqused_k == nullptr;
   if (p.dtype == DType::kBFloat16) {
     run_bucket<__nv_bfloat16>(p, args);
   } else {

@@ -49,7 +49,7 @@ struct FwdConfig {
   static constexpr int kColBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K (or V) tile
-  static constexpr int kBarriers = 1 + 4 * kStages;
+  static constexpr int kBarriers = 2 + 4 * kStages;
   // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
   // Registers per thread after setmaxnreg: 65536 per SM, one block.
@@ -68,6 +68,7 @@ struct FwdArgs {
   FwdParams p;
   float to_log2;    // exp2 factor of the softmax: scale * log2(e) on raw scores, else log2(e)
   bool raw_scores;  // no softcap, no ALiBi, scale > 0: the scale folds into exp2
+  bool v_tail_zero; // every sequence's keys end where the V tensor map does (TMA zero-fills)
 };
 
 template <typename Element>
@@ -109,6 +110,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   std::uint64_t* full_v = full_k + kStages;
   std::uint64_t* empty_k = full_v + kStages;
   std::uint64_t* empty_v = empty_k + kStages;
+  std::uint64_t* bar_tail = empty_v + kStages;  // the zero-filled last V tile's copy
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int s_q = p.seq_len_q(b);
@@ -127,6 +129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const int warp = tid / 32, lane = tid % 32, wg = warp / 4;
   if (tid == 0) {
     mbar_init(bar_q, 1);
+    mbar_init(bar_tail, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_k[s], 1);
       mbar_init(&full_v[s], 1);
@@ -140,37 +143,69 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   if (wg == 0) {
     // ---------------------------------------------------------------- producer
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (warp == 0 && lane == 0) {
-      prefetch_tensor_map(&args.tmap_q);
-      prefetch_tensor_map(&args.tmap_k);
-      prefetch_tensor_map(&args.tmap_v);
+    if (warp == 0) {
+      const bool leader = lane == 0;
+      if (leader) {
+        prefetch_tensor_map(&args.tmap_q);
+        prefetch_tensor_map(&args.tmap_k);
+        prefetch_tensor_map(&args.tmap_v);
+      }
       const int g = h / p.h_ratio;
       const int q_row = p.is_varlen() ? p.cu_seqlens_q[b] + m0 : m0;
       const int q_b = p.is_varlen() ? 0 : b;
       const int k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[b] : 0;
       const int k_b = p.cu_seqlens_k != nullptr ? 0 : p.cache_row(b);
-      mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
+      if (leader) {
+        mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
 #pragma unroll
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, h, q_b, bar_q);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, h, q_b, bar_q);
+        }
       }
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % kStages;
         const std::uint32_t phase = (it / kStages) & 1;
-        const int row = k_row0 + (n_last - it) * kBlockN;
+        const int n = n_last - it;
+        const int row = k_row0 + n * kBlockN;
+        unsigned char* k_dst = sK + stage * Cfg::kKVBytes;
+        unsigned char* v_dst = sV + stage * Cfg::kKVBytes;
         mbar_wait(&empty_k[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&full_k[stage], Cfg::kKVBytes);
+        if (leader) {
+          mbar_arrive_expect_tx(&full_k[stage], Cfg::kKVBytes);
 #pragma unroll
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          tma_load_4d(sK + stage * Cfg::kKVBytes + c * kBlockN * 128, &args.tmap_k, c * 64, row, g,
-                      k_b, &full_k[stage]);
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            tma_load_4d(k_dst + c * kBlockN * 128, &args.tmap_k, c * 64, row, g, k_b, &full_k[stage]);
+          }
         }
         mbar_wait(&empty_v[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
+        // The V rows past the keys' end are read from the tensor (the next sequence, unused
+        // cache slots) unless the tensor ends there: 0 * NaN would poison O, so the warp
+        // zeroes them before the consumers see the tile.
+        const int valid = s_k - n * kBlockN;
+        if (valid < kBlockN && !args.v_tail_zero) {
+          if (leader) {
+            mbar_arrive_expect_tx(bar_tail, Cfg::kKVBytes);
 #pragma unroll
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          tma_load_4d(sV + stage * Cfg::kKVBytes + c * kBlockN * 128, &args.tmap_v, c * 64, row, g,
-                      k_b, &full_v[stage]);
+            for (int c = 0; c < Cfg::kColBlocks; ++c) {
+              tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, bar_tail);
+            }
+          }
+          mbar_wait(bar_tail, 0);
+          for (int idx = valid * 8 + lane; idx < kBlockN * 8; idx += 32) {
+#pragma unroll
+            for (int c = 0; c < Cfg::kColBlocks; ++c) {
+              *reinterpret_cast<uint4*>(v_dst + c * kBlockN * 128 + idx * 16) = make_uint4(0, 0, 0, 0);
+            }
+          }
+          fence_proxy_async_smem();
+          __syncwarp();
+          if (leader) mbar_arrive(&full_v[stage]);
+        } else if (leader) {
+          mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
+#pragma unroll
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, &full_v[stage]);
+          }
         }
       }
     }
