@@ -15,8 +15,9 @@ namespace flashattn::detail::cuda::sm90 {
 bool fwd_built() noexcept { return true; }
 
 const char* fwd_unsupported(const FwdParams& p) noexcept {
-  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) != 9 ||
-      device_attribute<cudaDevAttrComputeCapabilityMinor>(p.device_index, -1) != 0) {
+  // Compute capability 9.x is 9.0 alone (H100 / H200), whose minor 0 device_attribute
+  // would read as missing: the major decides.
+  if (device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) != 9) {
     return "not a compute capability 9.0 GPU";
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
