@@ -14,7 +14,8 @@ matmul), all in this one process, on
   against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory);
 - with --prefill-chunk: a 2k-token causal chunk against 32k keys of KV cache, dense and
   paged (block 16 and 256), flashattn through flash_attn_with_kvcache against FA4;
-- the GEMM ceiling of the run: a bf16 8192^3 torch.matmul, in TFLOP/s.
+- the ceilings of the run: a bf16 8192^3 torch.matmul in TFLOP/s, and (with the decode
+  grid) torch.sum over 4 GiB in TB/s read (--no-gemm skips both).
 
 Every table gives flashattn / best peer per cell (the best of FA4, cuDNN and FA2 that ran)
 next to the per-peer ratios; the short table of flashattn / best peer is printed last.
@@ -420,6 +421,25 @@ def run_gemm(torch, timer, cfg, cpu, rows):
     return r
 
 
+def run_read_bandwidth(torch, timer, cpu, rows):
+    """The decode grid's ceiling: torch.sum over a 4 GiB fp32 tensor (64 MiB on the CPU),
+    in TB/s of bytes read."""
+    device = "cpu" if cpu else "cuda"
+    n = (1 << 24) if cpu else (1 << 30)
+    try:
+        x = torch.rand(n, device=device)
+        ms, reps = timer.time([lambda: x.sum()])
+        r = R.row("read", "torch.sum", "fp32", 0, False, n, 1, 1, "read", ms=ms,
+                  tbps=R.tbps(4 * n, ms), reps=reps)
+        del x
+    except Exception as exc:
+        r = R.na("read", "torch.sum", "fp32", 0, False, n, 1, 1, "read", reason_of(exc, []))
+    rows.append(r)
+    if not cpu:
+        torch.cuda.empty_cache()
+    return r
+
+
 # ----------------------------------------------------------------- prefill chunk
 
 
@@ -687,7 +707,7 @@ def build_parser():
                     "first in this process, each other in a subprocess (standard grid only)")
     ap.add_argument("--prefill-chunk", action="store_true",
                     help="also the prefill-chunk measurement (the same as adding 'prefill' to --grids)")
-    ap.add_argument("--no-gemm", action="store_true", help="skip the GEMM ceiling measurement")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the ceilings (GEMM, and the read bandwidth before the decode grid)")
     ap.add_argument("--budget-ms", type=float, help="timed milliseconds per measurement")
     ap.add_argument("--min-reps", type=int)
     ap.add_argument("--max-reps", type=int)
@@ -855,6 +875,9 @@ def main(argv=None):
         save()
     if "decode" in grids:
         t0 = time.time()
+        if not args.no_gemm:
+            rb = run_read_bandwidth(torch, timer, cpu, rows)
+            meta["read_tbps"] = rb["tbps"]
         run_decode(torch, impls, timer, dec, cpu, args, rows, progress)
         wall["decode grid"] = time.time() - t0
     progress.close()

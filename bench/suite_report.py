@@ -564,6 +564,9 @@ def report(meta, rows):
     for g in gemm:
         parts.append(f"GEMM ceiling: {g['dtype']} {g['seqlen']}^3 torch.matmul "
                      + (f"{g['tflops'] * k:.0f} {unit}" if _ok(g) else f"n/a ({g['note']})"))
+    for g in (r for r in rows if r["grid"] == "read"):
+        parts.append(f"read ceiling: torch.sum of {g['seqlen'] * 4 / 2**30:g} GiB fp32 "
+                     + (f"{g['tbps'] * k:.2f} {bw}" if _ok(g, "tbps") else f"n/a ({g['note']})"))
     if any(r["grid"] == "standard" for r in rows):
         parts += ["", f"## Standard grid: ours {unit}, ours / best peer, ours/peer (peer {unit}) per cell",
                   "", ratio_table(rows, unit=unit), "",
