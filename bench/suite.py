@@ -1,6 +1,7 @@
-"""The unified benchmark (issue 6): flashattn against PyTorch SDPA's FLASH_ATTENTION,
-CUDNN_ATTENTION, EFFICIENT_ATTENTION and MATH backends and a naive unfused computation
-(matmul, softmax, matmul), all in this one process, on
+"""The benchmark of flashattn (issues 6 and 18): flashattn against FlashAttention-4 (when
+importable), PyTorch SDPA's CUDNN_ATTENTION, FLASH_ATTENTION (FlashAttention-2),
+EFFICIENT_ATTENTION and MATH backends and a naive unfused computation (matmul, softmax,
+matmul), all in this one process, on
 
 - the standard grid of the FlashAttention papers: bf16 and fp16, 16k tokens, model dim
   2048 (heads = 2048 / hdim), hdim 64 / 128 / 256, causal and not, seqlen 512 .. 16k;
@@ -10,22 +11,36 @@ CUDNN_ATTENTION, EFFICIENT_ATTENTION and MATH backends and a naive unfused compu
   token, contexts 4k / 32k / 128k, in TB/s of K and V read (flashattn through
   flash_attn_with_kvcache; SDPA CUDNN and FLASH on the same dense cache);
 - a memory sweep: peak memory of forward + backward, batch 1, 16 heads, hdim 128, naive
-  against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory).
+  against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory);
+- with --prefill-chunk: a 2k-token causal chunk against 32k keys of KV cache, dense and
+  paged (block 16 and 256), flashattn through flash_attn_with_kvcache against FA4;
+- the ceilings of the run: a bf16 8192^3 torch.matmul in TFLOP/s, and (with the decode
+  grid) torch.sum over 4 GiB in TB/s read (--no-gemm skips both).
+
+Every table gives flashattn / best peer per cell (the best of FA4, cuDNN and FA2 that ran)
+next to the per-peer ratios; the short table of flashattn / best peer is printed last.
+--families auto,sm80 measures flashattn under more than one kernel family in one run
+(columns flashattn, flashattn-sm80): each family after the first runs the standard grid in
+a subprocess with FLASHATTN_KERNEL_FAMILY set before flashattn loads (the library reads it
+once per process).
 
 With --cpu: the CPU backend against the naive computation and torch's CPU SDPA on a small
 grid. Results (CSV, JSON with metadata, report.md, PNG plots when matplotlib is present) go
-to --out (default build/bench-results/<date>-<device>/); the report with the ratio of flashattn
-to every peer in every cell is printed last. `--plot DIR` redraws the plots from
-DIR/results.json (for a machine with matplotlib).
+to --out (default build/bench-results/<date>-<device>/). `--plot DIR` redraws the plots
+from DIR/results.json (for a machine with matplotlib).
 
-    python3 bench/suite.py [--cpu] [--quick] [--out DIR] [--grids standard,decode,memory]
+    python3 bench/suite.py [--cpu] [--quick] [--out DIR] [--grids standard,decode,memory,prefill]
+                           [--only fwd,bwd,fwd_bwd] [--hdims 64,128] [--seqlens 4k,16k]
+                           [--dtypes bf16] [--causal both|yes|no] [--impls ...]
+                           [--families auto,sm80] [--prefill-chunk] [--no-gemm]
     python3 bench/suite.py --plot DIR
 
-Method: CUDA events around every call (host clock on the CPU), one warm-up call, one call
-to estimate the time, then as many timed calls as fit a budget per measurement (default
-25 ms, at least 3 and at most 30), median; inputs rotate among 3 sets (1 set where one
-call's s x s intermediate alone is larger than the L2). Forward is timed without autograd;
-backward is torch.autograd.grad over a retained forward graph; forward + backward is both.
+Method: CUDA events around every call (host clock on the CPU), one warm-up call (FA4
+compiles a configuration on its first call there), one call to estimate the time, then as
+many timed calls as fit a budget per measurement (default 25 ms, at least 3 and at most 30),
+median; inputs rotate among 3 sets (1 set where one call's s x s intermediate alone is
+larger than the L2). Forward is timed without autograd; backward is torch.autograd.grad
+over a retained forward graph; forward + backward is both.
 """
 
 import argparse
@@ -62,6 +77,7 @@ def metadata(torch, cpu, args):
     commit = os.environ.get("FLASHATTN_COMMIT") or _run(["git", "rev-parse", "--short", "HEAD"])
     meta = dict(
         commit=commit or "unknown",
+        kernel_family=os.environ.get("FLASHATTN_KERNEL_FAMILY", "auto"),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         mode="cpu" if cpu else "cuda",
         quick=bool(args.quick),
@@ -160,11 +176,32 @@ def reason_of(exc, caught):
 # ----------------------------------------------------------------- implementations
 
 
-class Impls:
-    """Forward functions over [b, s, h, d] inputs; each returns (out, dout layout flag)."""
+def load_fa4():
+    """(module, version, None) when FlashAttention-4 imports, else (None, None, reason)."""
+    try:
+        from flash_attn.cute import interface as fa4
+    except Exception as exc:  # not installed (the usual case), or a broken install
+        return None, None, R.short_reason(f"{type(exc).__name__}: {exc}", 120)
+    version = ""
+    try:
+        from importlib import metadata as md
+        for name in ("flash-attn-4", "flash_attn_4", "flash-attn"):
+            try:
+                version = md.version(name)
+                break
+            except md.PackageNotFoundError:
+                pass
+    except Exception:
+        pass
+    return fa4, version or "unknown version", None
 
-    def __init__(self, torch, cpu):
-        self.torch, self.cpu = torch, cpu
+
+class Impls:
+    """Forward functions over [b, s, h, d] inputs; each returns the output ([b, s, h, d]
+    for flashattn and FA4, [b, h, s, d] for SDPA and naive; see bhsd)."""
+
+    def __init__(self, torch, cpu, fa4=None):
+        self.torch, self.cpu, self.fa4 = torch, cpu, fa4
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -190,7 +227,7 @@ class Impls:
 
     def bhsd(self, impl):
         """Whether the implementation's output (and so dout) is [b, h, s, d]."""
-        return impl != R.OURS
+        return not (R.is_ours(impl) or impl == "fa4")
 
     def _mask(self, s, device):
         key = (s, str(device))
@@ -201,8 +238,13 @@ class Impls:
         return self._masks[key]
 
     def forward(self, impl, q, k, v, causal):
-        if impl == R.OURS:
+        if R.is_ours(impl):  # flashattn-<family>: this process's family (set at its start)
             return self.fa(q, k, v, causal=causal)
+        if impl == "fa4":
+            if self.fa4 is None:
+                raise RuntimeError("FlashAttention-4 is not importable here")
+            out = self.fa4.flash_attn_func(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if impl == "naive":
             s = self.torch.matmul(qt, kt.transpose(-2, -1))
@@ -227,10 +269,10 @@ def run_standard(torch, impls, timer, grid, impl_names, cpu, args, rows, progres
         gen = torch.Generator(device=device).manual_seed(1234)
         pool = torch.randn(args.sets, 4, n, dtype=dt, device=device, generator=gen)
         for d in grid["hdims"]:
-            for causal in (False, True):
+            for causal in grid.get("causals", R.CAUSALS):
                 for s in grid["seqlens"]:
                     b, h = R.shape_for(grid, d, s)
-                    for dirn in R.DIRECTIONS:
+                    for dirn in grid.get("directions", R.DIRECTIONS):
                         flops = R.attention_flops(b, h, s, s, d, causal, dirn)
                         for impl in impl_names:
                             label = f"{dt_name} d{d} {'c' if causal else 'n'} {s} {dirn} {impl}"
@@ -309,6 +351,156 @@ def _bwd_call(torch, out, inputs, do):
 
 def _fb_call(torch, impls, impl, q, k, v, do, causal):
     return lambda: torch.autograd.grad(impls.forward(impl, q, k, v, causal), (q, k, v), do)
+
+
+# ----------------------------------------------------------------- kernel families
+
+
+def family_command(args, grid, family, out):
+    """The command line that measures flashattn alone under one kernel family on the same
+    standard grid, in a process of its own (FLASHATTN_KERNEL_FAMILY is read once, when the
+    library loads)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--families", family,
+           "--impls", R.family_impl(family), "--grids", "standard", "--no-gemm", "--no-plot",
+           "--worker", "--out", out,
+           "--dtypes", ",".join(grid["dtypes"]), "--hdims", ",".join(map(str, grid["hdims"])),
+           "--seqlens", ",".join(map(str, grid["seqlens"])),
+           "--only", ",".join(grid.get("directions", R.DIRECTIONS)),
+           "--causal", {(False, True): "both", (True,): "yes", (False,): "no"}[
+               tuple(grid.get("causals", R.CAUSALS))],
+           "--budget-ms", str(args.budget_ms), "--min-reps", str(args.min_reps),
+           "--max-reps", str(args.max_reps), "--sets", str(args.sets)]
+    if args.cpu:
+        cmd.append("--cpu")
+    if args.time_limit:
+        cmd += ["--time-limit", str(args.time_limit)]
+    return cmd
+
+
+def run_family(args, grid, family, out, rows):
+    """Runs family_command and appends its rows (impl flashattn-<family>); when the
+    subprocess leaves no results, one n/a row per cell with the reason."""
+    env = dict(os.environ, FLASHATTN_KERNEL_FAMILY=family)
+    impl = R.family_impl(family)
+    print(f"== flashattn under kernel family {family} (column {impl}): a subprocess with "
+          f"FLASHATTN_KERNEL_FAMILY={family}", flush=True)
+    res = subprocess.run(family_command(args, grid, family, out), env=env, cwd=REPO)
+    path = os.path.join(out, "results.json")
+    if os.path.exists(path):
+        _, got = R.read_json(path)
+        rows += [r for r in got if r["grid"] == "standard"]
+        return res.returncode
+    for dt, d, causal, s, dirn in R.standard_cells(grid):
+        b, h = R.shape_for(grid, d, s)
+        rows.append(R.na("standard", impl, dt, d, causal, s, b, h, dirn,
+                         f"family subprocess exited {res.returncode} without results"))
+    return res.returncode
+
+
+# ----------------------------------------------------------------- GEMM ceiling
+
+
+def run_gemm(torch, timer, cfg, cpu, rows):
+    """The run's compute ceiling: an n^3 matmul in TFLOP/s (GFLOP/s-scale on the CPU)."""
+    device = "cpu" if cpu else "cuda"
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    n = cfg["n"]
+    try:
+        a, b = (torch.randn(n, n, dtype=dt, device=device) for _ in range(2))
+        out = torch.empty(n, n, dtype=dt, device=device)
+        ms, reps = timer.time([lambda: torch.matmul(a, b, out=out)])
+        r = R.row("gemm", "torch.matmul", cfg["dtype"], 0, False, n, 1, 1, "gemm", ms=ms,
+                  tflops=R.tflops(R.gemm_flops(n), ms), reps=reps)
+        del a, b, out
+    except Exception as exc:
+        r = R.na("gemm", "torch.matmul", cfg["dtype"], 0, False, n, 1, 1, "gemm",
+                 reason_of(exc, []))
+    rows.append(r)
+    if not cpu:
+        torch.cuda.empty_cache()
+    return r
+
+
+def run_read_bandwidth(torch, timer, cpu, rows):
+    """The decode grid's ceiling: torch.sum over a 4 GiB fp32 tensor (64 MiB on the CPU),
+    in TB/s of bytes read."""
+    device = "cpu" if cpu else "cuda"
+    n = (1 << 24) if cpu else (1 << 30)
+    try:
+        x = torch.rand(n, device=device)
+        ms, reps = timer.time([lambda: x.sum()])
+        r = R.row("read", "torch.sum", "fp32", 0, False, n, 1, 1, "read", ms=ms,
+                  tbps=R.tbps(4 * n, ms), reps=reps)
+        del x
+    except Exception as exc:
+        r = R.na("read", "torch.sum", "fp32", 0, False, n, 1, 1, "read", reason_of(exc, []))
+    rows.append(r)
+    if not cpu:
+        torch.cuda.empty_cache()
+    return r
+
+
+# ----------------------------------------------------------------- prefill chunk
+
+
+def run_prefill(torch, impls, timer, cfg, cpu, args, rows, progress):
+    """A chunk of s_q new tokens (causal, bottom-right aligned) against s_k keys of cache:
+    dense [b, s_k, h_k, d] and paged [blocks, block, h_k, d] with a shuffled block table.
+    flashattn through flash_attn_with_kvcache; FA4 through flash_attn_func (dense) and
+    flash_attn_varlen_func with page_table (paged), n/a with the reason where it refuses."""
+    device = "cpu" if cpu else "cuda"
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    b, hq, hk, d, sq, sk = (cfg[x] for x in ("batch", "heads", "heads_kv", "hdim", "seqlen_q",
+                                             "seqlen_k"))
+    flops = R.prefill_flops(b, hq, sq, sk, d)
+    names = [args.ours] + (["fa4"] if impls.fa4 is not None and not cpu else [])
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    q = torch.randn(b, sq, hq, d, dtype=dt, device=device)
+    seqlens = torch.full((b,), sk, dtype=torch.int32, device=device)
+    layouts = [("dense", None)] + [(f"paged {bs}", bs) for bs in cfg["blocks"]]
+    for lay, bs in layouts:
+        try:
+            if bs is None:
+                kc, vc = (torch.randn(b, sk, hk, d, dtype=dt, device=device) for _ in range(2))
+                table = None
+            else:
+                nb = b * sk // bs
+                kc, vc = (torch.randn(nb, bs, hk, d, dtype=dt, device=device) for _ in range(2))
+                table = torch.randperm(nb, generator=gen).to(torch.int32).view(b, sk // bs)
+                table = table.to(device)
+        except Exception as exc:
+            for impl in names:
+                rows.append(R.na("prefill", impl, cfg["dtype"], d, True, sk, b, hq, "fwd",
+                                 reason_of(exc, []), heads_kv=hk, layout=lay))
+                progress.update(f"prefill {lay} {impl}")
+            continue
+        cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=device)
+        for impl in names:
+            if R.is_ours(impl):
+                call = (lambda kc=kc, vc=vc, table=table: impls.fa_kvcache(
+                    q, kc, vc, cache_seqlens=seqlens, block_table=table, causal=True))
+            elif table is None:
+                call = (lambda kc=kc, vc=vc: impls.fa4.flash_attn_func(q, kc, vc, causal=True))
+            else:
+                call = (lambda kc=kc, vc=vc, table=table: impls.fa4.flash_attn_varlen_func(
+                    q.view(b * sq, hq, d), kc, vc, cu_seqlens_q=cu_q, seqused_k=seqlens,
+                    max_seqlen_q=sq, max_seqlen_k=sk, page_table=table, causal=True))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with torch.no_grad():
+                        ms, reps = timer.time([call])
+                    rows.append(R.row("prefill", impl, cfg["dtype"], d, True, sk, b, hq, "fwd",
+                                      heads_kv=hk, ms=ms, tflops=R.tflops(flops, ms), reps=reps,
+                                      layout=lay, note=f"s_q {sq}"))
+                except Exception as exc:
+                    rows.append(R.na("prefill", impl, cfg["dtype"], d, True, sk, b, hq, "fwd",
+                                     reason_of(exc, caught), heads_kv=hk, layout=lay))
+            progress.update(f"prefill {lay} {impl}")
+        del kc, vc
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------- decode
@@ -493,15 +685,29 @@ def plot_dir(path):
         print("wrote", p)
 
 
-def main(argv=None):
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="CPU backend, small grid")
     ap.add_argument("--quick", action="store_true", help="a smaller grid (a smoke run)")
     ap.add_argument("--out", help="results directory (default build/bench-results/<date>-<device>)")
     ap.add_argument("--grids", default="standard,decode,memory",
-                    help="comma list of standard, decode, memory")
-    ap.add_argument("--impls", help="comma list of implementations (default: all)")
+                    help="comma list of standard, decode, memory, prefill")
+    ap.add_argument("--only", metavar="DIRS",
+                    help="standard grid directions: comma list of fwd, bwd, fwd_bwd (default all)")
+    ap.add_argument("--hdims", help="standard grid head dims, e.g. 64,128,256")
+    ap.add_argument("--seqlens", help="standard grid seqlens, e.g. 512,2k,16k")
+    ap.add_argument("--dtypes", help="standard grid dtypes: comma list of bf16, fp16 (fp32 on the CPU)")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                    help="standard grid: causal cells, non-causal cells or both")
+    ap.add_argument("--impls", help="comma list of implementations (default: all; "
+                    + ", ".join(R.GPU_IMPLS) + "; on the CPU " + ", ".join(R.CPU_IMPLS) + ")")
+    ap.add_argument("--families", help="flashattn kernel families to measure, comma list of "
+                    + ", ".join(R.FAMILIES) + " (columns flashattn, flashattn-sm80, ...); the "
+                    "first in this process, each other in a subprocess (standard grid only)")
+    ap.add_argument("--prefill-chunk", action="store_true",
+                    help="also the prefill-chunk measurement (the same as adding 'prefill' to --grids)")
+    ap.add_argument("--no-gemm", action="store_true", help="skip the ceilings (GEMM, and the read bandwidth before the decode grid)")
     ap.add_argument("--budget-ms", type=float, help="timed milliseconds per measurement")
     ap.add_argument("--min-reps", type=int)
     ap.add_argument("--max-reps", type=int)
@@ -510,15 +716,64 @@ def main(argv=None):
                     help="seconds for the standard grid; cells after it are recorded as not run")
     ap.add_argument("--plot", metavar="DIR", help="only draw the plots from DIR/results.json")
     ap.add_argument("--no-plot", action="store_true")
-    args = ap.parse_args(argv)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap
+
+
+def resolve(args, cpu):
+    """(standard grid, grids, implementation names, families) from the options; raises
+    ValueError with the option's name on a bad value. Needs neither torch nor a GPU."""
+    grids = R.parse_list(args.grids, allowed=("standard", "decode", "memory", "prefill"),
+                         what="--grids entry")
+    if args.prefill_chunk and "prefill" not in grids:
+        grids.append("prefill")
+    grid = dict((R.CPU_QUICK if args.quick else R.CPU) if cpu else
+                (R.QUICK if args.quick else R.STANDARD))
+    if args.only:
+        grid["directions"] = tuple(R.parse_list(args.only, allowed=R.DIRECTIONS,
+                                                what="--only direction"))
+    if args.hdims:
+        grid["hdims"] = tuple(R.parse_list(args.hdims, int, what="--hdims entry"))
+    if args.seqlens:
+        grid["seqlens"] = tuple(R.parse_list(args.seqlens, int, what="--seqlens entry"))
+    if args.dtypes:
+        grid["dtypes"] = tuple(R.parse_list(args.dtypes, allowed=("bf16", "fp16", "fp32"),
+                                            what="--dtypes entry"))
+    grid["causals"] = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    families = (R.parse_list(args.families, allowed=R.FAMILIES, what="--families entry")
+                if args.families else [])
+    if len(set(families)) != len(families):
+        raise ValueError(f"--families {args.families!r}: a family is named twice")
+    first = families[0] if families else os.environ.get("FLASHATTN_KERNEL_FAMILY", "auto")
+    ours = R.family_impl(first)
+    names = [ours if n == R.OURS else n for n in (R.CPU_IMPLS if cpu else R.GPU_IMPLS)]
+    if args.impls:
+        want = R.parse_list(args.impls, what="--impls entry")
+        want = [ours if n == R.OURS else n for n in want]
+        names = [n for n in names if n in want]
+    return grid, grids, names, families
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
 
     if args.plot:
         plot_dir(args.plot)
         return 0
+    cpu = args.cpu
+    try:
+        grid, grids, names, families = resolve(args, cpu)
+    except ValueError as exc:
+        print(f"bench/suite.py: {exc}", file=sys.stderr)
+        return 2
+    args.ours = R.family_impl(families[0] if families else
+                              os.environ.get("FLASHATTN_KERNEL_FAMILY", "auto"))
+    if families:
+        # Before flashattn loads: the library reads the variable once per process.
+        os.environ["FLASHATTN_KERNEL_FAMILY"] = families[0]
 
     import torch
 
-    cpu = args.cpu
     if not cpu and not torch.cuda.is_available():
         print("bench/suite.py: no CUDA device visible to torch; use --cpu", file=sys.stderr)
         return 2
@@ -534,14 +789,14 @@ def main(argv=None):
     if not cpu:
         torch.backends.cuda.matmul.allow_tf32 = False
 
-    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
-    grid = (R.CPU_QUICK if args.quick else R.CPU) if cpu else (R.QUICK if args.quick else R.STANDARD)
-    names = list(R.CPU_IMPLS if cpu else R.GPU_IMPLS)
-    if args.impls:
-        want = args.impls.split(",")
-        names = [n for n in names if n in want]
+    fa4 = fa4_version = fa4_reason = None
+    if not cpu and "fa4" in names:
+        fa4, fa4_version, fa4_reason = load_fa4()
+        if fa4 is None:
+            names.remove("fa4")
     dec = R.DECODE_CPU if cpu else R.DECODE
     mem = R.MEMORY_CPU if cpu else R.MEMORY
+    pre = R.PREFILL_CPU if cpu else R.PREFILL
     if args.quick and not cpu:
         mem = dict(mem, seqlens=(4096, 16384, 32768))
         dec = dict(dec, contexts=(4096, 32768))
@@ -550,8 +805,22 @@ def main(argv=None):
     out = args.out or R.default_out_dir(os.path.join(REPO, "build", "bench-results"), meta["device"])
     os.makedirs(out, exist_ok=True)
     meta["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()}
+    meta["grids"] = grids
     meta["impls"] = names
+    if families:
+        meta["families"] = families
+    if "prefill" in grids:
+        meta["prefill"] = {k: list(v) if isinstance(v, tuple) else v for k, v in pre.items()}
+    if fa4 is not None:
+        meta["fa4"] = fa4_version
+        meta["fa4_note"] = f"FA4: flash-attn-4 {fa4_version} (flash_attn.cute) is a peer in this run"
+    elif not cpu and not args.worker:
+        meta["fa4"] = "absent"
+        meta["fa4_note"] = (f"FA4: not importable here ({fa4_reason or 'not selected'}); no FA4 "
+                            "column (to bring it to the GPU machine: ../shared/peers/README.md)")
     print(f"flashattn benchmark: {R.meta_line(meta)}; results in {out}", flush=True)
+    if meta.get("fa4_note"):
+        print(meta["fa4_note"], flush=True)
 
     total = 0
     if "standard" in grids:
@@ -560,8 +829,10 @@ def main(argv=None):
         total += len(dec["contexts"]) * 3 if not cpu else len(dec["contexts"]) * 2
     if "memory" in grids:
         total += 2 * len(mem["seqlens"])
+    if "prefill" in grids:
+        total += (1 + len(pre["blocks"])) * (2 if fa4 is not None and not cpu else 1)
     progress = R.Progress(total, "bench")
-    impls = Impls(torch, cpu)
+    impls = Impls(torch, cpu, fa4)
     timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps)
     rows, wall = [], {}
     meta["wall_s"] = wall
@@ -573,12 +844,29 @@ def main(argv=None):
         R.write_csv(os.path.join(out, "results.csv"), rows)
         R.write_json(os.path.join(out, "results.json"), meta, rows)
 
+    if not args.no_gemm:
+        g = run_gemm(torch, timer, R.GEMM_CPU if cpu else R.GEMM, cpu, rows)
+        meta["gemm_tflops"] = g["tflops"]
+        unit = "GFLOP/s" if cpu else "TFLOP/s"
+        print(f"GEMM ceiling: {g['dtype']} {g['seqlen']}^3 torch.matmul " +
+              (f"{g['tflops'] * (1e3 if cpu else 1):.0f} {unit}" if g["status"] == "ok"
+               else f"n/a ({g['note']})"), flush=True)
     # Decode last: it is the grid whose calls (CUDA graph capture) are likeliest to fail.
     if "standard" in grids:
         t0 = time.time()
         args.deadline = t0 + args.time_limit if args.time_limit else 0
         run_standard(torch, impls, timer, grid, names, cpu, args, rows, progress)
         wall["standard grid"] = time.time() - t0
+        save()
+        for fam in families[1:]:
+            t0 = time.time()
+            run_family(args, grid, fam, os.path.join(out, f"family-{fam}"), rows)
+            wall[f"standard grid, family {fam}"] = time.time() - t0
+            save()
+    if "prefill" in grids:
+        t0 = time.time()
+        run_prefill(torch, impls, timer, pre, cpu, args, rows, progress)
+        wall["prefill chunk"] = time.time() - t0
         save()
     if "memory" in grids:
         t0 = time.time()
@@ -587,10 +875,15 @@ def main(argv=None):
         save()
     if "decode" in grids:
         t0 = time.time()
+        if not args.no_gemm:
+            rb = run_read_bandwidth(torch, timer, cpu, rows)
+            meta["read_tbps"] = rb["tbps"]
         run_decode(torch, impls, timer, dec, cpu, args, rows, progress)
         wall["decode grid"] = time.time() - t0
     progress.close()
     save()
+    if args.worker:
+        return 0
     text = R.report(meta, rows)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(text)

@@ -24,6 +24,7 @@ CPU = dict(tokens=2048, model_dim=256, hdims=(64, 128), seqlens=(128, 256, 512, 
 CPU_QUICK = dict(tokens=1024, model_dim=128, hdims=(64,), seqlens=(128, 512), dtypes=("fp32",))
 
 DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
+CAUSALS = (False, True)
 DECODE = dict(batch=8, heads=32, heads_kv=8, hdim=128, contexts=(4096, 32768, 131072),
               dtype="bf16")
 DECODE_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, contexts=(1024, 4096), dtype="fp32")
@@ -31,21 +32,66 @@ DECODE_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, contexts=(1024, 4096), 
 MEMORY = dict(batch=1, heads=16, hdim=128, dtype="bf16",
               seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536))
 MEMORY_CPU = dict(batch=1, heads=4, hdim=64, dtype="fp32", seqlens=(512, 1024, 2048, 4096))
+# Prefill chunk (--prefill-chunk): s_q new tokens (causal, bottom-right aligned) against a
+# cache of s_k keys (the chunk's own keys included), dense and paged with each block size.
+PREFILL = dict(batch=1, heads=32, heads_kv=8, hdim=128, dtype="bf16", seqlen_q=2048,
+               seqlen_k=32768, blocks=(16, 256))
+PREFILL_CPU = dict(batch=1, heads=4, heads_kv=2, hdim=64, dtype="fp32", seqlen_q=128,
+                   seqlen_k=1024, blocks=(16, 256))
+# The GEMM ceiling measured in the same run: an n^3 matmul.
+GEMM = dict(n=8192, dtype="bf16")
+GEMM_CPU = dict(n=512, dtype="fp32")
 
-GPU_IMPLS = ("flashattn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "naive")
+GPU_IMPLS = ("flashattn", "fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+             "naive")
 CPU_IMPLS = ("flashattn", "sdpa_cpu", "naive")
 OURS = "flashattn"
+# The peers flashattn is measured against in the "best peer" ratio: FlashAttention-4,
+# cuDNN (SDPA CUDNN_ATTENTION) and FlashAttention-2 (SDPA FLASH_ATTENTION). On the CPU:
+# torch's SDPA.
+BEST_PEERS = ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_cpu")
+FAMILIES = ("auto", "sm80", "sm90")
+
+
+def is_ours(impl):
+    """flashattn, or flashattn under a forced kernel family ('flashattn-sm80')."""
+    return impl == OURS or str(impl).startswith(OURS + "-")
+
+
+def family_impl(family):
+    """The column of flashattn under a kernel family: 'flashattn' for auto (or none)."""
+    return OURS if family in (None, "", "auto") else f"{OURS}-{family}"
+
+
+def parse_list(text, conv=str, allowed=None, what="value"):
+    """'a,b' -> [conv(a), conv(b)]; seqlens accept '16k'; raises ValueError naming what."""
+    out = []
+    for x in str(text).split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if conv is int and x.lower().endswith("k"):
+            v = int(x[:-1]) * 1024
+        else:
+            v = conv(x)
+        if allowed is not None and v not in allowed:
+            raise ValueError(f"{what} {x!r}: expected one of {', '.join(map(str, allowed))}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"no {what} in {text!r}")
+    return out
 
 LABELS = {
     "flashattn": "flashattn",
-    "sdpa_flash": "SDPA FLASH_ATTENTION",
+    "fa4": "FlashAttention-4 (flash_attn.cute)",
+    "sdpa_flash": "SDPA FLASH_ATTENTION (FlashAttention-2)",
     "sdpa_cudnn": "SDPA CUDNN_ATTENTION",
     "sdpa_efficient": "SDPA EFFICIENT_ATTENTION",
     "sdpa_math": "SDPA MATH",
     "sdpa_cpu": "SDPA (CPU)",
     "naive": "naive (matmul, softmax, matmul)",
 }
-SHORT = {"flashattn": "ours", "sdpa_flash": "flash", "sdpa_cudnn": "cudnn",
+SHORT = {"flashattn": "ours", "fa4": "fa4", "sdpa_flash": "fa2", "sdpa_cudnn": "cudnn",
          "sdpa_efficient": "efficient", "sdpa_math": "math", "sdpa_cpu": "sdpa", "naive": "naive"}
 
 
@@ -54,10 +100,23 @@ def shape_for(grid, hdim, seqlen):
     return max(1, grid["tokens"] // seqlen), grid["model_dim"] // hdim
 
 
-def standard_cells(grid, directions=DIRECTIONS):
-    """Every (dtype, hdim, causal, seqlen, direction) of a grid, in measuring order."""
+def standard_cells(grid, directions=None):
+    """Every (dtype, hdim, causal, seqlen, direction) of a grid, in measuring order
+    (grid['directions'] and grid['causals'] select subsets)."""
+    directions = directions or grid.get("directions", DIRECTIONS)
     return [(dt, d, c, s, dirn) for dt in grid["dtypes"] for d in grid["hdims"]
-            for c in (False, True) for s in grid["seqlens"] for dirn in directions]
+            for c in grid.get("causals", CAUSALS) for s in grid["seqlens"] for dirn in directions]
+
+
+def prefill_flops(batch, heads, seqlen_q, seqlen_k, hdim):
+    """4 * b * h * d * (keys the queries see): causal, bottom-right aligned, so query i of
+    s_q sees s_k - s_q + i + 1 keys."""
+    keys = seqlen_q * (seqlen_k - seqlen_q) + seqlen_q * (seqlen_q + 1) // 2
+    return 4.0 * batch * heads * hdim * keys
+
+
+def gemm_flops(n):
+    return 2.0 * n ** 3
 
 
 # ----------------------------------------------------------------- counts
@@ -104,22 +163,24 @@ def median(xs):
 # ----------------------------------------------------------------- rows
 
 FIELDS = ("grid", "impl", "dtype", "hdim", "causal", "seqlen", "batch", "heads", "heads_kv",
-          "direction", "ms", "tflops", "tbps", "peak_gib", "reps", "status", "note")
+          "direction", "layout", "ms", "tflops", "tbps", "peak_gib", "reps", "status", "note")
 
 
 def row(grid, impl, dtype, hdim, causal, seqlen, batch, heads, direction, heads_kv=None,
-        ms=None, tflops=None, tbps=None, peak_gib=None, reps=0, status="ok", note=""):
+        ms=None, tflops=None, tbps=None, peak_gib=None, reps=0, status="ok", note="",
+        layout=""):
     return dict(grid=grid, impl=impl, dtype=dtype, hdim=int(hdim), causal=bool(causal),
                 seqlen=int(seqlen), batch=int(batch), heads=int(heads),
                 heads_kv=int(heads if heads_kv is None else heads_kv), direction=direction,
-                ms=ms, tflops=tflops, tbps=tbps, peak_gib=peak_gib, reps=int(reps),
-                status=status, note=note)
+                layout=layout, ms=ms, tflops=tflops, tbps=tbps, peak_gib=peak_gib,
+                reps=int(reps), status=status, note=note)
 
 
-def na(grid, impl, dtype, hdim, causal, seqlen, batch, heads, direction, reason, heads_kv=None):
+def na(grid, impl, dtype, hdim, causal, seqlen, batch, heads, direction, reason, heads_kv=None,
+       layout=""):
     """A cell a peer does not run: status 'n/a' and the reason."""
     return row(grid, impl, dtype, hdim, causal, seqlen, batch, heads, direction,
-               heads_kv=heads_kv, status="n/a", note=short_reason(reason))
+               heads_kv=heads_kv, status="n/a", note=short_reason(reason), layout=layout)
 
 
 def short_reason(reason, limit=160):
@@ -161,6 +222,8 @@ def read_csv(path):
             for k in floats:
                 r[k] = float(r[k]) if r[k] != "" else None
             r["causal"] = r["causal"] == "1"
+            r.setdefault("layout", "")
+            r["layout"] = r["layout"] or ""
             out.append(r)
     return out
 
@@ -219,41 +282,120 @@ def ratio(ours, peer, key="tflops"):
     return ours[key] / peer[key]
 
 
-ORDER = ("flashattn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math", "sdpa_cpu",
-         "naive")
+ORDER = ("flashattn", "fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math",
+         "sdpa_cpu", "naive")
 
 
 def impls_in(rows, grid):
-    order = list(ORDER)
+    """The implementations of a grid's rows: flashattn first, then its family columns, then
+    the peers in ORDER, then any other."""
     seen = {r["impl"] for r in rows if r["grid"] == grid}
+    fams = sorted(i for i in seen if is_ours(i) and i != OURS)
+    order = [OURS] + fams + [i for i in ORDER if i != OURS]
     return [i for i in order if i in seen] + sorted(seen - set(order))
 
 
+def ours_in(rows, grid):
+    """The flashattn columns of a grid ('flashattn' first, then one per forced family)."""
+    return [i for i in impls_in(rows, grid) if is_ours(i)]
+
+
+def best_peer(cell_rows, key="tflops", peers=BEST_PEERS):
+    """(impl, row) of the fastest of the best-peer set among a cell's rows {impl: row}
+    that ran, or (None, None)."""
+    best = (None, None)
+    for p in peers:
+        r = cell_rows.get(p)
+        if _ok(r, key) and (best[1] is None or r[key] > best[1][key]):
+            best = (p, r)
+    return best
+
+
+def _cells(idx):
+    return sorted({k[:5] for k in idx},
+                  key=lambda k: (k[0], DIRECTIONS.index(k[1]) if k[1] in DIRECTIONS else 9,
+                                 k[2], k[3], k[4]))
+
+
+def _by_cell(idx):
+    out = {}
+    for k, r in idx.items():
+        out.setdefault(k[:5], {})[k[5]] = r
+    return out
+
+
+def _ratio_text(q, peer_row, k=1.0, key="tflops"):
+    return f"{q:.2f} ({peer_row[key] * k:.0f})"
+
+
 def ratio_table(rows, grid="standard", unit="TFLOP/s"):
-    """Markdown: one line per cell; our TFLOP/s, then per peer 'ours/peer (peer TFLOP/s)'
-    or 'n/a' with the status. unit 'GFLOP/s' prints GFLOP/s (the CPU mode)."""
+    """Markdown: one line per cell; our TFLOP/s, ours / best peer (the best of FA4, cuDNN
+    and FA2 that ran, named), then per other column 'ours/peer (peer TFLOP/s)' or 'n/a'.
+    A forced-family column (flashattn-sm80) shows its own ratio to the best peer and its
+    TFLOP/s. unit 'GFLOP/s' prints GFLOP/s (the CPU mode)."""
     k = 1e3 if unit == "GFLOP/s" else 1.0
     idx = _index(rows, grid)
-    peers = [i for i in impls_in(rows, grid) if i != OURS]
-    cells = sorted({k[:5] for k in idx},
-                   key=lambda k: (k[0], DIRECTIONS.index(k[1]) if k[1] in DIRECTIONS else 9,
-                                  k[2], k[3], k[4]))
-    head = ["dtype", "dir", "hdim", "causal", "seqlen", f"ours {unit}"] + \
-        [f"vs {SHORT.get(p, p)}" for p in peers]
+    ours = ours_in(rows, grid)
+    main = ours[0] if ours else OURS
+    fams = ours[1:]
+    peers = [i for i in impls_in(rows, grid) if not is_ours(i)]
+    head = ["dtype", "dir", "hdim", "causal", "seqlen", f"{SHORT.get(main, main)} {unit}",
+            "vs best"] + [f"{f} /best" for f in fams] + [f"vs {SHORT.get(p, p)}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for c in cells:
-        o = idx.get(c + (OURS,))
+    by = _by_cell(idx)
+    for c in _cells(idx):
+        cell = by[c]
+        o = cell.get(main)
+        bname, brow = best_peer(cell)
         cols = [c[0], c[1], str(c[2]), "yes" if c[3] else "no", _seq(c[4]),
                 f"{o['tflops'] * k:.1f}" if _ok(o) else "n/a"]
+        q = ratio(o, brow)
+        cols.append(f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-")
+        for f in fams:
+            q = ratio(cell.get(f), brow)
+            cols.append(_ratio_text(q, cell[f], k) if q is not None else
+                        ("n/a" if f in cell and not _ok(cell[f]) else "-"))
         for p in peers:
-            pr = idx.get(c + (p,))
+            pr = cell.get(p)
             q = ratio(o, pr)
             if q is not None:
-                cols.append(f"{q:.2f} ({pr['tflops'] * k:.0f})")
+                cols.append(_ratio_text(q, pr, k))
             elif pr is not None and pr.get("status") != "ok":
                 cols.append("n/a")
             else:
                 cols.append("-")
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def best_table(rows, grid="standard", unit="TFLOP/s"):
+    """Markdown, the short table printed last: per cell, each flashattn column's TFLOP/s,
+    the best peer (name and TFLOP/s), each flashattn column / best peer, then flashattn /
+    FA4, / cuDNN, / FA2 (those of them measured)."""
+    k = 1e3 if unit == "GFLOP/s" else 1.0
+    idx = _index(rows, grid)
+    ours = ours_in(rows, grid)
+    seen = set(impls_in(rows, grid))
+    peers = [p for p in BEST_PEERS if p in seen]
+    head = ["dtype", "dir", "hdim", "causal", "seqlen"] + \
+        [f"{o if o != OURS else 'flashattn'}" for o in ours] + ["best peer"] + \
+        [f"{o if o != OURS else 'flashattn'} / best" for o in ours] + \
+        [f"/ {SHORT.get(p, p)}" for p in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = _by_cell(idx)
+    for c in _cells(idx):
+        cell = by[c]
+        bname, brow = best_peer(cell)
+        cols = [c[0], c[1], str(c[2]), "yes" if c[3] else "no", _seq(c[4])]
+        cols += [f"{cell[o]['tflops'] * k:.0f}" if _ok(cell.get(o)) else "n/a" for o in ours]
+        cols.append(f"{SHORT.get(bname, bname)} {brow['tflops'] * k:.0f}" if brow else "n/a")
+        for o in ours:
+            q = ratio(cell.get(o), brow)
+            cols.append(f"**{q:.2f}**" if q is not None else "-")
+        main = cell.get(ours[0]) if ours else None
+        for p in peers:
+            q = ratio(main, cell.get(p))
+            cols.append(f"{q:.2f}" if q is not None else "n/a")
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -263,48 +405,73 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
+def _summary_text(rs, missing):
+    g = geomean(rs)
+    txt = f"{g:.2f} ({min(rs):.2f}..{max(rs):.2f})" if g else "n/a"
+    if missing:
+        txt += f", {missing} n/a"
+    return txt
+
+
 def summary_table(rows, grid="standard", min_seqlen=0):
-    """Markdown: per dtype x direction, the geometric mean (and min..max) of ours/peer over
-    the cells both ran, and how many cells the peer could not run."""
+    """Markdown: per dtype x direction, the geometric mean (and min..max) of ours / best
+    peer and of ours/peer over the cells both ran, and how many cells the peer could not
+    run."""
     idx = _index(rows, grid)
-    peers = [i for i in impls_in(rows, grid) if i != OURS]
+    ours = ours_in(rows, grid)
+    main = ours[0] if ours else OURS
+    peers = [i for i in impls_in(rows, grid) if not is_ours(i)]
     keys = sorted({(k[0], k[1]) for k in idx},
                   key=lambda k: (k[0], DIRECTIONS.index(k[1]) if k[1] in DIRECTIONS else 9))
-    head = ["dtype", "dir"] + [f"vs {SHORT.get(p, p)}" for p in peers]
+    head = ["dtype", "dir"] + [f"{o} vs best" if o != main else "vs best" for o in ours] + \
+        [f"vs {SHORT.get(p, p)}" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = _by_cell(idx)
     for dt, dirn in keys:
+        cells = [c for c in by if c[0] == dt and c[1] == dirn and c[4] >= min_seqlen]
         cols = [dt, dirn]
+        for o in ours:
+            rs, missing = [], 0
+            for c in cells:
+                q = ratio(by[c].get(o), best_peer(by[c])[1])
+                if q is None:
+                    missing += 1
+                else:
+                    rs.append(q)
+            cols.append(_summary_text(rs, missing))
         for p in peers:
             rs, missing = [], 0
-            for k, r in idx.items():
-                if k[0] == dt and k[1] == dirn and k[5] == p and k[4] >= min_seqlen:
-                    q = ratio(idx.get(k[:5] + (OURS,)), r)
-                    if q is None:
-                        missing += 1
-                    else:
-                        rs.append(q)
-            g = geomean(rs)
-            txt = f"{g:.2f} ({min(rs):.2f}..{max(rs):.2f})" if g else "n/a"
-            if missing:
-                txt += f", {missing} n/a"
-            cols.append(txt)
+            for c in cells:
+                if p not in by[c]:
+                    continue
+                q = ratio(by[c].get(main), by[c][p])
+                if q is None:
+                    missing += 1
+                else:
+                    rs.append(q)
+            cols.append(_summary_text(rs, missing))
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
 def decode_table(rows, unit="TB/s"):
+    """Markdown: per context, our TB/s (us per call), ours / best peer, then each peer's
+    TB/s (ours/peer)."""
     rs = [r for r in rows if r["grid"] == "decode"]
     if not rs:
         return ""
     k = 1e3 if unit == "GB/s" else 1.0
-    peers = [i for i in impls_in(rows, "decode") if i != OURS]
-    head = ["context", f"ours {unit} (us)"] + [f"{SHORT.get(p, p)} {unit} (ours/peer)"
-                                               for p in peers]
+    peers = [i for i in impls_in(rows, "decode") if not is_ours(i)]
+    head = ["context", f"ours {unit} (us)", "vs best"] + \
+        [f"{SHORT.get(p, p)} {unit} (ours/peer)" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by = {(r["seqlen"], r["impl"]): r for r in rs}
     for s in sorted({r["seqlen"] for r in rs}):
         o = by.get((s, OURS))
-        cols = [_seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a"]
+        bname, brow = best_peer({p: by.get((s, p)) for p in peers}, "tbps")
+        q = ratio(o, brow, "tbps")
+        cols = [_seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a",
+                f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-"]
         for p in peers:
             pr = by.get((s, p))
             q = ratio(o, pr, "tbps")
@@ -314,6 +481,35 @@ def decode_table(rows, unit="TB/s"):
                 cols.append(f"{pr['tbps'] * k:.2f} (-)")
             else:
                 cols.append("n/a")
+        lines.append("| " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def prefill_table(rows, unit="TFLOP/s"):
+    """Markdown: per cache layout of the prefill chunk, each implementation's TFLOP/s (ms)
+    and ours / best peer."""
+    rs = [r for r in rows if r["grid"] == "prefill"]
+    if not rs:
+        return ""
+    k = 1e3 if unit == "GFLOP/s" else 1.0
+    impls = impls_in(rows, "prefill")
+    head = ["cache"] + [f"{SHORT.get(i, i)} {unit} (ms)" for i in impls] + ["vs best"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["layout"], r["impl"]): r for r in rs}
+    layouts = []
+    for r in rs:
+        if r["layout"] not in layouts:
+            layouts.append(r["layout"])
+    for lay in layouts:
+        cols = [lay]
+        for i in impls:
+            r = by.get((lay, i))
+            cols.append(f"{r['tflops'] * k:.0f} ({r['ms']:.2f})" if _ok(r) else
+                        (f"n/a ({r['note']})" if r is not None and r.get("note") else "n/a"))
+        bname, brow = best_peer({i: by.get((lay, i)) for i in impls if not is_ours(i)},
+                                peers=tuple(i for i in impls if not is_ours(i)))
+        q = ratio(by.get((lay, OURS)), brow)
+        cols.append(f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-")
         lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
@@ -345,27 +541,49 @@ def _seq(s):
 
 
 def meta_line(meta):
-    keys = ("commit", "date", "device", "driver", "torch", "cuda", "cudnn", "flashattn")
+    keys = ("commit", "date", "device", "driver", "torch", "cuda", "cudnn", "flashattn", "fa4")
     return ", ".join(f"{k} {meta[k]}" for k in keys if meta.get(k))
 
 
 def report(meta, rows):
-    """Everything printed last: metadata, decode and memory tables, the per-cell ratio
-    table and the summary (geometric means)."""
+    """Everything printed last: metadata, the GEMM ceiling, the full per-cell table (ours /
+    every peer) and its summary, the decode, memory and prefill-chunk tables, and last the
+    short table of flashattn / best peer per cell."""
     cpu = meta.get("mode") == "cpu"
     unit, bw = ("GFLOP/s", "GB/s") if cpu else ("TFLOP/s", "TB/s")
+    k = 1e3 if cpu else 1.0
     parts = [f"# flashattn benchmark: {meta_line(meta)}"]
     if meta.get("wall_s"):
-        parts.append("wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in meta["wall_s"].items()))
+        parts.append("wall time: " + ", ".join(f"{k_} {v:.1f} s" for k_, v in meta["wall_s"].items()))
+    if meta.get("fa4_note"):
+        parts.append(meta["fa4_note"])
+    if meta.get("families"):
+        parts.append("kernel families: " + ", ".join(
+            f"{f} -> {family_impl(f)}" for f in meta["families"]))
+    gemm = [r for r in rows if r["grid"] == "gemm"]
+    for g in gemm:
+        parts.append(f"GEMM ceiling: {g['dtype']} {g['seqlen']}^3 torch.matmul "
+                     + (f"{g['tflops'] * k:.0f} {unit}" if _ok(g) else f"n/a ({g['note']})"))
+    for g in (r for r in rows if r["grid"] == "read"):
+        parts.append(f"read ceiling: torch.sum of {g['seqlen'] * 4 / 2**30:g} GiB fp32 "
+                     + (f"{g['tbps'] * k:.2f} {bw}" if _ok(g, "tbps") else f"n/a ({g['note']})"))
     if any(r["grid"] == "standard" for r in rows):
-        parts += ["", f"## Standard grid: ours {unit} and ours/peer (peer {unit}) per cell", "",
-                  ratio_table(rows, unit=unit), "",
+        parts += ["", f"## Standard grid: ours {unit}, ours / best peer, ours/peer (peer {unit}) per cell",
+                  "", ratio_table(rows, unit=unit), "",
                   "## Summary: geometric mean of ours/peer (min..max) over the cells both ran", "",
                   summary_table(rows)]
     if any(r["grid"] == "decode" for r in rows):
         parts += ["", "## Decode: KV bytes read per second", "", decode_table(rows, bw)]
     if any(r["grid"] == "memory" for r in rows):
         parts += ["", "## Peak memory, forward + backward", "", memory_table(rows)]
+    if any(r["grid"] == "prefill" for r in rows):
+        p = meta.get("prefill") or {}
+        parts += ["", f"## Prefill chunk: s_q {p.get('seqlen_q', '?')} (causal) against "
+                  f"{p.get('seqlen_k', '?')} keys of KV cache, {unit}", "", prefill_table(rows, unit)]
+    if any(r["grid"] == "standard" for r in rows):
+        present = [SHORT[p] for p in BEST_PEERS if p in impls_in(rows, "standard")]
+        parts += ["", f"## flashattn / best peer (best of {', '.join(present) or 'none'} "
+                  f"that ran), {unit}", "", best_table(rows, unit=unit)]
     return "\n".join(parts) + "\n"
 
 
@@ -416,7 +634,7 @@ class Progress:
 
 # ----------------------------------------------------------------- plots
 
-_COLORS = {"flashattn": "#d62728", "sdpa_flash": "#1f77b4", "sdpa_cudnn": "#2ca02c",
+_COLORS = {"flashattn": "#d62728", "fa4": "#17becf", "sdpa_flash": "#1f77b4", "sdpa_cudnn": "#2ca02c",
            "sdpa_efficient": "#ff7f0e", "sdpa_math": "#9467bd", "sdpa_cpu": "#1f77b4",
            "naive": "#7f7f7f"}
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: builds what is missing (preset h200: sm90
 # SASS, every head dim), runs the CUDA tests, compute-sanitizer on a small filter, the
-# SASS checks, the main job, the forward and backward benchmarks next to PyTorch SDPA's
-# FLASH_ATTENTION backend measured in the same run, optionally the Python suite, and
-# prints a short table last. Logs and CSVs go to $OUT (default ./out).
+# SASS checks, the main job, the benchmark's forward and backward standard grid (bf16,
+# bench/suite.py: flashattn against FA4 when importable, cuDNN and FA2), optionally the
+# Python suite, and prints a short table last. Logs and CSVs go to $OUT (default ./out).
 #   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python
 #                                 (default: all but python)
 set -uo pipefail
@@ -46,14 +46,16 @@ if [[ $STEPS == *main* ]]; then
   timeout 120 "$B/bench/flashattn_main" >"$OUT/main_gpu.txt" 2>&1
   cat "$OUT/main_gpu.txt"
 fi
-if [[ $STEPS == *fwd* ]]; then
-  timeout 150 "$B/bench/flashattn_cuda_fwd_bench" "$OUT/ours_fwd.csv" >"$OUT/ours_fwd.txt" 2>&1
-  timeout 200 python3 bench/peers/sdpa_fwd.py "$OUT/peer_fwd.csv" >"$OUT/peer_fwd.txt" 2>&1
-  python3 bench/peers/compare.py "$OUT/ours_fwd.csv" "$OUT/peer_fwd.csv" "forward, bf16" >"$OUT/fwd_table.md"
-fi
-if [[ $STEPS == *bwd* ]]; then
-  timeout 120 "$B/bench/flashattn_cuda_bwd_bench" >"$OUT/ours_bwd.txt" 2>&1
-  timeout 200 python3 bench/peers/sdpa_bwd.py --ours "$OUT/ours_bwd.txt" >"$OUT/bwd_table.md" 2>&1
+# fwd / bwd: the benchmark (bench/suite.py through scripts/bench.sh, which builds the Python
+# package) on the bf16 standard grid of those directions, against FA4 (when importable),
+# cuDNN and FA2; its short table of flashattn / best peer is printed last.
+dirs=""
+[[ $STEPS == *fwd* ]] && dirs=fwd
+[[ $STEPS == *bwd* ]] && dirs=${dirs:+$dirs,}bwd
+if [ -n "$dirs" ]; then
+  timeout 400 bash scripts/bench.sh --grids standard --only "$dirs" --dtypes bf16 \
+    --impls flashattn,fa4,sdpa_cudnn,sdpa_flash --no-plot --out "$OUT/bench" >"$OUT/bench.txt" 2>&1
+  add "benchmark ($dirs): rc=$? ($OUT/bench/report.md)"
 fi
 if [[ $STEPS == *memory* ]]; then
   timeout 60 "$B/bench/flashattn_cuda_bwd_bench" --memory >"$OUT/memory.txt" 2>&1
@@ -76,8 +78,7 @@ if [[ $STEPS == *python* ]]; then
 fi
 
 echo
-[ -f "$OUT/fwd_table.md" ] && cat "$OUT/fwd_table.md"
-[ -f "$OUT/bwd_table.md" ] && grep -v '^#' "$OUT/bwd_table.md"
+[ -f "$OUT/bench/report.md" ] && sed -n '/^## flashattn \/ best peer/,$p' "$OUT/bench/report.md"
 [ -f "$OUT/decode.txt" ] && grep '^|' "$OUT/decode.txt"
 [ -f "$OUT/decode_order.txt" ] && cat "$OUT/decode_order.txt"
 echo

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Forward or backward experiments on the GPU machine (issue 3): for every variant carried in
-# $DIR (default build/carry: <pass>_bench_<v>, built with experiment macros, and optionally
-# <pass>_tests_<v>, its CUDA test binary), the pass's test suites ($FILTER), then the pass's
-# benchmark for the default build ($BUILD, default build/h200) and each variant, $ROUNDS
-# times in turn, and one table of TFLOP/s (the best of the rounds) with each variant's ratio
-# to the default last. Output to $OUT (default ./out).
+# Forward or backward A/B runs on the GPU machine (issue 3): the pass's C++ benchmark
+# (bench/cuda_<pass>_bench.cpp) of the default build ($BUILD, default build/h200) against
+# each variant binary carried in $DIR (default build/carry: <pass>_bench_<v>, and optionally
+# <pass>_tests_<v>, its CUDA test binary). A variant is that binary built from another tree,
+# e.g. another commit: `git worktree add /tmp/v <commit> && cmake -S /tmp/v -B /tmp/v/b
+# --preset h200 && cmake --build /tmp/v/b --target flashattn_cuda_<pass>_bench`, then copy it
+# to build/carry/<pass>_bench_<v>. (The compile-time experiment switches that variants used
+# to be built with are being removed from the kernels.) First the pass's test suites
+# ($FILTER) of each variant, then the benchmark of the default build and each variant,
+# $ROUNDS times in turn, and one table of TFLOP/s (the best of the rounds) with each
+# variant's ratio to the default last. Output to $OUT (default ./out). Peers are the
+# benchmark's job (scripts/bench.sh); this compares our own builds, cell by cell, quickly.
 #   fwd: rows $ROWS (hdim:causal, every seqlen; default "256:0 256:1"), ROUNDS default 2,
 #        FILTER default "*Forward*:*KVCache*"; $OUT/fwd_tests_<v>.txt, $OUT/fwd_variants.txt
 #   bwd: cells $CELLS (hdim:causal:seqlen; default "256:0:2048 256:0:16384 256:1:2048

@@ -115,8 +115,8 @@ def test_ratio_table_has_every_cell_and_the_ratios(seed):
     rng = np.random.default_rng(seed)
     rows = _rows(rng)
     head, body = _parse(R.ratio_table(rows))
-    assert head[:6] == ["dtype", "dir", "hdim", "causal", "seqlen", "ours TFLOP/s"]
-    assert head[6:] == ["vs flash", "vs cudnn"]
+    assert head[:7] == ["dtype", "dir", "hdim", "causal", "seqlen", "ours TFLOP/s", "vs best"]
+    assert head[7:] == ["vs cudnn", "vs fa2"]
     assert len(body) == 2 * 2 * 2 * 3
     idx = {(r["direction"], r["hdim"], r["causal"], r["seqlen"], r["impl"]): r for r in rows}
     for line in body:
@@ -124,7 +124,13 @@ def test_ratio_table_has_every_cell_and_the_ratios(seed):
         s = {"512": 512, "2k": 2048}[line[4]]
         ours = idx[(dirn, d, causal, s, "flashattn")]["tflops"]
         assert float(line[5]) == pytest.approx(ours, abs=0.05)
-        for col, peer in zip(line[6:], ("sdpa_flash", "sdpa_cudnn")):
+        ok = {p: idx[(dirn, d, causal, s, p)] for p in ("sdpa_flash", "sdpa_cudnn")}
+        best = max((r for r in ok.values() if r["status"] == "ok"), key=lambda r: r["tflops"])
+        m = re.fullmatch(r"([0-9.]+) \((fa2|cudnn)\)", line[6])
+        assert m, line[6]
+        assert float(m.group(1)) == pytest.approx(ours / best["tflops"], abs=0.006)
+        assert m.group(2) == R.SHORT[best["impl"]]
+        for col, peer in zip(line[7:], ("sdpa_cudnn", "sdpa_flash")):
             p = idx[(dirn, d, causal, s, peer)]
             if p["status"] != "ok":
                 assert col == "n/a"
@@ -139,7 +145,7 @@ def test_summary_table_is_the_geometric_mean(seed):
     rng = np.random.default_rng(seed)
     rows = _rows(rng)
     head, body = _parse(R.summary_table(rows))
-    assert head == ["dtype", "dir", "vs flash", "vs cudnn"]
+    assert head == ["dtype", "dir", "vs best", "vs cudnn", "vs fa2"]
     assert [l[1] for l in body] == list(R.DIRECTIONS)
     for line in body:
         ours = {(r["hdim"], r["causal"], r["seqlen"]): r["tflops"] for r in rows
@@ -147,11 +153,23 @@ def test_summary_table_is_the_geometric_mean(seed):
         flash = [ours[(r["hdim"], r["causal"], r["seqlen"])] / r["tflops"] for r in rows
                  if r["impl"] == "sdpa_flash" and r["direction"] == line[1]]
         g = float(np.exp(np.mean(np.log(flash))))
-        m = re.match(r"([0-9.]+) \(([0-9.]+)\.\.([0-9.]+)\)", line[2])
+        m = re.match(r"([0-9.]+) \(([0-9.]+)\.\.([0-9.]+)\)", line[4])
         assert float(m.group(1)) == pytest.approx(g, abs=0.006)
         assert float(m.group(2)) == pytest.approx(min(flash), abs=0.006)
         assert float(m.group(3)) == pytest.approx(max(flash), abs=0.006)
         assert line[3].endswith(", 4 n/a")          # hdim 128: 2 causal x 2 seqlens
+        # vs best: every cell has a best peer (FA2 runs everywhere), so no n/a.
+        best = []
+        for r in rows:
+            if r["impl"] == "flashattn" and r["direction"] == line[1]:
+                peers = [p["tflops"] for p in rows if p["impl"] != "flashattn"
+                         and p["status"] == "ok" and p["direction"] == line[1]
+                         and (p["hdim"], p["causal"], p["seqlen"]) ==
+                         (r["hdim"], r["causal"], r["seqlen"])]
+                best.append(r["tflops"] / max(peers))
+        m = re.fullmatch(r"([0-9.]+) \(([0-9.]+)\.\.([0-9.]+)\)", line[2])
+        assert m, line[2]
+        assert float(m.group(1)) == pytest.approx(float(np.exp(np.mean(np.log(best)))), abs=0.006)
 
 
 def test_decode_and_memory_tables():
@@ -165,8 +183,7 @@ def test_decode_and_memory_tables():
             R.na("memory", "naive", "bf16", 128, False, 65536, 1, 16, "fwd_bwd",
                  "torch.OutOfMemoryError: CUDA out of memory")]
     _, body = _parse(R.decode_table(rows))
-    assert body == [["4k", "2.50 (50)", "n/a", "3.00 (0.83)"]] or \
-        body == [["4k", "2.50 (50)", "3.00 (0.83)", "n/a"]]
+    assert body == [["4k", "2.50 (50)", "0.83 (cudnn)", "3.00 (0.83)", "n/a"]]
     _, body = _parse(R.memory_table(rows))
     assert body == [["64k", "1.5", "n/a (out of memory)"]]
     text = R.report({"commit": "abc", "device": "X"}, rows)
@@ -279,3 +296,220 @@ def test_naive_and_a_cpu_cell_against_torch(seed):
     # is recorded as n/a with a reason, not raised.
     r = suite.measure_cell(torch, impls, timer, pool, "naive", "fwd", b, 4 * s, h, d, False, 1)
     assert r[0] == "n/a" and r[1]
+
+
+# ----------------------------------------------------------------- issue 18: best peer, FA4,
+# kernel-family columns, options, prefill chunk
+
+
+def _cell(impls_tflops, dirn="fwd", d=128, causal=False, s=16384):
+    b, h = R.shape_for(R.STANDARD, d, s)
+    rows = []
+    for impl, t in impls_tflops.items():
+        if t is None:
+            rows.append(R.na("standard", impl, "bf16", d, causal, s, b, h, dirn, "no kernel"))
+        else:
+            rows.append(R.row("standard", impl, "bf16", d, causal, s, b, h, dirn, ms=1.0,
+                              tflops=float(t), reps=3))
+    return rows
+
+
+def test_best_peer_is_the_fastest_of_fa4_cudnn_fa2_that_ran(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        t = {p: (None if rng.random() < 0.3 else float(rng.uniform(100, 800)))
+             for p in ("fa4", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "naive")}
+        cell = {r["impl"]: r for r in _cell(t)}
+        name, r = R.best_peer(cell)
+        ran = {p: v for p, v in t.items() if v is not None and p in ("fa4", "sdpa_cudnn", "sdpa_flash")}
+        if not ran:
+            assert (name, r) == (None, None)
+        else:
+            assert name == max(ran, key=ran.get) and r["tflops"] == ran[name]
+    # efficient and naive never count, even when faster.
+    cell = {r["impl"]: r for r in _cell({"sdpa_flash": 300, "sdpa_efficient": 900, "naive": 999})}
+    assert R.best_peer(cell)[0] == "sdpa_flash"
+
+
+def test_best_table_is_printed_last_with_the_ratios():
+    rows = (_cell({"flashattn": 359, "fa4": 676, "sdpa_cudnn": 612, "sdpa_flash": 353})
+            + _cell({"flashattn": 318, "fa4": 619, "sdpa_cudnn": 540, "sdpa_flash": 304},
+                    dirn="bwd")
+            + _cell({"flashattn": 300, "fa4": None, "sdpa_cudnn": 500, "sdpa_flash": 250},
+                    d=256, causal=True))
+    text = R.report({"commit": "13e9967", "device": "NVIDIA H200"}, rows)
+    last = text.rstrip().split("\n## ")[-1]
+    assert last.startswith("flashattn / best peer")
+    head, body = _parse(last)
+    assert head == ["dtype", "dir", "hdim", "causal", "seqlen", "flashattn", "best peer",
+                    "flashattn / best", "/ fa4", "/ cudnn", "/ fa2"]
+    by = {(l[1], l[2], l[3]): l for l in body}
+    fwd = by[("fwd", "128", "no")]
+    assert fwd[5:] == ["359", "fa4 676", f"**{359 / 676:.2f}**", f"{359 / 676:.2f}",
+                       f"{359 / 612:.2f}", f"{359 / 353:.2f}"]
+    assert by[("bwd", "128", "no")][6] == "fa4 619"
+    c = by[("fwd", "256", "yes")]            # FA4 n/a: cuDNN is the best peer
+    assert c[6] == "cudnn 500" and c[7] == "**0.60**" and c[8] == "n/a"
+
+
+def test_fa4_absent_gives_no_column_and_the_tables_still_work(seed):
+    rng = np.random.default_rng(seed)
+    rows = _rows(rng)                              # FA2 and cuDNN only
+    head, _ = _parse(R.best_table(rows))
+    assert "/ fa4" not in head and head[-2:] == ["/ cudnn", "/ fa2"]
+    head, _ = _parse(R.ratio_table(rows))
+    assert "vs fa4" not in head
+
+
+def test_load_fa4_reports_why_it_is_absent(monkeypatch):
+    import suite  # noqa: PLC0415  (no torch needed to import it)
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    mod, version, reason = suite.load_fa4()
+    assert mod is None and version is None
+    assert reason.startswith(("ModuleNotFoundError", "ImportError"))
+
+
+def test_family_columns_in_every_table():
+    rows = []
+    for fam, t in (("flashattn", 359), ("flashattn-sm80", 340), ("flashattn-sm90", 600)):
+        rows += _cell({fam: t})
+    rows += _cell({"fa4": 676, "sdpa_cudnn": 612, "sdpa_flash": 353})
+    assert R.ours_in(rows, "standard") == ["flashattn", "flashattn-sm80", "flashattn-sm90"]
+    head, body = _parse(R.best_table(rows))
+    assert head[5:11] == ["flashattn", "flashattn-sm80", "flashattn-sm90", "best peer",
+                          "flashattn / best", "flashattn-sm80 / best"]
+    assert body[0][5:8] == ["359", "340", "600"]
+    assert body[0][9:12] == ["**0.53**", "**0.50**", "**0.89**"]
+    head, body = _parse(R.ratio_table(rows))
+    assert head[7:9] == ["flashattn-sm80 /best", "flashattn-sm90 /best"]
+    assert body[0][7:9] == [f"{340 / 676:.2f} (340)", f"{600 / 676:.2f} (600)"]
+    assert "vs flashattn-sm80" not in head          # a family column is not a peer
+    head, _ = _parse(R.summary_table(rows))
+    assert head[:5] == ["dtype", "dir", "vs best", "flashattn-sm80 vs best",
+                        "flashattn-sm90 vs best"]
+    assert R.family_impl("auto") == "flashattn" and R.family_impl("sm80") == "flashattn-sm80"
+    assert R.is_ours("flashattn-sm90") and not R.is_ours("fa4")
+
+
+def test_options_select_subsets():
+    import suite  # noqa: PLC0415
+    ap = suite.build_parser()
+    a = ap.parse_args(["--only", "fwd", "--hdims", "64,128,256", "--seqlens", "512,16k",
+                       "--dtypes", "bf16", "--causal", "yes", "--prefill-chunk",
+                       "--grids", "standard"])
+    grid, grids, names, fams = suite.resolve(a, cpu=False)
+    assert grids == ["standard", "prefill"] and fams == []
+    assert grid["directions"] == ("fwd",) and grid["hdims"] == (64, 128, 256)
+    assert grid["seqlens"] == (512, 16384) and grid["dtypes"] == ("bf16",)
+    assert grid["causals"] == (True,)
+    assert names == list(R.GPU_IMPLS)
+    cells = R.standard_cells(grid)
+    assert len(cells) == 3 * 2 and {c[4] for c in cells} == {"fwd"}
+    a = ap.parse_args(["--families", "sm80,auto", "--impls", "flashattn,fa4,sdpa_cudnn"])
+    grid, grids, names, fams = suite.resolve(a, cpu=False)
+    assert fams == ["sm80", "auto"] and names == ["flashattn-sm80", "fa4", "sdpa_cudnn"]
+    assert grid == dict(R.STANDARD, causals=(False, True))
+    for bad in (["--only", "sideways"], ["--families", "sm70"], ["--grids", "nope"],
+                ["--families", "auto,auto"], ["--hdims", "x"]):
+        with pytest.raises(ValueError):
+            suite.resolve(ap.parse_args(bad), cpu=False)
+    assert suite.main(["--only", "sideways"]) == 2     # a usage error before torch loads
+
+
+def test_family_subprocess_command_and_failure(monkeypatch, tmp_path):
+    import subprocess as sp  # noqa: PLC0415
+
+    import suite  # noqa: PLC0415
+    a = suite.build_parser().parse_args(["--families", "auto,sm80", "--only", "fwd,bwd",
+                                         "--hdims", "128", "--seqlens", "4k,16k"])
+    grid, _, _, _ = suite.resolve(a, cpu=False)
+    a.budget_ms, a.min_reps, a.max_reps, a.sets = 25.0, 3, 30, 3
+    cmd = suite.family_command(a, grid, "sm80", str(tmp_path))
+    sub = suite.build_parser().parse_args(cmd[2:])
+    g2, grids2, names2, fams2 = suite.resolve(sub, cpu=False)
+    assert sub.worker and sub.no_gemm and grids2 == ["standard"]
+    assert fams2 == ["sm80"] and names2 == ["flashattn-sm80"]
+    assert R.standard_cells(g2) == R.standard_cells(grid)
+    seen = {}
+
+    def fake_run(cmd, env, cwd):
+        seen["env"] = env
+        return sp.CompletedProcess(cmd, 3)
+    monkeypatch.setattr(suite.subprocess, "run", fake_run)
+    rows = []
+    assert suite.run_family(a, grid, "sm80", str(tmp_path), rows) == 3
+    assert seen["env"]["FLASHATTN_KERNEL_FAMILY"] == "sm80"
+    assert len(rows) == len(R.standard_cells(grid))
+    assert all(r["impl"] == "flashattn-sm80" and r["status"] == "n/a" for r in rows)
+    # With results: its standard rows are taken as they are.
+    good = _cell({"flashattn-sm80": 340})
+    R.write_json(tmp_path / "results.json", {}, good)
+    rows = []
+    suite.run_family(a, grid, "sm80", str(tmp_path), rows)
+    assert [r["tflops"] for r in rows] == [340.0]
+
+
+def test_prefill_flops_counts_the_visible_keys(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(10):
+        sq = int(rng.integers(1, 60))
+        sk = sq + int(rng.integers(0, 100))
+        b, h, d = (int(x) for x in rng.integers(1, 5, 3))
+        keys = sum(sk - sq + i + 1 for i in range(sq))      # bottom-right causal
+        assert R.prefill_flops(b, h, sq, sk, d) == 4 * b * h * d * keys
+    # s_q = s_k: the causal half (plus the diagonal) of the square.
+    assert R.prefill_flops(1, 1, 4, 4, 1) == 4 * 10
+    assert R.gemm_flops(8192) == 2 * 8192 ** 3
+
+
+def test_prefill_table_and_gemm_line():
+    rows = [R.row("prefill", "flashattn", "bf16", 128, True, 32768, 1, 32, "fwd", heads_kv=8,
+                  ms=2.0, tflops=500.0, layout="dense"),
+            R.row("prefill", "fa4", "bf16", 128, True, 32768, 1, 32, "fwd", heads_kv=8,
+                  ms=1.6, tflops=625.0, layout="dense"),
+            R.row("prefill", "flashattn", "bf16", 128, True, 32768, 1, 32, "fwd", heads_kv=8,
+                  ms=2.2, tflops=450.0, layout="paged 16"),
+            R.na("prefill", "fa4", "bf16", 128, True, 32768, 1, 32, "fwd", "page size",
+                 heads_kv=8, layout="paged 16"),
+            R.row("gemm", "torch.matmul", "bf16", 0, False, 8192, 1, 1, "gemm", ms=1.4,
+                  tflops=782.0)]
+    _, body = _parse(R.prefill_table(rows))
+    assert body == [["dense", "500 (2.00)", "625 (1.60)", "0.80 (fa4)"],
+                    ["paged 16", "450 (2.20)", "n/a (page size)", "-"]]
+    text = R.report({"prefill": {"seqlen_q": 2048, "seqlen_k": 32768}}, rows)
+    assert "GEMM ceiling: bf16 8192^3 torch.matmul 782 TFLOP/s" in text
+    assert "s_q 2048 (causal) against 32768 keys" in text
+
+
+def test_csv_reads_files_without_the_layout_column(tmp_path):
+    p = tmp_path / "old.csv"
+    fields = [f for f in R.FIELDS if f != "layout"]
+    with open(p, "w") as f:
+        f.write(",".join(fields) + "\n")
+        f.write("standard,flashattn,bf16,128,0,4096,4,16,16,fwd,1.5,300,,,5,ok,\n")
+    (r,) = R.read_csv(p)
+    assert r["layout"] == "" and r["tflops"] == 300.0
+
+
+def test_cpu_run_end_to_end_with_two_family_columns(tmp_path):
+    """The whole suite on the CPU, the standard grid's smallest cells, with --families
+    auto,sm80 (the second in a subprocess) and the prefill chunk: every table is written."""
+    pytest.importorskip("torch")
+    pytest.importorskip("flashattn")
+    import suite  # noqa: PLC0415
+    out = tmp_path / "run"
+    rc = suite.main(["--cpu", "--quick", "--grids", "standard,prefill", "--only", "fwd",
+                     "--seqlens", "128", "--dtypes", "fp32", "--families", "auto,sm80",
+                     "--budget-ms", "2", "--min-reps", "1", "--max-reps", "2", "--no-plot",
+                     "--out", str(out)])
+    assert rc == 0
+    meta, rows = R.read_json(out / "results.json")
+    assert meta["families"] == ["auto", "sm80"] and meta["gemm_tflops"] > 0
+    impls = {r["impl"] for r in rows if r["grid"] == "standard"}
+    assert impls == {"flashattn", "flashattn-sm80", "sdpa_cpu", "naive"}
+    pre = [r for r in rows if r["grid"] == "prefill"]
+    assert [r["layout"] for r in pre] == ["dense", "paged 16", "paged 256"]
+    assert all(r["status"] == "ok" for r in pre), pre
+    text = open(out / "report.md").read()
+    assert "flashattn-sm80 / best" in text and "Prefill chunk" in text

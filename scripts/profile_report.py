@@ -1,7 +1,10 @@
-"""Side-by-side summary of scripts/profile.sh's Nsight Compute exports (fwd or bwd): chosen
-raw metrics of our kernel and the peer's per head dim, then the SASS instructions of ours
-(and the peer's) that hold the most warp-stall samples, grouped by opcode.
-    python3 scripts/bwd_profile_report.py DIR HDIM...
+"""Summary of scripts/profile.sh's Nsight Compute exports.
+fwd / bwd: chosen raw metrics of our kernel and the peer's per head dim side by side, then the
+SASS instructions of ours (and the peer's) that hold the most warp-stall samples, grouped by
+opcode.  decode: the metrics of every profiled kernel (ours, then the SDPA peers'), one block
+per kernel.
+    python3 scripts/profile_report.py DIR HDIM...
+    python3 scripts/profile_report.py --metrics OURS.csv PEERS.csv
 """
 import collections
 import csv
@@ -106,7 +109,30 @@ def sass_table(path, label, top=22):
         print("  stall columns: " + ", ".join(stall_cols[:30]))
 
 
+def metrics_table(path):
+    """ncu --metrics ... --csv output: per kernel launch, its metrics on one line."""
+    try:
+        rows = [r for r in csv.reader(l for l in open(path) if l.startswith('"'))]
+    except OSError:
+        rows = []
+    if not rows:
+        print(path, "no rows")
+        return
+    ix = {h: i for i, h in enumerate(rows[0])}
+    kernels = collections.OrderedDict()
+    for r in rows[1:]:
+        key = (r[ix["ID"]], r[ix["Kernel Name"]][:60])
+        kernels.setdefault(key, {})[r[ix["Metric Name"]]] = r[ix["Metric Value"]]
+    for (i, name), m in kernels.items():
+        print(f"{path.split('/')[-1]} #{i} {name}")
+        print("   " + "  ".join(f"{n}={m[n]}" for n in sorted(m)))
+
+
 def main():
+    if sys.argv[1:2] == ["--metrics"]:
+        for path in sys.argv[2:]:
+            metrics_table(path)
+        return
     dirn, dims = sys.argv[1], sys.argv[2:]
     for d in dims:
         raw_table(d, dirn)
