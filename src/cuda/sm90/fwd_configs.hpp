@@ -13,6 +13,6 @@ using FwdHdim128Wide = FwdConfig<128, 176, 2, 2>;
 using FwdHdim256 = FwdConfig<256, 80, 2, 2>;
 
 template <class Cfg, typename Element>
-void launch_fwd(const FwdArgs& args);
+void launch_fwd(FwdArgs& args);
 
 }  // namespace flashattn::detail::cuda::sm90

@@ -3,6 +3,6 @@
 #include "cuda/sm90/fwd_launch.cuh"
 
 namespace flashattn::detail::cuda::sm90 {
-template void launch_fwd<FwdHdim256, __nv_bfloat16>(const FwdArgs&);
-template void launch_fwd<FwdHdim256, __half>(const FwdArgs&);
+template void launch_fwd<FwdHdim256, __nv_bfloat16>(FwdArgs&);
+template void launch_fwd<FwdHdim256, __half>(FwdArgs&);
 }  // namespace flashattn::detail::cuda::sm90

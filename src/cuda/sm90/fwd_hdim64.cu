@@ -3,8 +3,8 @@
 #include "cuda/sm90/fwd_launch.cuh"
 
 namespace flashattn::detail::cuda::sm90 {
-template void launch_fwd<FwdHdim64, __nv_bfloat16>(const FwdArgs&);
-template void launch_fwd<FwdHdim64, __half>(const FwdArgs&);
-template void launch_fwd<FwdHdim64Tall, __nv_bfloat16>(const FwdArgs&);
-template void launch_fwd<FwdHdim64Tall, __half>(const FwdArgs&);
+template void launch_fwd<FwdHdim64, __nv_bfloat16>(FwdArgs&);
+template void launch_fwd<FwdHdim64, __half>(FwdArgs&);
+template void launch_fwd<FwdHdim64Tall, __nv_bfloat16>(FwdArgs&);
+template void launch_fwd<FwdHdim64Tall, __half>(FwdArgs&);
 }  // namespace flashattn::detail::cuda::sm90

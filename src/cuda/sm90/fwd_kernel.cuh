@@ -1,10 +1,12 @@
 // The sm90a fused attention forward: warp-specialized, TMA-fed, wgmma-computed.
 //
-// One thread block per (query tile, query head, sequence), kConsumers + 1 warpgroups:
-//   warpgroup 0, the producer: one thread issues the TMA copies of the Q tile (once) and
-//     of the K and V tiles into a kStages-deep ring, each slot guarded by a "full"
-//     mbarrier (transaction bytes) and an "empty" one (the consumers' release); its
-//     registers go to the consumers (setmaxnreg).
+// A persistent kernel: one thread block per SM walks the work tiles (query tile, query
+// head, sequence) t = blockIdx.x, + gridDim.x, ...; kConsumers + 1 warpgroups:
+//   warpgroup 0, the producer: one thread issues the TMA copies of each work tile's Q
+//     tile and of its K and V tiles into a kStages-deep ring, each slot guarded by a
+//     "full" mbarrier (transaction bytes) and an "empty" one (the consumers' release);
+//     the ring runs on across work tiles, so the next tile's loads overlap this one's
+//     last GEMMs and epilogue. Its registers go to the consumers (setmaxnreg).
 //   warpgroups 1..kConsumers, the consumers: 64 query rows each.
 //     S = Q K^T by wgmma with both operands in shared memory; scores, mask and online
 //     softmax in registers on the accumulator layout; P repacked in registers as the A
@@ -13,8 +15,8 @@
 //     S_{j+1} and P_{j-1} V_{j-1} (issued together, waited for separately); across
 //     warpgroups, named barriers take turns at issuing the GEMMs (ping-pong), so one
 //     warpgroup's softmax overlaps the other's GEMMs.
-//   Epilogue: O / l staged through the warpgroup's (now unused) Q rows of shared
-//   memory, then 16-byte stores of the rows and columns that exist; lse once per row.
+//   Epilogue: O / l stored from the accumulators (column pairs), lse once per row; Q's
+//   buffer is released after the tile's last S GEMM, so the next Q is in flight by then.
 //
 // Key tiles are visited from the last visible one down, so the tiles that cross the end
 // of the keys or the causal diagonal come first; a tile needs element masking only when
@@ -49,7 +51,7 @@ struct FwdConfig {
   static constexpr int kColBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K (or V) tile
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  static constexpr int kBarriers = 3 + 4 * kStages;
   // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
   // Registers per thread after setmaxnreg: 65536 per SM, one block.
@@ -69,6 +71,8 @@ struct FwdArgs {
   float to_log2;    // exp2 factor of the softmax: scale * log2(e) on raw scores, else log2(e)
   bool raw_scores;  // no softcap, no ALiBi, scale > 0: the scale folds into exp2
   bool v_tail_zero; // every sequence's keys end where the V tensor map does (TMA zero-fills)
+  int m_blocks;     // query tiles per (sequence, head)
+  int n_work;       // work tiles: m_blocks * h_q * batch
 };
 
 template <typename Element>
@@ -88,6 +92,29 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// One work tile of the persistent loop: (sequence, head, query tile) and its key tiles.
+// Tile t walks the query tiles of a head innermost (the head's K and V stay in L2 while
+// its query tiles run), the last query tiles first when masks make them the heaviest.
+struct WorkTile {
+  int b, h, m0, s_q, s_k, n_last, n_tiles;
+};
+
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ WorkTile work_tile(const FwdParams& p, int t, int m_blocks) {
+  WorkTile w;
+  const int m = t % m_blocks, bh = t / m_blocks;
+  w.h = bh % p.h_q;
+  w.b = bh / p.h_q;
+  w.m0 = (p.mask.right >= 0 ? m_blocks - 1 - m : m) * kBlockM;
+  w.s_q = p.seq_len_q(w.b);
+  w.s_k = p.seq_len_k(w.b);
+  const semantics::KeyRange keys =
+      semantics::visible_keys_of_rows(w.m0, min(w.m0 + kBlockM, w.s_q), w.s_q, w.s_k, p.mask);
+  w.n_last = keys.empty() ? -1 : int(keys.end - 1) / kBlockN;
+  w.n_tiles = keys.empty() ? 0 : w.n_last - int(keys.begin) / kBlockN + 1;
+  return w;
+}
+
 template <class Cfg, typename Element>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -105,30 +132,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   unsigned char* sK = sQ + Cfg::kQBytes;
   unsigned char* sV = sK + kStages * Cfg::kKVBytes;
   auto* bars = reinterpret_cast<std::uint64_t*>(sV + kStages * Cfg::kKVBytes);
-  std::uint64_t* bar_q = bars;
-  std::uint64_t* full_k = bars + 1;
+  std::uint64_t* full_q = bars;
+  std::uint64_t* empty_q = bars + 1;
+  std::uint64_t* bar_tail = bars + 2;  // the copy of a V tile whose tail rows get zeroed
+  std::uint64_t* full_k = bars + 3;
   std::uint64_t* full_v = full_k + kStages;
   std::uint64_t* empty_k = full_v + kStages;
   std::uint64_t* empty_v = empty_k + kStages;
-  std::uint64_t* bar_tail = empty_v + kStages;  // the zero-filled last V tile's copy
-
-  const int b = blockIdx.z, h = blockIdx.y;
-  const int s_q = p.seq_len_q(b);
-  // Heaviest query tiles first when masks make the work uneven (causal: the last rows).
-  const int m_block = p.mask.right >= 0 ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int m0 = m_block * kBlockM;
-  if (m0 >= s_q) return;
-  const int s_k = p.seq_len_k(b);
-  const semantics::KeyRange keys =
-      semantics::visible_keys_of_rows(m0, min(m0 + kBlockM, s_q), s_q, s_k, p.mask);
-  const int n_first = keys.empty() ? 0 : int(keys.begin) / kBlockN;
-  const int n_last = keys.empty() ? -1 : int(keys.end - 1) / kBlockN;
-  const int n_tiles = n_last - n_first + 1;
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, wg = warp / 4;
   if (tid == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(full_q, 1);
+    mbar_init(empty_q, 4 * kConsumers);
     mbar_init(bar_tail, 1);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full_k[s], 1);
@@ -150,61 +166,70 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         prefetch_tensor_map(&args.tmap_k);
         prefetch_tensor_map(&args.tmap_v);
       }
-      const int g = h / p.h_ratio;
-      const int q_row = p.is_varlen() ? p.cu_seqlens_q[b] + m0 : m0;
-      const int q_b = p.is_varlen() ? 0 : b;
-      const int k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[b] : 0;
-      const int k_b = p.cu_seqlens_k != nullptr ? 0 : p.cache_row(b);
-      if (leader) {
-        mbar_arrive_expect_tx(bar_q, Cfg::kQBytes);
-#pragma unroll
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, h, q_b, bar_q);
-        }
-      }
-      for (int it = 0; it < n_tiles; ++it) {
-        const int stage = it % kStages;
-        const std::uint32_t phase = (it / kStages) & 1;
-        const int n = n_last - it;
-        const int row = k_row0 + n * kBlockN;
-        unsigned char* k_dst = sK + stage * Cfg::kKVBytes;
-        unsigned char* v_dst = sV + stage * Cfg::kKVBytes;
-        mbar_wait(&empty_k[stage], phase ^ 1);
+      int kv_it = 0, q_it = 0, tail_it = 0;
+      for (int t = blockIdx.x; t < args.n_work; t += gridDim.x) {
+        const WorkTile w = work_tile<kBlockM, kBlockN>(p, t, args.m_blocks);
+        if (w.m0 >= w.s_q) continue;
+        const int g = w.h / p.h_ratio;
+        const int q_row = p.is_varlen() ? p.cu_seqlens_q[w.b] + w.m0 : w.m0;
+        const int q_b = p.is_varlen() ? 0 : w.b;
+        const int k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[w.b] : 0;
+        const int k_b = p.cu_seqlens_k != nullptr ? 0 : p.cache_row(w.b);
+        // The consumers free Q once their last S = Q K^T of the previous tile is done.
+        mbar_wait(empty_q, (q_it & 1) ^ 1);
+        ++q_it;
         if (leader) {
-          mbar_arrive_expect_tx(&full_k[stage], Cfg::kKVBytes);
+          mbar_arrive_expect_tx(full_q, Cfg::kQBytes);
 #pragma unroll
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            tma_load_4d(k_dst + c * kBlockN * 128, &args.tmap_k, c * 64, row, g, k_b, &full_k[stage]);
+            tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, w.h, q_b, full_q);
           }
         }
-        mbar_wait(&empty_v[stage], phase ^ 1);
-        // The V rows past the keys' end are read from the tensor (the next sequence, unused
-        // cache slots) unless the tensor ends there: 0 * NaN would poison O, so the warp
-        // zeroes them before the consumers see the tile.
-        const int valid = s_k - n * kBlockN;
-        if (valid < kBlockN && !args.v_tail_zero) {
+        for (int it = 0; it < w.n_tiles; ++it, ++kv_it) {
+          const int stage = kv_it % kStages;
+          const std::uint32_t phase = (kv_it / kStages) & 1;
+          const int n = w.n_last - it;
+          const int row = k_row0 + n * kBlockN;
+          unsigned char* k_dst = sK + stage * Cfg::kKVBytes;
+          unsigned char* v_dst = sV + stage * Cfg::kKVBytes;
+          mbar_wait(&empty_k[stage], phase ^ 1);
           if (leader) {
-            mbar_arrive_expect_tx(bar_tail, Cfg::kKVBytes);
+            mbar_arrive_expect_tx(&full_k[stage], Cfg::kKVBytes);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, bar_tail);
+              tma_load_4d(k_dst + c * kBlockN * 128, &args.tmap_k, c * 64, row, g, k_b, &full_k[stage]);
             }
           }
-          mbar_wait(bar_tail, 0);
-          for (int idx = valid * 8 + lane; idx < kBlockN * 8; idx += 32) {
+          mbar_wait(&empty_v[stage], phase ^ 1);
+          // The V rows past the keys' end are read from the tensor (the next sequence, unused
+          // cache slots) unless the tensor ends there: 0 * NaN would poison O, so the warp
+          // zeroes them before the consumers see the tile.
+          const int valid = w.s_k - n * kBlockN;
+          if (valid < kBlockN && !args.v_tail_zero) {
+            if (leader) {
+              mbar_arrive_expect_tx(bar_tail, Cfg::kKVBytes);
+#pragma unroll
+              for (int c = 0; c < Cfg::kColBlocks; ++c) {
+                tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, bar_tail);
+              }
+            }
+            mbar_wait(bar_tail, tail_it & 1);
+            ++tail_it;
+            for (int idx = valid * 8 + lane; idx < kBlockN * 8; idx += 32) {
+#pragma unroll
+              for (int c = 0; c < Cfg::kColBlocks; ++c) {
+                *reinterpret_cast<uint4*>(v_dst + c * kBlockN * 128 + idx * 16) = make_uint4(0, 0, 0, 0);
+              }
+            }
+            fence_proxy_async_smem();
+            __syncwarp();
+            if (leader) mbar_arrive(&full_v[stage]);
+          } else if (leader) {
+            mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              *reinterpret_cast<uint4*>(v_dst + c * kBlockN * 128 + idx * 16) = make_uint4(0, 0, 0, 0);
+              tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, &full_v[stage]);
             }
-          }
-          fence_proxy_async_smem();
-          __syncwarp();
-          if (leader) mbar_arrive(&full_v[stage]);
-        } else if (leader) {
-          mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
-#pragma unroll
-          for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, &full_v[stage]);
           }
         }
       }
@@ -215,19 +240,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Cfg::kConsumerRegs>();
   const int cw = wg - 1;                 // consumer warpgroup: rows 64 cw .. 64 cw + 63
-  const int wtid = tid - 128 * wg;       // thread within the warpgroup
-  const int warp_in = wtid / 32;
-  const int row_lo = m0 + 64 * cw + 16 * warp_in + lane / 4;  // sequence row of half 0
-  const TileMask mask(s_q, s_k, p.mask);
+  const int warp_in = (tid - 128 * wg) / 32;
+  const int row_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
   const bool raw = args.raw_scores;
   const float to_log2 = args.to_log2;
-  const float slope = p.alibi_slope(b, h);
-  const int shift = s_k - s_q;
 
   float o[kON];
-#pragma unroll
-  for (int i = 0; i < kON; ++i) o[i] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  float row_max[2], row_sum[2];
   float s[kSN];
   std::uint32_t pa[kPK][4];
 
@@ -236,20 +255,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const std::uint32_t v_addr = smem_addr(sV);
   // Ping-pong: consumer cw issues its GEMMs after barrier 1 + cw, then hands the turn on.
   auto turn_wait = [&] {
-    if constexpr (kConsumers > 1) named_barrier_sync(1 + cw, 256);
+    if constexpr (kConsumers > 1) named_barrier_sync(1 + cw, 128 * 2);
   };
   auto turn_pass = [&] {
-    if constexpr (kConsumers > 1) named_barrier_arrive(1 + (cw + 1) % kConsumers, 256);
+    if constexpr (kConsumers > 1) named_barrier_arrive(1 + (cw + 1) % kConsumers, 128 * 2);
   };
-  auto release = [&](std::uint64_t* bar, int it) {
+  auto release = [&](std::uint64_t* bar) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&bar[it % kStages]);
+    if (lane == 0) mbar_arrive(bar);
   };
-  auto wait_full = [&](std::uint64_t* bar, int it) {
-    mbar_wait(&bar[it % kStages], (it / kStages) & 1);
-  };
-  auto issue_qk = [&](int it) {
-    const std::uint32_t kb = k_addr + (it % kStages) * Cfg::kKVBytes;
+  auto issue_qk = [&](int stage) {
+    const std::uint32_t kb = k_addr + stage * Cfg::kKVBytes;
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const std::uint32_t off = (ks % 4) * 32;  // 16 columns within the 128-byte row
@@ -258,68 +274,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       Wgmma<kBlockN>::template ss<Element, 0>(s, da, db, ks > 0 ? 1 : 0);
     }
   };
-  auto issue_pv = [&](int it) {
-    const std::uint32_t vb = v_addr + (it % kStages) * Cfg::kKVBytes;
+  auto issue_pv = [&](int stage) {
+    const std::uint32_t vb = v_addr + stage * Cfg::kKVBytes;
 #pragma unroll
     for (int kk = 0; kk < kPK; ++kk) {
       const std::uint64_t db = smem_desc_sw128(vb + kk * 16 * 128, kBlockN * 128);
       Wgmma<kHeadDim>::template rs<Element, 1>(o, pa[kk], db, 1);
-    }
-  };
-  // Scores of tile it in s: modifiers, mask, then the online softmax; leaves the
-  // unnormalised probabilities in s and the factor the O rows must be rescaled by.
-  auto softmax = [&](int it, float (&corr)[2]) {
-    const int n0 = (n_last - it) * kBlockN;
-    const int col0 = n0 + 2 * (lane % 4);
-    if (!raw) {
-#pragma unroll
-      for (int i = 0; i < kSN; ++i) {
-        float x = s[i] * p.scale;
-        if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-        if (slope != 0.0f) {
-          const int r = row_lo + 8 * ((i % 4) / 2);
-          const int j = col0 + 8 * (i / 4) + (i % 2);
-          x -= slope * static_cast<float>(abs(r + shift - j));
-        }
-        s[i] = x;
-      }
-    }
-    if (mask.tile_needs_mask(m0, kBlockM, n0, kBlockN)) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        int lo, hi;
-        mask.row_range(row_lo + 8 * half, lo, hi);
-        lo -= col0;
-        hi -= col0;
-#pragma unroll
-        for (int c = 0; c < kBlockN / 8; ++c)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = 8 * c + e;
-            if (j < lo || j >= hi) s[4 * c + 2 * half + e] = -INFINITY;
-          }
-      }
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float m = row_max[half];
-#pragma unroll
-      for (int c = 0; c < kBlockN / 8; ++c) m = fmaxf(m, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-      const float base = m == -INFINITY ? 0.0f : m * to_log2;
-      corr[half] = fast_exp2(row_max[half] * to_log2 - base);
-      row_max[half] = m;
-      float sum = 0.0f;
-#pragma unroll
-      for (int c = 0; c < kBlockN / 8; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = fast_exp2(s[4 * c + 2 * half + e] * to_log2 - base);
-          s[4 * c + 2 * half + e] = pe;
-          sum += pe;
-        }
-      row_sum[half] = row_sum[half] * corr[half] + sum;
     }
   };
   auto to_p = [&] {
@@ -338,99 +298,161 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
 
   // Consumer 0 takes the first turn: the last consumer passes it on before any GEMM.
   if constexpr (kConsumers > 1) {
-    if (cw == kConsumers - 1) named_barrier_arrive(1, 256);
+    if (cw == kConsumers - 1) named_barrier_arrive(1, 128 * 2);
   }
-  mbar_wait(bar_q, 0);
-  if (n_tiles > 0) {
-    float corr[2];
-    wait_full(full_k, 0);
-    turn_wait();
-    wgmma_fence();
-    issue_qk(0);
-    wgmma_commit();
-    turn_pass();
-    wgmma_wait<0>();
-    release(empty_k, 0);
-    softmax(0, corr);
-    to_p();
-    for (int it = 1; it < n_tiles; ++it) {
-      wait_full(full_k, it);
+  int kv_it = 0, q_it = 0;
+  for (int t = blockIdx.x; t < args.n_work; t += gridDim.x) {
+    const WorkTile w = work_tile<kBlockM, kBlockN>(p, t, args.m_blocks);
+    if (w.m0 >= w.s_q) continue;
+    const TileMask mask(w.s_q, w.s_k, p.mask);
+    const int row_lo = w.m0 + row_in_tile;  // sequence row of half 0
+    const float slope = p.alibi_slope(w.b, w.h);
+    const int shift = w.s_k - w.s_q;
+#pragma unroll
+    for (int i = 0; i < kON; ++i) o[i] = 0.0f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.0f;
+
+    // Scores of key tile `it`: modifiers, mask, then the online softmax; leaves the
+    // unnormalised probabilities in s and the factor the O rows must be rescaled by.
+    auto softmax = [&](int it, float (&corr)[2]) {
+      const int n0 = (w.n_last - it) * kBlockN;
+      const int col0 = n0 + 2 * (lane % 4);
+      if (!raw) {
+#pragma unroll
+        for (int i = 0; i < kSN; ++i) {
+          float x = s[i] * p.scale;
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          if (slope != 0.0f) {
+            const int r = row_lo + 8 * ((i % 4) / 2);
+            const int j = col0 + 8 * (i / 4) + (i % 2);
+            x -= slope * static_cast<float>(abs(r + shift - j));
+          }
+          s[i] = x;
+        }
+      }
+      if (mask.tile_needs_mask(w.m0, kBlockM, n0, kBlockN)) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          int lo, hi;
+          mask.row_range(row_lo + 8 * half, lo, hi);
+          lo -= col0;
+          hi -= col0;
+#pragma unroll
+          for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = 8 * c + e;
+              if (j < lo || j >= hi) s[4 * c + 2 * half + e] = -INFINITY;
+            }
+        }
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float m = row_max[half];
+#pragma unroll
+        for (int c = 0; c < kBlockN / 8; ++c) m = fmaxf(m, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        const float base = m == -INFINITY ? 0.0f : m * to_log2;
+        corr[half] = fast_exp2(row_max[half] * to_log2 - base);
+        row_max[half] = m;
+        float sum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kBlockN / 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = fast_exp2(s[4 * c + 2 * half + e] * to_log2 - base);
+            s[4 * c + 2 * half + e] = pe;
+            sum += pe;
+          }
+        row_sum[half] = row_sum[half] * corr[half] + sum;
+      }
+    };
+
+    mbar_wait(full_q, q_it & 1);
+    ++q_it;
+    const int n_tiles = w.n_tiles;
+    if (n_tiles == 0) {
+      release(empty_q);
+    } else {
+      auto stage_of = [&](int it) { return (kv_it + it) % kStages; };
+      auto phase_of = [&](int it) { return std::uint32_t(((kv_it + it) / kStages) & 1); };
+      float corr[2];
+      mbar_wait(&full_k[stage_of(0)], phase_of(0));
       turn_wait();
       wgmma_fence();
-      issue_qk(it);
-      wgmma_commit();
-      wait_full(full_v, it - 1);
-      issue_pv(it - 1);
+      issue_qk(stage_of(0));
       wgmma_commit();
       turn_pass();
-      wgmma_wait<1>();
-      release(empty_k, it);
-      softmax(it, corr);
       wgmma_wait<0>();
-      release(empty_v, it - 1);
-      rescale_o(corr);
+      release(&empty_k[stage_of(0)]);
+      if (n_tiles == 1) release(empty_q);
+      softmax(0, corr);
       to_p();
+      for (int it = 1; it < n_tiles; ++it) {
+        mbar_wait(&full_k[stage_of(it)], phase_of(it));
+        turn_wait();
+        wgmma_fence();
+        issue_qk(stage_of(it));
+        wgmma_commit();
+        mbar_wait(&full_v[stage_of(it - 1)], phase_of(it - 1));
+        issue_pv(stage_of(it - 1));
+        wgmma_commit();
+        turn_pass();
+        wgmma_wait<1>();
+        release(&empty_k[stage_of(it)]);
+        if (it == n_tiles - 1) release(empty_q);
+        softmax(it, corr);
+        wgmma_wait<0>();
+        release(&empty_v[stage_of(it - 1)]);
+        rescale_o(corr);
+        to_p();
+      }
+      mbar_wait(&full_v[stage_of(n_tiles - 1)], phase_of(n_tiles - 1));
+      turn_wait();
+      wgmma_fence();
+      issue_pv(stage_of(n_tiles - 1));
+      wgmma_commit();
+      turn_pass();
+      wgmma_wait<0>();
+      release(&empty_v[stage_of(n_tiles - 1)]);
+      kv_it += n_tiles;
     }
-    wait_full(full_v, n_tiles - 1);
-    turn_wait();
-    wgmma_fence();
-    issue_pv(n_tiles - 1);
-    wgmma_commit();
-    turn_pass();
-    wgmma_wait<0>();
-    release(empty_v, n_tiles - 1);
+
+    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row
+    float inv[2], lse[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const bool empty = sum == 0.0f || row_max[half] == -INFINITY;
+      inv[half] = empty ? 0.0f : 1.0f / sum;
+      lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+    }
+    Element* const o_base =
+        static_cast<Element*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = row_lo + 8 * half;
+      if (i < w.s_q) {
+        Element* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 8; ++c) {
+          if (8 * c + 2 * (lane % 4) < p.d) {
+            *reinterpret_cast<std::uint32_t*>(o_row + 8 * c) =
+                pack2<Element>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
+          }
+        }
+        if (p.lse != nullptr && lane % 4 == 0) p.lse[p.lse_offset(w.b, w.h) + i] = lse[half];
+      }
+    }
   }
   // The first consumer takes one more turn: it consumes the last consumer's final pass,
   // so no named barrier is left with pending arrivals.
   if constexpr (kConsumers > 1) {
-    if (cw == 0) named_barrier_sync(1, 256);
-  }
-
-  // ---- epilogue
-  float inv[2], lse[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const bool empty = sum == 0.0f || row_max[half] == -INFINITY;
-    inv[half] = empty ? 0.0f : 1.0f / sum;
-    lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
-  }
-  // Stage O / l in this warpgroup's Q rows (128-byte swizzle: conflict-free pairs).
-  unsigned char* sO = sQ;
-  auto o_offset = [](int row, int col) {  // bytes; col in elements
-    return (col / 64) * kBlockM * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
-  };
-  const int r_local = 64 * cw + 16 * warp_in + lane / 4;
-#pragma unroll
-  for (int i = 0; i < kON; i += 2) {
-    const int half = (i % 4) / 2;
-    const int row = r_local + 8 * half;
-    const int col = 8 * (i / 4) + 2 * (lane % 4);
-    *reinterpret_cast<std::uint32_t*>(sO + o_offset(row, col)) =
-        pack2<Element>(o[i] * inv[half], o[i + 1] * inv[half]);
-  }
-  named_barrier_sync(1 + kConsumers + cw, 128);
-  Element* const o_base = static_cast<Element*>(p.out) + p.o_offset(b) + std::int64_t(h) * p.o_head_stride;
-  constexpr int kChunksPerRow = kHeadDim / 8;
-#pragma unroll
-  for (int idx = wtid; idx < 64 * kChunksPerRow; idx += 128) {
-    const int row = 64 * cw + idx / kChunksPerRow;
-    const int col = (idx % kChunksPerRow) * 8;
-    const int i = m0 + row;
-    if (i < s_q && col < p.d) {
-      *reinterpret_cast<uint4*>(o_base + std::int64_t(i) * p.o_row_stride + col) =
-          *reinterpret_cast<const uint4*>(sO + o_offset(row, col));
-    }
-  }
-  if (p.lse != nullptr && lane % 4 == 0) {
-    float* const lse_row = p.lse + p.lse_offset(b, h);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = row_lo + 8 * half;
-      if (i < s_q) lse_row[i] = lse[half];
-    }
+    if (cw == 0) named_barrier_sync(1, 128 * 2);
   }
 #endif
 }

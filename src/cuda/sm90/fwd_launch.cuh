@@ -4,19 +4,35 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <string>
+
 #include "cuda/common/cuda_check.hpp"
+#include "cuda/common/device_attribute.hpp"
+#include "flashattn/error.hpp"
 #include "cuda/sm90/fwd_kernel.cuh"
 
 namespace flashattn::detail::cuda::sm90 {
 
 template <class Cfg, typename Element>
-void launch_fwd(const FwdArgs& args) {
+void launch_fwd(FwdArgs& args) {
   auto kernel = fwd_kernel<Cfg, Element>;
   static const cudaError_t attr =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   FLASHATTN_CUDA_CHECK(attr);
   const FwdParams& p = args.p;
-  const dim3 grid((p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM, p.h_q, p.batch);
+  args.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
+  const std::int64_t work = std::int64_t(args.m_blocks) * p.h_q * p.batch;
+  if (work > std::numeric_limits<int>::max()) {
+    throw Unsupported("flashattn::forward", "q",
+                      "at most 2^31 - 1 query tiles of " + std::to_string(Cfg::kBlockM) + " rows on the sm90 path",
+                      std::to_string(work) + " tiles");
+  }
+  args.n_work = static_cast<int>(work);
+  const int sms = device_attribute<cudaDevAttrMultiProcessorCount>(p.device_index, 132);
+  const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(work, sms));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
