@@ -81,7 +81,7 @@ int variant() {
 template <typename Element>
 void run_bucket(const FwdParams& p, FwdArgs& args) {
   if (p.d <= 64) {
-    if (variant() == 1) return run<FwdHdim64Tall, Element>(p, args);
+    if (variant() >= 1) return run<FwdHdim64Tall, Element>(p, args);
     return run<FwdHdim64, Element>(p, args);
   }
   if (p.d <= 128) {

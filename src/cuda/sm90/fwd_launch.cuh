@@ -24,13 +24,15 @@ void launch_fwd(FwdArgs& args) {
   FLASHATTN_CUDA_CHECK(attr);
   const FwdParams& p = args.p;
   args.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  const std::int64_t work = std::int64_t(args.m_blocks) * p.h_q * p.batch;
+  const int per_head = p.mask.right >= 0 ? (args.m_blocks + 1) / 2 : args.m_blocks;  // work_tile
+  const std::int64_t work = std::int64_t(per_head) * p.h_q * p.batch;
   if (work > std::numeric_limits<int>::max()) {
     throw Unsupported("flashattn::forward", "q",
-                      "at most 2^31 - 1 query tiles of " + std::to_string(Cfg::kBlockM) + " rows on the sm90 path",
-                      std::to_string(work) + " tiles");
+                      "at most 2^31 - 1 units of query tiles of " + std::to_string(Cfg::kBlockM) +
+                          " rows on the sm90 path",
+                      std::to_string(work) + " units");
   }
-  args.n_work = static_cast<int>(work);
+  args.n_units = static_cast<int>(work);
   const int sms = device_attribute<cudaDevAttrMultiProcessorCount>(p.device_index, 132);
   const unsigned grid = static_cast<unsigned>(std::min<std::int64_t>(work, sms));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(p.stream)>>>(args);
