@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "flashattn/error.hpp"
 #include "flashattn/tensor.hpp"
@@ -28,8 +29,8 @@ enum class Backend : std::uint8_t {
 };
 
 struct Options {
-  // Scale applied to q·k. NaN (the default) means 1/sqrt(d).
-  float softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d).
+  std::optional<float> softmax_scale;
   // Causal masking, aligned to the bottom-right corner: the same as window (-1, 0).
   bool causal = false;
   // Sliding window (left, right); -1 is unbounded. Query i sees key j when

@@ -371,7 +371,14 @@ TEST_F(ErrorsDense, DropoutNaN) {
 
 TEST_F(ErrorsDense, SoftmaxScaleInfinite) {
   opts.softmax_scale = -std::numeric_limits<float>::infinity();
-  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or NaN for 1/sqrt(d)), got -inf");
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or unset for 1/sqrt(d)), got -inf");
+}
+
+// NaN is no longer the default's sentinel (an unset optional is): it must not silently
+// mean 1/sqrt(d).
+TEST_F(ErrorsDense, SoftmaxScaleNaN) {
+  opts.softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or unset for 1/sqrt(d)), got nan");
 }
 
 TEST_F(ErrorsDense, SoftcapNegative) {
