@@ -948,6 +948,20 @@ TEST_F(ErrorsKVCache, AppendWithKCacheAsVCache) {
   expect_accepted([&] { fwd(); });
 }
 
+// Every check of the attention runs before the append: an argument error found on the
+// attention's side (the probabilities, lse, the output overlapping the cache) leaves the
+// cache as it was (EXPECT_REJECTED compares every buffer before and after).
+TEST_F(ErrorsKVCache, AttentionErrorsLeaveTheCacheUnchanged) {
+  opts.return_probs = pool_.tensor(f32, {b, h_q, s_q, 5});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.return_probs'", "[2, 4, 1, 11]");
+  opts.return_probs = fa::Tensor{};
+  lse = pool_.tensor(f32, {b, h_q, s_q + 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'lse'");
+  lse = fa::Tensor{};
+  opts.window_left = -2;
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.window_left'");
+}
+
 TEST_F(ErrorsKVCache, BlockTableBatch) {
   make_paged();
   args.block_table = pool_.int32_2d(1, max_blocks, {0, 1, 2, 3});
