@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 
 #include "flashattn/error.hpp"
 #include "flashattn/tensor.hpp"
@@ -28,8 +29,8 @@ enum class Backend : std::uint8_t {
 };
 
 struct Options {
-  // Scale applied to q·k. NaN (the default) means 1/sqrt(d).
-  float softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d).
+  std::optional<float> softmax_scale;
   // Causal masking, aligned to the bottom-right corner: the same as window (-1, 0).
   bool causal = false;
   // Sliding window (left, right); -1 is unbounded. Query i sees key j when
@@ -119,8 +120,12 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 //   cache_batch_idx int32 [b] (optional, dense caches only): cache row of each sequence.
 //   k_new, v_new [b, s_new, h_k, d] (optional): written into the cache in place at
 //                 positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1 before attending.
-// Sequence i then attends to s_k = cache_seqlens[i] + s_new keys. cache_seqlens is not
-// updated: the caller advances it. num_splits splits the keys for split-KV decoding
+// No slot is appended to twice or both appended to and read as a cached key (blocks or
+// rows may be shared for reading), and k_cache, v_cache are apart. Order: every argument
+// check (those of the attention too) runs before the append; after it only a backend
+// failure (CudaError, out of memory) can stop the attention, and the cache then already
+// holds the new keys. Sequence i then attends to s_k = cache_seqlens[i] + s_new keys.
+// cache_seqlens is not updated: the caller advances it. num_splits splits the keys for split-KV decoding
 // (1 = no split, 0 = heuristic); partial results are merged by their log-sum-exp.
 //
 // Quantized cache: k_cache / v_cache both of dtype float8_e4m3 (q, k_new, v_new, out keep

@@ -53,6 +53,7 @@ struct Tensor {
 
   // An absent optional argument is a default-constructed Tensor.
   bool defined() const noexcept { return rank > 0; }
+  // The product of the sizes (0 when any is 0), saturated at INT64_MAX on overflow.
   std::int64_t numel() const noexcept;
   std::int64_t size(int dim) const noexcept { return shape[dim]; }
 

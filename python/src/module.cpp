@@ -134,8 +134,7 @@ struct CommonOptions {
 
   fa::Options build() const {
     fa::Options o;
-    o.softmax_scale = softmax_scale ? static_cast<float>(*softmax_scale)
-                                    : std::numeric_limits<float>::quiet_NaN();
+    if (softmax_scale) o.softmax_scale = static_cast<float>(*softmax_scale);
     o.causal = causal;
     o.window_left = window_left;
     o.window_right = window_right;

@@ -283,9 +283,9 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
   if (opts.window_right < -1) {
     check.fail("opts.window_right", ">= -1", std::to_string(opts.window_right));
   }
-  if (std::isinf(opts.softmax_scale)) {
-    check.fail("opts.softmax_scale", "a finite value (or NaN for 1/sqrt(d))",
-               number(opts.softmax_scale));
+  if (opts.softmax_scale && !std::isfinite(*opts.softmax_scale)) {
+    check.fail("opts.softmax_scale", "a finite value (or unset for 1/sqrt(d))",
+               number(*opts.softmax_scale));
   }
   if (!(opts.softcap >= 0.0f) || std::isinf(opts.softcap)) {
     check.fail("opts.softcap", "a finite value >= 0 (0 = off)", number(opts.softcap));
@@ -314,8 +314,7 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
     p.alibi_batch_stride = alibi.rank == 2 ? alibi.stride[0] : 0;
   }
 
-  p.scale = std::isnan(opts.softmax_scale) ? 1.0f / std::sqrt(static_cast<float>(d))
-                                           : opts.softmax_scale;
+  p.scale = opts.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(d)));
   p.softcap = opts.softcap;
   p.mask = semantics::Mask::make(opts.causal, opts.window_left, opts.window_right);
   p.dropout_p = opts.dropout_p;

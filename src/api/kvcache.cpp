@@ -1,6 +1,7 @@
 // KV-cache entry points: argument checking, then the in-place append and the forward.
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -161,6 +162,72 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
           to_int(a.k_cache.shape[1]), to_int(capacity), fp8, scale_per_block};
 }
 
+// The cache slots one sequence reads as cached keys or writes by the append: slots
+// [lo, hi) of cache row (dense) or block (paged) `row`.
+struct SlotRange {
+  std::int64_t row, lo, hi;
+  bool append;
+  std::int64_t seq, entry;  // sequence and block-table column (-1 for a dense cache)
+};
+
+std::string describe(const SlotRange& r, bool paged) {
+  std::string where = paged ? "block_table[" + std::to_string(r.seq) + "][" +
+                                  std::to_string(r.entry) + "] = block " + std::to_string(r.row)
+                            : "cache row " + std::to_string(r.row);
+  return "sequence " + std::to_string(r.seq) + (r.append ? " appends to " : " reads ") + where +
+         ", slots " + std::to_string(r.lo) + ".." + std::to_string(r.hi - 1);
+}
+
+// The append must not write a slot twice, nor a slot that some sequence reads as a cached
+// key (positions < cache_seqlens): either write would be lost or would change what the
+// attention reads. Blocks or rows shared for reading only (prefix sharing) are fine.
+void check_append_targets(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
+                          const std::vector<std::int32_t>& seqlens,
+                          const std::vector<std::int32_t>* rows,
+                          const std::vector<std::int32_t>* table) {
+  if (dims.s_new == 0 || (!dims.paged && !rows)) return;  // distinct rows 0 .. b-1
+  std::vector<SlotRange> ranges;
+  for (std::size_t i = 0; i < seqlens.size(); ++i) {
+    const std::int64_t len = seqlens[i], keys = len + dims.s_new, seq = std::int64_t(i);
+    if (!dims.paged) {
+      const std::int64_t row = (*rows)[i];
+      if (len > 0) ranges.push_back({row, 0, len, false, seq, -1});
+      ranges.push_back({row, len, keys, true, seq, -1});
+      continue;
+    }
+    const std::int64_t bs = dims.block_size, max_blocks = a.block_table.shape[1];
+    for (std::int64_t blk = 0; blk * bs < keys; ++blk) {
+      const std::int64_t row = (*table)[i * static_cast<std::size_t>(max_blocks) + blk];
+      const std::int64_t p0 = blk * bs, end = std::min(p0 + bs, keys);
+      if (p0 < len) ranges.push_back({row, 0, std::min(end, len) - p0, false, seq, blk});
+      if (end > len) ranges.push_back({row, std::max(p0, len) - p0, end - p0, true, seq, blk});
+    }
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const SlotRange& x, const SlotRange& y) {
+    return x.row != y.row ? x.row < y.row : x.lo < y.lo;
+  });
+  // Sorted by (row, lo): x overlaps an earlier range of its row iff that one ends after x.lo.
+  const SlotRange* last_read = nullptr;    // of the current row, the read ending last
+  const SlotRange* last_append = nullptr;  // of the current row, the append ending last
+  for (const SlotRange& x : ranges) {
+    if (last_read && last_read->row != x.row) last_read = nullptr;
+    if (last_append && last_append->row != x.row) last_append = nullptr;
+    const SlotRange* hit = last_append && last_append->hi > x.lo ? last_append
+                           : x.append && last_read && last_read->hi > x.lo ? last_read
+                                                                           : nullptr;
+    if (hit) {
+      c.fail(dims.paged ? "block_table" : "cache_batch_idx",
+             "append targets that no other append and no cached key use (sequence i appends "
+             "to positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1; " +
+                 std::string(dims.paged ? "blocks" : "cache rows") +
+                 " may be shared for reading only)",
+             describe(*hit, dims.paged) + ", and " + describe(x, dims.paged));
+    }
+    auto& slot = x.append ? last_append : last_read;
+    if (!slot || slot->hi < x.hi) slot = &x;
+  }
+}
+
 // Index contents: cache lengths, cache rows, used block-table entries. Returns the
 // longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents could not
 // be read (CUDA graph capture).
@@ -190,8 +257,9 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
     longest = std::max(longest, keys);
   }
 
+  std::optional<std::vector<std::int32_t>> rows, table;
   if (a.cache_batch_idx.defined()) {
-    const auto rows = detail::api::read_int32(a.cache_batch_idx, target, stream);
+    rows = detail::api::read_int32(a.cache_batch_idx, target, stream);
     if (!rows) return -1;
     for (std::size_t i = 0; i < rows->size(); ++i) {
       if ((*rows)[i] < 0 || (*rows)[i] >= dims.cache_rows) {
@@ -203,7 +271,7 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
   }
 
   if (dims.paged) {
-    const auto table = detail::api::read_int32(a.block_table, target, stream);
+    table = detail::api::read_int32(a.block_table, target, stream);
     if (!table) return -1;
     const std::int64_t max_blocks = a.block_table.shape[1];
     for (std::size_t i = 0; i < seqlens->size(); ++i) {
@@ -221,6 +289,7 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
       }
     }
   }
+  check_append_targets(c, a, dims, *seqlens, rows ? &*rows : nullptr, table ? &*table : nullptr);
   return longest;
 }
 
@@ -292,6 +361,10 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
                 {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask}});
+  if (args.k_new.defined() && args.k_cache.numel() > 0 && args.k_cache.data == args.v_cache.data) {
+    c.fail("v_cache", "memory apart from k_cache (the append writes both)",
+           "the data pointer of k_cache, " + detail::api::address_string(args.v_cache.data));
+  }
   if (args.k_new.defined()) {
     // The append writes the caches: they must not overlap what it or the forward reads.
     // k_cache and v_cache may share one buffer (interleaved), so they are checked apart.

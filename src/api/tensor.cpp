@@ -1,6 +1,7 @@
 // Tensor view helpers: element sizes and names, shape strings, view constructors.
 #include "flashattn/tensor.hpp"
 
+#include <limits>
 #include <string>
 
 #include "flashattn/error.hpp"
@@ -42,8 +43,12 @@ std::string to_string(Device d) {
 
 std::int64_t Tensor::numel() const noexcept {
   if (rank <= 0) return 0;
+  const int dims = rank < kMaxRank ? rank : kMaxRank;
+  for (int i = 0; i < dims; ++i)
+    if (shape[i] == 0) return 0;
   std::int64_t n = 1;
-  for (int i = 0; i < rank && i < kMaxRank; ++i) n *= shape[i];
+  for (int i = 0; i < dims; ++i)
+    if (__builtin_mul_overflow(n, shape[i], &n)) return std::numeric_limits<std::int64_t>::max();
   return n;
 }
 

@@ -152,7 +152,7 @@ class Backward {
       }
       const T delta = t.delta[r];
 #pragma omp simd
-      for (int j = 0; j < kBlockN; ++j) sr[j] = exp_nonpositive(std::min(sr[j] - lse, T(0)));
+      for (int j = 0; j < kBlockN; ++j) sr[j] = E::exp(std::min(sr[j] - lse, T(0)));
       if (dropout) {
         const T* kr = &t.keep[std::size_t(r) * kBlockN];
 #pragma omp simd

@@ -220,11 +220,11 @@ class Forward {
       T sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < kBlockN; ++j) {
-        const T e = exp_nonpositive(sr[j] - m_new);
+        const T e = E::exp(sr[j] - m_new);
         sr[j] = e;
         sum += e;
       }
-      const T alpha = exp_nonpositive(m_old - m_new);
+      const T alpha = E::exp(m_old - m_new);
       t.row_sum[r] = t.row_sum[r] * alpha + sum;
       t.row_max[r] = m_new;
       if (alpha != T(1)) {
@@ -279,7 +279,7 @@ class Forward {
         const T* sr = &t.s[std::size_t(r) * kBlockN];
         float* dst = row_ptr(r) + j0;
         for (int j = 0; j < n; ++j) {
-          const T pr = exp_nonpositive(std::min(sr[j] - t.lse[r], T(0)));
+          const T pr = E::exp(std::min(sr[j] - t.lse[r], T(0)));
           dst[j] = static_cast<float>(dropout ? pr * t.keep[std::size_t(r) * kBlockN + j] : pr);
         }
       }
@@ -403,8 +403,11 @@ void forward(const FwdParams& p) {
 
 std::size_t forward_workspace_size(const FwdParams& p) {
   const int splits = resolve_num_splits(p);
-  return p.dtype == DType::kFloat64 ? split_workspace_bytes<double>(p, splits)
-                                    : split_workspace_bytes<float>(p, splits);
+  std::size_t bytes = 0;
+  dispatch_dtype(p.dtype, [&](auto e) {
+    bytes = split_workspace_bytes<typename decltype(e)::compute>(p, splits);
+  });
+  return bytes;
 }
 
 }  // namespace flashattn::detail::cpu

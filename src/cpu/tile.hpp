@@ -2,9 +2,9 @@
 // with conversion to the compute type, the block GEMM micro-kernel, a vectorisable
 // exp, and the dropout keep mask of a tile.
 //
-// Every tile lives in a contiguous thread-local buffer of the compute type (fp32,
-// or fp64 for fp64 tensors), so the GEMM loops run over unit-stride memory with
-// compile-time widths and the compiler vectorises them (AVX2 + FMA).
+// Every tile lives in a contiguous thread-local buffer of the compute type (fp32 for
+// fp16 / bf16 tensors, fp64 for fp32 and fp64 tensors), so the GEMM loops run over
+// unit-stride memory with compile-time widths and the compiler vectorises them (AVX2 + FMA).
 #pragma once
 
 #include <omp.h>
@@ -28,6 +28,62 @@ namespace flashattn::detail::cpu {
 inline constexpr int kBlockM = 64;
 inline constexpr int kBlockN = 64;
 
+// ------------------------------------------------------------------ exp
+
+// exp(x) for x <= 0 (including -inf, which gives 0), written so that it
+// vectorises: Cody-Waite reduction x = n ln2 + r, a degree-7 polynomial for e^r on
+// |r| <= ln2/2 (Cephes' expf coefficients, about 1 ulp), and 2^n built from the
+// exponent bits. Arguments below -87.33 (where e^x leaves the normal range) give 0.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.33f ? -87.33f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
+  const float result = y * std::bit_cast<float>(bits);
+  return x < -87.33f ? 0.0f : result;
+}
+
+// exp(x) for x <= 0 in fp64, also vectorisable, for fp32 tensors (computed in fp64):
+// x = n ln2 + r with n rounded by the 1.5 * 2^52 shift (n then sits in the low bits of
+// the shifted value, so no fp64 -> int64 conversion is needed, which AVX2 lacks), ln2
+// split in fdlibm's hi / lo parts, the degree-13 Taylor polynomial of e^r on
+// |r| <= ln2/2 (within about 1 fp64 ulp of std::exp on [-708, 0]) and 2^n from the
+// exponent bits. Arguments below -708 (where e^x leaves the normal range) give 0.
+inline double exp_nonpositive_fp64(double x) {
+  constexpr double kShift = 0x1.8p52;
+  const double xc = x < -708.0 ? -708.0 : x;
+  const double shifted = xc * 1.4426950408889634074 + kShift;
+  const double n = shifted - kShift;
+  double r = xc - n * 6.93147180369123816490e-01;
+  r = r - n * 1.90821492927058770002e-10;
+  double y = 1.0 / 6227020800.0;
+  y = y * r + 1.0 / 479001600.0;
+  y = y * r + 1.0 / 39916800.0;
+  y = y * r + 1.0 / 3628800.0;
+  y = y * r + 1.0 / 362880.0;
+  y = y * r + 1.0 / 40320.0;
+  y = y * r + 1.0 / 5040.0;
+  y = y * r + 1.0 / 720.0;
+  y = y * r + 1.0 / 120.0;
+  y = y * r + 1.0 / 24.0;
+  y = y * r + 1.0 / 6.0;
+  y = y * r + 0.5;
+  y = y * r * r + r + 1.0;
+  // The low 12 bits of the shifted value's bits + 1023 are n + 1023 in [2, 1023].
+  const std::uint64_t bits = (std::bit_cast<std::uint64_t>(shifted) + 1023u) << 52;
+  const double result = y * std::bit_cast<double>(bits);
+  return x < -708.0 ? 0.0 : result;
+}
+
+
 // ------------------------------------------------------------------ element types
 
 template <DType kType>
@@ -39,6 +95,7 @@ struct Elem<DType::kFloat16> {
   using compute = float;
   static float load(storage x) { return fp16_to_float(x); }
   static storage store(float x) { return float_to_fp16(x); }
+  static float exp(float x) { return exp_nonpositive(x); }
 };
 template <>
 struct Elem<DType::kBFloat16> {
@@ -46,13 +103,20 @@ struct Elem<DType::kBFloat16> {
   using compute = float;
   static float load(storage x) { return bf16_to_float(x); }
   static storage store(float x) { return float_to_bf16(x); }
+  static float exp(float x) { return exp_nonpositive(x); }
 };
+// fp32 tensors compute in fp64: the sums of the score dot products, of P V and of the
+// softmax denominator then add no error of their own, and the result is the exact
+// attention rounded once to fp32 (to within a few fp64 ulps). In fp32 those sums are
+// sequential over d and over the keys, and their error is several times that of a naive
+// fp32 computation with pairwise sums (tests/python test_forward_low_precision_within_twice_naive).
 template <>
 struct Elem<DType::kFloat32> {
   using storage = float;
-  using compute = float;
-  static float load(storage x) { return x; }
-  static storage store(float x) { return x; }
+  using compute = double;
+  static double load(storage x) { return x; }
+  static storage store(double x) { return static_cast<float>(x); }
+  static double exp(double x) { return exp_nonpositive_fp64(x); }
 };
 template <>
 struct Elem<DType::kFloat64> {
@@ -60,6 +124,7 @@ struct Elem<DType::kFloat64> {
   using compute = double;
   static double load(storage x) { return x; }
   static storage store(double x) { return x; }
+  static double exp(double x) { return std::exp(x); }
 };
 
 // Calls f(Elem<t>{}) for the element type of t.
@@ -156,30 +221,6 @@ inline void transpose(const T* src, std::int64_t lds, int rows, int cols, T* dst
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
-
-// ------------------------------------------------------------------ exp
-
-// exp(x) for x <= 0 (including -inf, which gives 0), written so that it
-// vectorises: Cody-Waite reduction x = n ln2 + r, a degree-7 polynomial for e^r on
-// |r| <= ln2/2 (Cephes' expf coefficients, about 1 ulp), and 2^n built from the
-// exponent bits. Arguments below -87.33 (where e^x leaves the normal range) give 0.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.33f ? -87.33f : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
-  const float result = y * std::bit_cast<float>(bits);
-  return x < -87.33f ? 0.0f : result;
-}
-inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // ------------------------------------------------------------------ dropout
 

@@ -64,6 +64,21 @@ TEST(ApiTensor, ContiguousStridesAndNumel) {
   EXPECT_EQ(empty.numel(), 0);
 }
 
+// Sizes of up to 2^31 - 1 each (what the checks allow) overflow int64 in four dimensions:
+// numel saturates instead of wrapping (signed overflow, undefined behaviour).
+TEST(ApiTensor, NumelSaturatesOnOverflow) {
+  constexpr std::int64_t kBig = (std::int64_t(1) << 31) - 1;
+  fa::Tensor t;
+  t.rank = 4;
+  for (int i = 0; i < 4; ++i) t.shape[i] = kBig;
+  EXPECT_EQ(t.numel(), std::numeric_limits<std::int64_t>::max());
+  t.shape[3] = 0;
+  EXPECT_EQ(t.numel(), 0);
+  t.shape[3] = 2;
+  t.shape[0] = 1;
+  EXPECT_EQ(t.numel(), kBig * kBig * 2);
+}
+
 TEST(ApiTensor, UndefinedTensor) {
   const fa::Tensor t;
   EXPECT_FALSE(t.defined());

@@ -371,7 +371,14 @@ TEST_F(ErrorsDense, DropoutNaN) {
 
 TEST_F(ErrorsDense, SoftmaxScaleInfinite) {
   opts.softmax_scale = -std::numeric_limits<float>::infinity();
-  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or NaN for 1/sqrt(d)), got -inf");
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or unset for 1/sqrt(d)), got -inf");
+}
+
+// NaN is no longer the default's sentinel (an unset optional is): it must not silently
+// mean 1/sqrt(d).
+TEST_F(ErrorsDense, SoftmaxScaleNaN) {
+  opts.softmax_scale = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.softmax_scale': expected a finite value (or unset for 1/sqrt(d)), got nan");
 }
 
 TEST_F(ErrorsDense, SoftcapNegative) {
@@ -887,6 +894,72 @@ TEST_F(ErrorsKVCache, BlockTableEntryOutOfRange) {
   // Sequence 1 holds 9 + 2 = 11 keys: blocks 0..2 are used, so entry [1][2] = 6 is read.
   args.block_table = pool_.int32_2d(b, max_blocks, {0, 2, -1, -1, 1, 3, 6, 99});
   EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'block_table': expected used entries in [0, 6) (num_blocks = k_cache.shape[0]), got block_table[1][2] = 6");
+}
+
+// Issue 25: an append must not write one slot twice, nor a slot that is read as a cached
+// key; blocks shared for reading (prefix sharing) stay valid.
+TEST_F(ErrorsKVCache, AppendTwiceToOneBlockOfASequence) {
+  make_paged();
+  // Sequence 1: 7 cached keys + 2 new ones, at block_table[1][1] slot 3 and [1][2] slot 0,
+  // and both entries name block 3, whose slot 0 holds cached key 4.
+  args.cache_seqlens = pool_.int32({5, 7});
+  args.block_table = pool_.int32_2d(b, max_blocks, {0, 2, -1, -1, 1, 3, 3, 99});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'block_table': expected append targets that no other append and no cached key use",
+                  "got sequence 1 reads block_table[1][1] = block 3, slots 0..2, and sequence 1 appends to block_table[1][2] = block 3, slots 0..0");
+}
+
+TEST_F(ErrorsKVCache, AppendOfTwoSequencesToOneBlock) {
+  make_paged();
+  // Both sequences append to slots 1..2 of block 5.
+  args.block_table = pool_.int32_2d(b, max_blocks, {0, 5, -1, -1, 1, 3, 5, 99});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'block_table'",
+                  "sequence 0 appends to block_table[0][1] = block 5, slots 1..2, and sequence 1 appends to block_table[1][2] = block 5, slots 1..2");
+  EXPECT_REJECTED(Kind::kInvalid, fa::kvcache_workspace_size(args, opts), "argument 'block_table'");
+}
+
+TEST_F(ErrorsKVCache, BlocksSharedForReadingAreAccepted) {
+  make_paged();
+  // Block 0 holds the first 4 cached keys of both sequences; the appends go elsewhere.
+  args.block_table = pool_.int32_2d(b, max_blocks, {0, 2, -1, -1, 0, 3, 5, 99});
+  expect_accepted([&] { fwd(); });
+  // Without new keys nothing is written: any sharing is fine.
+  args.block_table = pool_.int32_2d(b, max_blocks, {0, 0, -1, -1, 0, 0, 0, 99});
+  args.k_new = args.v_new = fa::Tensor{};
+  expect_accepted([&] { fwd(); });
+}
+
+TEST_F(ErrorsKVCache, AppendOfTwoSequencesToOneCacheRow) {
+  args.cache_batch_idx = pool_.int32({1, 1});
+  // Sequence 0 appends at 5..6 of row 1, where sequence 1 holds cached keys.
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'cache_batch_idx': expected append targets",
+                  "got sequence 1 reads cache row 1, slots 0..8, and sequence 0 appends to cache row 1, slots 5..6");
+  args.cache_seqlens = pool_.int32({5, 5});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'cache_batch_idx'",
+                  "sequence 0 appends to cache row 1, slots 5..6, and sequence 1 appends to cache row 1, slots 5..6");
+  // Reading one row from two sequences is fine.
+  args.k_new = args.v_new = fa::Tensor{};
+  expect_accepted([&] { fwd(); });
+}
+
+TEST_F(ErrorsKVCache, AppendWithKCacheAsVCache) {
+  args.v_cache = args.k_cache;
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_cache': expected memory apart from k_cache (the append writes both), got the data pointer of k_cache, 0x");
+  args.k_new = args.v_new = fa::Tensor{};
+  expect_accepted([&] { fwd(); });
+}
+
+// Every check of the attention runs before the append: an argument error found on the
+// attention's side (the probabilities, lse, the output overlapping the cache) leaves the
+// cache as it was (EXPECT_REJECTED compares every buffer before and after).
+TEST_F(ErrorsKVCache, AttentionErrorsLeaveTheCacheUnchanged) {
+  opts.return_probs = pool_.tensor(f32, {b, h_q, s_q, 5});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.return_probs'", "[2, 4, 1, 11]");
+  opts.return_probs = fa::Tensor{};
+  lse = pool_.tensor(f32, {b, h_q, s_q + 1});
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'lse'");
+  lse = fa::Tensor{};
+  opts.window_left = -2;
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'opts.window_left'");
 }
 
 TEST_F(ErrorsKVCache, BlockTableBatch) {

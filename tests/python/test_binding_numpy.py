@@ -344,6 +344,9 @@ def test_options_are_checked():
         _C.forward(q, q, q, np.zeros_like(q), None, dropout_p=1.0)
     with pytest.raises(flashattn.InvalidArgumentError, match="opts.window_left"):
         _C.forward(q, q, q, np.zeros_like(q), None, window_left=-2)
+    # NaN is not the default scale (None is).
+    with pytest.raises(flashattn.InvalidArgumentError, match="opts.softmax_scale.*got nan"):
+        _C.forward(q, q, q, np.zeros_like(q), None, softmax_scale=float("nan"))
 
 
 # ------------------------------------------------------------------ draft trees, fp8 cache

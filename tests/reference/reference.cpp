@@ -249,10 +249,9 @@ bool RefProblem::keep(int b, int h, std::int64_t i, std::int64_t j) const {
   return rng.keep(bh, i, j);
 }
 
-double RefProblem::resolve_scale(float softmax_scale, int d) {
+double RefProblem::resolve_scale(std::optional<float> softmax_scale, int d) {
   // The parameters carry the scale as fp32, computed as the API does.
-  if (std::isnan(softmax_scale)) return 1.0f / std::sqrt(static_cast<float>(d));
-  return softmax_scale;
+  return softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(d)));
 }
 
 void RefProblem::set_options(const Options& opts, const std::vector<float>& alibi_host, bool per_batch) {

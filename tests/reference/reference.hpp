@@ -51,8 +51,8 @@ struct RefProblem {
 
   double slope(int b, int h) const;
   bool keep(int b, int h, std::int64_t i, std::int64_t j) const;
-  // The scale a call with these options uses (NaN -> 1/sqrt(d), as a float).
-  static double resolve_scale(float softmax_scale, int d);
+  // The scale a call with these options uses (unset -> 1/sqrt(d), as a float).
+  static double resolve_scale(std::optional<float> softmax_scale, int d);
   // Copies scale, softcap, mask and dropout from Options; alibi slopes come from the
   // host copy `alibi` ([h_q] when per_batch is false, else [batch * h_q]).
   void set_options(const Options& opts, const std::vector<float>& alibi_host, bool per_batch);

@@ -6,7 +6,10 @@ namespace flashattn::test {
 
 std::string describe(const Options& o) {
   std::ostringstream s;
-  s << "scale=" << o.softmax_scale << " causal=" << o.causal << " window=(" << o.window_left << ","
+  s << "scale=";
+  if (o.softmax_scale) s << *o.softmax_scale;
+  else s << "default";
+  s << " causal=" << o.causal << " window=(" << o.window_left << ","
     << o.window_right << ") softcap=" << o.softcap << " alibi=" << (o.alibi_slopes.defined() ? "yes" : "no")
     << " dropout=" << o.dropout_p << " seed=" << o.seed << " offset=" << o.offset
     << " deterministic=" << o.deterministic << " threads=" << o.num_threads;
