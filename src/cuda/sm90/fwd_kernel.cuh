@@ -86,6 +86,9 @@ __device__ __forceinline__ std::uint32_t pack2(float a, float b) {
   }
 }
 
+// The lazy softmax's threshold (log2 units): see the consumers' softmax.
+inline constexpr float kRescaleLog2 = 8.0f;
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -312,9 +315,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
     }
   };
+  // Warp-uniform: skipped unless some row of the warp moved its reference max.
   auto rescale_o = [&](const float (&corr)[2]) {
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-    for (int i = 0; i < kON; ++i) o[i] *= corr[(i % 4) / 2];
+      for (int i = 0; i < kON; ++i) o[i] *= corr[(i % 4) / 2];
+    }
   };
 
   // Consumer 0 takes the first turn: the last consumer passes it on before any GEMM.
@@ -376,9 +382,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         for (int c = 0; c < kBlockN / 8; ++c) m = fmaxf(m, fmaxf(s[4 * c + 2 * half], s[4 * c + 2 * half + 1]));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
         m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-        const float base = m == -INFINITY ? 0.0f : m * to_log2;
-        corr[half] = fast_exp2(row_max[half] * to_log2 - base);
-        row_max[half] = m;
+        // The reference max moves only when the row's max passes it by more than
+        // kRescaleLog2 (probabilities stay <= 2^8, the sum and lse use the same
+        // reference: the same softmax), so most tiles leave O as it is. A row with no
+        // visible key yet keeps -inf (-inf - -inf is NaN and compares false).
+        const bool move = (m - row_max[half]) * to_log2 > kRescaleLog2;
+        const float old_base = row_max[half] * to_log2;
+        if (move) row_max[half] = m;
+        const float base = row_max[half] == -INFINITY ? 0.0f : row_max[half] * to_log2;
+        corr[half] = move ? fast_exp2(old_base - base) : 1.0f;
         float sum = 0.0f;
 #pragma unroll
         for (int c = 0; c < kBlockN / 8; ++c)
