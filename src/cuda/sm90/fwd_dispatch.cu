@@ -98,7 +98,7 @@ int variant() {
 
 // Measured on the H200 (docs/performance.md): hdim 64 takes three consumer warpgroups
 // (192 query rows) except for causal calls up to 2k queries, where the 128-row tile
-// balances better; hdim 128 takes 176 keys per tile where queries see >= 4k keys on average.
+// balances better; hdim 128 takes 176 keys per tile where queries see >= 8k keys on average.
 template <typename Element>
 void run_bucket(const FwdParams& p, FwdArgs& args) {
   if (p.d <= 64) {
@@ -107,7 +107,7 @@ void run_bucket(const FwdParams& p, FwdArgs& args) {
     return run<FwdHdim64, Element>(p, args);
   }
   if (p.d <= 128) {
-    const bool wide = variant() == 0 ? mean_visible_keys(p) >= 4096 : variant() == 2;
+    const bool wide = variant() == 0 ? mean_visible_keys(p) >= 8192 : variant() == 2;
     if (wide) return run<FwdHdim128Wide, Element>(p, args);
     return run<FwdHdim128, Element>(p, args);
   }

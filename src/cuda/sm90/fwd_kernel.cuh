@@ -55,7 +55,7 @@ struct FwdConfig {
   // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
   // Registers per thread after setmaxnreg: 65536 per SM, one block.
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kProducerRegs = 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
