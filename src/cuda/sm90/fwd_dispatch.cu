@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <numeric>
 #include <string>
 
 #include "cuda/common/device_attribute.hpp"
@@ -26,7 +27,7 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
   if (p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";
   if (p.probs != nullptr) return "return_probs";
-  if (p.block_table != nullptr) return "paged KV cache";
+  if (p.block_table != nullptr && p.block_size % 8 != 0) return "paged KV cache with block_size % 8 != 0";
   if (p.tree_mask != nullptr) return "tree mask";
   if (p.num_splits > 1) return "split-KV";
   if (p.is_varlen() && (p.total_q <= 0 || p.total_k <= 0)) return "varlen without packed totals";
@@ -48,7 +49,7 @@ void run(const FwdParams& p, FwdArgs& args) {
   const std::int64_t q_rows = p.is_varlen() ? p.total_q : p.seqlen_q;
   const std::int64_t q_batches = p.is_varlen() ? 1 : p.batch;
   const std::int64_t k_rows = p.cu_seqlens_k ? p.total_k
-                              : p.cache_seqlens ? p.kv_cache_len
+                              : p.cache_seqlens ? p.kv_cache_len  // block_size when paged
                                                 : p.seqlen_k;
   const std::int64_t k_batches = p.cu_seqlens_k ? 1 : p.cache_seqlens ? p.kv_cache_rows : p.batch;
   args.tmap_q = make_tensor_map_4d(
@@ -56,16 +57,23 @@ void run(const FwdParams& p, FwdArgs& args) {
       {tma_stride(q_rows, p.q_row_stride), tma_stride(p.h_q, p.q_head_stride),
        tma_stride(q_batches, p.q_batch_stride)},
       Cfg::kBlockM);
+  // A paged cache is copied in chunks of page_rows rows: the whole tile where a block
+  // holds whole tiles, else the largest common divisor of the block and tile heights.
+  args.page_rows = 0;
+  if (p.is_paged()) {
+    args.page_rows = p.block_size % Cfg::kBlockN == 0 ? Cfg::kBlockN : std::gcd(p.block_size, Cfg::kBlockN);
+  }
+  const std::uint32_t box_k = args.page_rows > 0 ? std::uint32_t(args.page_rows) : std::uint32_t(Cfg::kBlockN);
   const std::uint64_t k_dims[4] = {std::uint64_t(p.d), std::uint64_t(k_rows), std::uint64_t(p.h_k),
                                    std::uint64_t(k_batches)};
   args.tmap_k = make_tensor_map_4d(p.k, p.dtype, k_dims,
                                    {tma_stride(k_rows, p.k_row_stride), tma_stride(p.h_k, p.k_head_stride),
                                     tma_stride(k_batches, p.k_batch_stride)},
-                                   Cfg::kBlockN);
+                                   box_k);
   args.tmap_v = make_tensor_map_4d(p.v, p.dtype, k_dims,
                                    {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
                                     tma_stride(k_batches, p.v_batch_stride)},
-                                   Cfg::kBlockN);
+                                   box_k);
   launch_fwd<Cfg, Element>(args);
 }
 

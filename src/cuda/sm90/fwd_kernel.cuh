@@ -65,12 +65,14 @@ struct FwdConfig {
 // Kernel arguments: the problem and the three tensor maps (box 64 columns x rows).
 struct FwdArgs {
   CUtensorMap tmap_q;  // {d, rows, h_q, batch}, box rows kBlockM
-  CUtensorMap tmap_k;  // {d, rows, h_k, batch}, box rows kBlockN
+  CUtensorMap tmap_k;  // {d, rows, h_k, batch}, box rows kBlockN (paged: {d, block_size, h_k,
+                       // blocks}, box rows page_rows)
   CUtensorMap tmap_v;
   FwdParams p;
   float to_log2;    // exp2 factor of the softmax: scale * log2(e) on raw scores, else log2(e)
-  bool raw_scores;  // no softcap, no ALiBi, scale > 0: the scale folds into exp2
+  bool raw_scores;  // no softcap, no ALiBi, scale > 0: the kRaw kernel, scale folded into exp2
   bool v_tail_zero; // every sequence's keys end where the V tensor map does (TMA zero-fills)
+  int page_rows;    // paged KV cache: rows per K / V copy (divides kBlockN and the block size); else 0
   int m_blocks;     // query tiles per (sequence, head)
   int n_units;      // units of work (work_tile): one or two query tiles each
 };
@@ -138,7 +140,9 @@ __device__ __forceinline__ WorkTile work_tile(const FwdParams& p, int u, int par
   return w;
 }
 
-template <class Cfg, typename Element>
+// kRaw: scores are raw dot products (no softcap, no ALiBi, scale > 0), the scale folded
+// into exp2; the other instantiation applies the score modifiers of semantics::score.
+template <class Cfg, typename Element, bool kRaw>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         const int q_row = p.is_varlen() ? p.cu_seqlens_q[w.b] + w.m0 : w.m0;
         const int q_b = p.is_varlen() ? 0 : w.b;
         const int k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[w.b] : 0;
-        const int k_b = p.cu_seqlens_k != nullptr ? 0 : p.cache_row(w.b);
+        const int k_b = p.cu_seqlens_k != nullptr || p.is_paged() ? 0 : p.cache_row(w.b);
         // The consumers free Q once their last S = Q K^T of the previous tile is done.
         mbar_wait(empty_q, (q_it & 1) ^ 1);
         ++q_it;
@@ -209,34 +213,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, w.h, q_b, full_q);
           }
         }
+        // One K or V tile's copies, announced on `bar`: one box per 64 columns, or with a
+        // paged cache one per page_rows rows through the block table (chunks past the
+        // keys' end are not copied: their rows are masked, V's zeroed below).
+        auto issue_tile = [&](const CUtensorMap* map, unsigned char* dst, int n, std::uint64_t* bar) {
+          if (args.page_rows == 0) {
+            mbar_arrive_expect_tx(bar, Cfg::kKVBytes);
+#pragma unroll
+            for (int c = 0; c < Cfg::kColBlocks; ++c) {
+              tma_load_4d(dst + c * kBlockN * 128, map, c * 64, k_row0 + n * kBlockN, g, k_b, bar);
+            }
+            return;
+          }
+          const int rows = args.page_rows, j0 = n * kBlockN;
+          const int chunks = min(kBlockN / rows, (w.s_k - j0 + rows - 1) / rows);
+          mbar_arrive_expect_tx(bar, chunks * rows * kHeadDim * 2);
+          const int* table = p.block_table + std::int64_t(w.b) * p.block_table_batch_stride;
+          for (int ch = 0; ch < chunks; ++ch) {
+            const int j = j0 + ch * rows;
+            const int page = table[j / p.block_size];
+#pragma unroll
+            for (int c = 0; c < Cfg::kColBlocks; ++c) {
+              tma_load_4d(dst + c * kBlockN * 128 + ch * rows * 128, map, c * 64, j % p.block_size, g, page, bar);
+            }
+          }
+        };
         for (int it = 0; it < w.n_tiles; ++it, ++kv_it) {
           const int stage = kv_it % kStages;
           const std::uint32_t phase = (kv_it / kStages) & 1;
           const int n = w.n_last - it;
-          const int row = k_row0 + n * kBlockN;
           unsigned char* k_dst = sK + stage * Cfg::kKVBytes;
           unsigned char* v_dst = sV + stage * Cfg::kKVBytes;
           mbar_wait(&empty_k[stage], phase ^ 1);
-          if (leader) {
-            mbar_arrive_expect_tx(&full_k[stage], Cfg::kKVBytes);
-#pragma unroll
-            for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(k_dst + c * kBlockN * 128, &args.tmap_k, c * 64, row, g, k_b, &full_k[stage]);
-            }
-          }
+          if (leader) issue_tile(&args.tmap_k, k_dst, n, &full_k[stage]);
           mbar_wait(&empty_v[stage], phase ^ 1);
           // The V rows past the keys' end are read from the tensor (the next sequence, unused
           // cache slots) unless the tensor ends there: 0 * NaN would poison O, so the warp
           // zeroes them before the consumers see the tile.
           const int valid = w.s_k - n * kBlockN;
           if (valid < kBlockN && !args.v_tail_zero) {
-            if (leader) {
-              mbar_arrive_expect_tx(bar_tail, Cfg::kKVBytes);
-#pragma unroll
-              for (int c = 0; c < Cfg::kColBlocks; ++c) {
-                tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, bar_tail);
-              }
-            }
+            if (leader) issue_tile(&args.tmap_v, v_dst, n, bar_tail);
             mbar_wait(bar_tail, tail_it & 1);
             ++tail_it;
             for (int idx = valid * 8 + lane; idx < kBlockN * 8; idx += 32) {
@@ -249,11 +265,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             __syncwarp();
             if (leader) mbar_arrive(&full_v[stage]);
           } else if (leader) {
-            mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
-#pragma unroll
-            for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(v_dst + c * kBlockN * 128, &args.tmap_v, c * 64, row, g, k_b, &full_v[stage]);
-            }
+            issue_tile(&args.tmap_v, v_dst, n, &full_v[stage]);
           }
         }
       }
@@ -266,7 +278,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const int cw = wg - 1;                 // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp_in = (tid - 128 * wg) / 32;
   const int row_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
-  const bool raw = args.raw_scores;
   const float to_log2 = args.to_log2;
 
   float o[kON];
@@ -278,11 +289,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const std::uint32_t k_addr = smem_addr(sK);
   const std::uint32_t v_addr = smem_addr(sV);
   // Ping-pong: consumer cw issues its GEMMs after barrier 1 + cw, then hands the turn on.
+  // (The barrier ids come from threadIdx.x at each use: a register holding them across
+  // the loop was spilled at hdim 256.)
   auto turn_wait = [&] {
-    if constexpr (kConsumers > 1) named_barrier_sync(1 + cw, 128 * 2);
+    if constexpr (kConsumers > 1) named_barrier_sync(int(threadIdx.x) / 128, 128 * 2);  // 1 + cw
   };
   auto turn_pass = [&] {
-    if constexpr (kConsumers > 1) named_barrier_arrive(1 + (cw + 1) % kConsumers, 128 * 2);
+    if constexpr (kConsumers > 1) named_barrier_arrive(int(threadIdx.x) / 128 % kConsumers + 1, 128 * 2);
   };
   auto release = [&](std::uint64_t* bar) {
     __syncwarp();
@@ -346,11 +359,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     auto softmax = [&](int it, float (&corr)[2]) {
       const int n0 = (w.n_last - it) * kBlockN;
       const int col0 = n0 + 2 * (lane % 4);
-      if (!raw) {
+      if constexpr (!kRaw) {
+        const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
 #pragma unroll
         for (int i = 0; i < kSN; ++i) {
           float x = s[i] * p.scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
           if (slope != 0.0f) {
             const int r = row_lo + 8 * ((i % 4) / 2);
             const int j = col0 + 8 * (i / 4) + (i % 2);
