@@ -54,11 +54,16 @@ struct FwdConfig {
   static constexpr int kBarriers = 3 + 4 * kStages;
   // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
-  // Registers per thread after setmaxnreg: 65536 per SM, one block.
-  static constexpr int kProducerRegs = 32;
+  // Registers per thread after setmaxnreg. The block's pool is what it was launched with
+  // (__launch_bounds__(kThreads, 1): 65536 / kThreads rounded down to a multiple of 8 per
+  // thread); a setmaxnreg.inc the pool cannot serve waits forever, so the split must fit it
+  // (2 consumers: 168 x 384 = 64512 = 24 x 128 + 240 x 256).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
