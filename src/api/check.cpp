@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "api/dispatch.hpp"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::api {
@@ -314,6 +315,7 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
     p.alibi_batch_stride = alibi.rank == 2 ? alibi.stride[0] : 0;
   }
 
+  fill_kernel_options(check, opts, device, p);
   p.scale = std::isnan(opts.softmax_scale) ? 1.0f / std::sqrt(static_cast<float>(d))
                                            : opts.softmax_scale;
   p.softcap = opts.softcap;
