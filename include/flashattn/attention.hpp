@@ -28,6 +28,16 @@ enum class Backend : std::uint8_t {
   kCUDA,
 };
 
+// The CUDA kernel family a call runs on. kAuto takes the best one built for the GPU
+// (sm90 on Hopper where it supports the call, else sm80, which runs on every GPU from
+// Ampere on, Hopper and newer included). Forcing a family the GPU cannot run is an
+// Unsupported error. A tuning knob: it changes speed, never results.
+enum class KernelFamily : std::uint8_t {
+  kAuto,
+  kSm80,  // mma.sync, ldmatrix, cp.async: compute capability 8.0 and newer
+  kSm90,  // sm90a (TMA, wgmma): compute capability 9.0 only
+};
+
 struct Options {
   // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d).
   std::optional<float> softmax_scale;
@@ -54,6 +64,14 @@ struct Options {
   void* stream = nullptr;
   // CPU backend threads; 0 = the OpenMP default.
   int num_threads = 0;
+  // CUDA: the kernel family (kAuto: the environment variable FLASHATTN_KERNEL_FAMILY =
+  // auto | sm80 | sm90 if set, else the best for the GPU).
+  KernelFamily kernel_family = KernelFamily::kAuto;
+  // CUDA: the most shared memory per block, in bytes, that a kernel configuration may use;
+  // 0 = the device's opt-in limit (or FLASHATTN_SMEM_CAP if set), else at least 101376
+  // (99 KiB, the smallest limit of a supported GPU: sm86 / sm89). Lets one GPU run the
+  // configurations of a smaller one.
+  int smem_cap = 0;
   // Debug output for small problems: fp32 [b, h_q, s_q, s_k] (varlen: [h_q, total_q,
   // max_seqlen_k]), written with the attention probabilities after dropout and before
   // the 1/(1-p) scaling: a dropped element is 0, a kept one is P(i, j). Undefined = off.

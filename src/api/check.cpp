@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 
+#include "api/dispatch.hpp"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::api {
@@ -314,6 +315,7 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
     p.alibi_batch_stride = alibi.rank == 2 ? alibi.stride[0] : 0;
   }
 
+  fill_kernel_options(check, opts, device, p);
   p.scale = opts.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(d)));
   p.softcap = opts.softcap;
   p.mask = semantics::Mask::make(opts.causal, opts.window_left, opts.window_right);

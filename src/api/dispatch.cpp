@@ -5,12 +5,12 @@
 #include <string>
 
 #include "core/backend.hpp"
+#include "core/kernel_family.hpp"
 
 namespace flashattn::detail::api {
 
 namespace {
 
-constexpr int kMinComputeCapability = 80;
 constexpr int kMaxHeadDim = 256;
 constexpr std::size_t kCudaAlignBytes = 16;
 constexpr std::int64_t kCudaStrideMultiple = 8;
@@ -54,11 +54,37 @@ Target resolve_target(const Check& check, const Options& opts, Device device) {
   }
   const int cc = cuda::compute_capability(device.index);
   if (cc < kMinComputeCapability) {
-    check.unsupported("q", "a GPU of compute capability >= 8.0 (sm80 path)",
-                      "compute capability " + std::to_string(cc / 10) + "." +
-                          std::to_string(cc % 10) + " on " + to_string(device));
+    check.unsupported("q", "a GPU of compute capability >= 8.0 (the sm80 kernel family)",
+                      compute_capability_string(cc) + " on " + to_string(device));
   }
   return Target::kCUDA;
+}
+
+void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p) {
+  if (opts.kernel_family != KernelFamily::kAuto && opts.kernel_family != KernelFamily::kSm80 &&
+      opts.kernel_family != KernelFamily::kSm90) {
+    check.fail("opts.kernel_family", "KernelFamily::kAuto, kSm80 or kSm90",
+               std::to_string(static_cast<int>(opts.kernel_family)));
+  }
+  if (opts.smem_cap != 0 && opts.smem_cap < kMinSmemPerBlock) {
+    check.fail("opts.smem_cap",
+               "0 (the device's limit) or a byte count >= " + std::to_string(kMinSmemPerBlock),
+               std::to_string(opts.smem_cap));
+  }
+  p.kernel_family = opts.kernel_family;
+  p.smem_cap = opts.smem_cap;
+  if (device.type != DeviceType::kCUDA) return;
+  // The environment fills what the Options leave at their defaults; a malformed variable
+  // fails the CUDA calls that would read it.
+  const KernelEnv& env = kernel_env();
+  if (p.kernel_family == KernelFamily::kAuto) {
+    if (!env.family.ok) check.fail(env.family.name, env.family.expected, env.family.actual);
+    p.kernel_family = env.request.family;
+  }
+  if (p.smem_cap == 0) {
+    if (!env.smem_cap.ok) check.fail(env.smem_cap.name, env.smem_cap.expected, env.smem_cap.actual);
+    p.smem_cap = env.request.smem_cap;
+  }
 }
 
 void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q) {

@@ -21,6 +21,10 @@ enum class Target : std::uint8_t { kCPU, kCUDA };
 // device; a CUDA device needs a CUDA build, a visible GPU of that ordinal and sm80+.
 Target resolve_target(const Check& check, const Options& opts, Device device);
 
+// Options::kernel_family and smem_cap (or, at their defaults, the environment's
+// FLASHATTN_KERNEL_FAMILY and FLASHATTN_SMEM_CAP for CUDA tensors) into p.
+void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p);
+
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
 void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q);

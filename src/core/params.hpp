@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flashattn/attention.hpp"
 #include "flashattn/semantics.hpp"
 #include "flashattn/tensor.hpp"
 
@@ -106,6 +107,12 @@ struct FwdParams {
   int num_threads = 0;   // CPU
   void* stream = nullptr;  // CUDA
   int device_index = 0;    // CUDA
+  // CUDA kernel choice (src/cuda/dispatch.cu): the family and shared-memory cap per block
+  // asked for (Options or the environment; kAuto / 0 = the device's best / limit), and the
+  // limit the dispatch resolved from them for this call's configuration choices.
+  KernelFamily kernel_family = KernelFamily::kAuto;
+  int smem_cap = 0;
+  int smem_limit = 0;
 
   // ---- per-sequence helpers (host and device) ----
   FA_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }

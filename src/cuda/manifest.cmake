@@ -1,24 +1,70 @@
-# The kernel instantiations of the CUDA backend, generated from one list.
+# The manifest of the CUDA backend: every kernel family, its compiled instantiations and
+# the architectures it is built for. Nothing else lists them: the dispatch reads the
+# generated header below, the tests the same header through the library.
 #
-# Every template src/cuda/sm80/<family>.inst.cu.in (fwd, bwd, ...) is expanded once per
-# head-dim bucket in FLASHATTN_HEAD_DIMS and dtype in FLASHATTN_CUDA_DTYPES into
-#   <build>/src/cuda/generated/<family>_hdim<D>_<dtype>.cu
-# with @HEAD_DIM@, @DTYPE@ (fp16 | bf16) and @ELEMENT@ (__half | __nv_bfloat16) substituted.
-# A template holds exactly one explicit instantiation, so every generated translation unit
-# compiles one kernel (per arch) and the full build parallelises across them. Features that
-# keep the tile shapes (masks, softcap, ALiBi, dropout, varlen, KV cache) are run-time
-# branches inside that kernel, never further instantiations.
+#   family  templates             head-dim buckets        code generated
+#   sm80    sm80/*.inst.cu.in     FLASHATTN_CUDA_BUCKETS  for each arch in FLASHATTN_CUDA_ARCHS:
+#                                                         its SASS and its PTX (the compute_80
+#                                                         and compute_90 PTX run GPUs newer
+#                                                         than the SASS: sm100, sm120, ...)
+#   sm90    sm90/*.inst.cu.in     FLASHATTN_CUDA_SM90_    sm_90a SASS only (wgmma, setmaxnreg:
+#           and sm90/*.cu         BUCKETS                 no PTX can carry them forward); built
+#                                                         only when 90 is in FLASHATTN_CUDA_ARCHS
 #
-# The generated header flashattn_cuda_manifest.hpp hands the same list to the dispatch:
-#   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)   expands to X(32) X(64) ... (compiled buckets, ascending)
-#   FLASHATTN_CUDA_FOR_EACH_DTYPE(X)      expands to X(fp16, __half) X(bf16, __nv_bfloat16)
+# Every template <family>/<kernel>.inst.cu.in (fwd, bwd, decode, ...) is expanded once per
+# head-dim bucket of its family in FLASHATTN_HEAD_DIMS and per dtype in
+# FLASHATTN_CUDA_DTYPES into <build>/src/cuda/generated/<family>_<kernel>_hdim<D>_<dtype>.cu
+# with @HEAD_DIM@, @DTYPE@ (fp16 | bf16) and @ELEMENT@ (__half | __nv_bfloat16)
+# substituted. A template holds one explicit instantiation (its configurations: the
+# bucket's tiles for each shared-memory size, tile_size.hpp), so every generated
+# translation unit compiles one kernel entry and the build parallelises across them.
+# Features that keep the tile shapes (masks, softcap, ALiBi, dropout, varlen, KV cache)
+# are run-time branches inside a kernel, never further instantiations.
+#
+# The generated header flashattn_cuda_manifest.hpp hands the lists to the dispatch:
+#   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)       X(32) X(64) ...  (sm80 buckets compiled, ascending)
+#   FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)  the same for sm90 (empty when not built)
+#   FLASHATTN_CUDA_FOR_EACH_DTYPE(X)          X(fp16, __half) X(bf16, __nv_bfloat16)
 
 set(FLASHATTN_CUDA_BUCKETS 32 64 96 128 160 192 224 256)
+set(FLASHATTN_CUDA_SM90_BUCKETS 32 64 96 128 160 192 224 256)
+set(FLASHATTN_CUDA_SM90_GENCODE -gencode=arch=compute_90a,code=sm_90a)
 set(FLASHATTN_CUDA_DTYPES fp16 bf16)
 set(FLASHATTN_CUDA_ELEMENT_fp16 __half)
 set(FLASHATTN_CUDA_ELEMENT_bf16 __nv_bfloat16)
 
-function(flashattn_cuda_manifest out_sources out_include_dir)
+# Expands the templates of one family folder over `buckets` x dtypes into out_sources.
+function(flashattn_cuda_expand family buckets gen_dir out_sources)
+  file(GLOB templates CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/${family}/*.inst.cu.in)
+  set(sources)
+  foreach(template ${templates})
+    get_filename_component(name ${template} NAME)
+    string(REGEX REPLACE "\\.inst\\.cu\\.in$" "" kernel ${name})
+    foreach(d ${buckets})
+      foreach(dtype ${FLASHATTN_CUDA_DTYPES})
+        set(HEAD_DIM ${d})
+        set(DTYPE ${dtype})
+        set(ELEMENT ${FLASHATTN_CUDA_ELEMENT_${dtype}})
+        set(out ${gen_dir}/${family}_${kernel}_hdim${d}_${dtype}.cu)
+        configure_file(${template} ${out} @ONLY)
+        list(APPEND sources ${out})
+      endforeach()
+    endforeach()
+  endforeach()
+  set(${out_sources} ${sources} PARENT_SCOPE)
+endfunction()
+
+function(flashattn_x_list out)
+  set(list "")
+  foreach(d ${ARGN})
+    string(APPEND list " X(${d})")
+  endforeach()
+  set(${out} "${list}" PARENT_SCOPE)
+endfunction()
+
+# out_sm80 / out_sm90: the generated translation units of each family (sm90: empty unless
+# built); out_with_sm90: whether the sm90 family is built; out_include_dir: the header's.
+function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir)
   set(head_dims ${FLASHATTN_HEAD_DIMS})
   list(SORT head_dims COMPARE NATURAL)
   list(REMOVE_DUPLICATES head_dims)
@@ -27,30 +73,26 @@ function(flashattn_cuda_manifest out_sources out_include_dir)
       message(FATAL_ERROR "FLASHATTN_HEAD_DIMS: ${d} is not a bucket (${FLASHATTN_CUDA_BUCKETS})")
     endif()
   endforeach()
+  set(with_sm90 OFF)
+  if("90" IN_LIST FLASHATTN_CUDA_ARCHS OR "90-real" IN_LIST FLASHATTN_CUDA_ARCHS)
+    set(with_sm90 ON)
+  endif()
+  set(sm90_dims)
+  if(with_sm90)
+    foreach(d ${head_dims})
+      if(d IN_LIST FLASHATTN_CUDA_SM90_BUCKETS)
+        list(APPEND sm90_dims ${d})
+      endif()
+    endforeach()
+  endif()
 
   set(gen_dir ${CMAKE_CURRENT_BINARY_DIR}/generated)
   file(MAKE_DIRECTORY ${gen_dir})
-  file(GLOB templates CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/sm80/*.inst.cu.in)
-  set(sources)
-  foreach(template ${templates})
-    get_filename_component(name ${template} NAME)
-    string(REGEX REPLACE "\\.inst\\.cu\\.in$" "" family ${name})
-    foreach(d ${head_dims})
-      foreach(dtype ${FLASHATTN_CUDA_DTYPES})
-        set(HEAD_DIM ${d})
-        set(DTYPE ${dtype})
-        set(ELEMENT ${FLASHATTN_CUDA_ELEMENT_${dtype}})
-        set(out ${gen_dir}/${family}_hdim${d}_${dtype}.cu)
-        configure_file(${template} ${out} @ONLY)
-        list(APPEND sources ${out})
-      endforeach()
-    endforeach()
-  endforeach()
+  flashattn_cuda_expand(sm80 "${head_dims}" ${gen_dir} sm80_sources)
+  flashattn_cuda_expand(sm90 "${sm90_dims}" ${gen_dir} sm90_sources)
 
-  set(head_dim_list "")
-  foreach(d ${head_dims})
-    string(APPEND head_dim_list " X(${d})")
-  endforeach()
+  flashattn_x_list(head_dim_list ${head_dims})
+  flashattn_x_list(sm90_dim_list ${sm90_dims})
   set(dtype_list "")
   foreach(dtype ${FLASHATTN_CUDA_DTYPES})
     string(APPEND dtype_list " X(${dtype}, ${FLASHATTN_CUDA_ELEMENT_${dtype}})")
@@ -59,8 +101,11 @@ function(flashattn_cuda_manifest out_sources out_include_dir)
 "// Generated from src/cuda/manifest.cmake: the compiled kernel instantiations.
 #pragma once
 #define FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)${head_dim_list}
+#define FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)${sm90_dim_list}
 #define FLASHATTN_CUDA_FOR_EACH_DTYPE(X)${dtype_list}
 " @ONLY)
-  set(${out_sources} ${sources} PARENT_SCOPE)
+  set(${out_sm80} ${sm80_sources} PARENT_SCOPE)
+  set(${out_sm90} ${sm90_sources} PARENT_SCOPE)
+  set(${out_with_sm90} ${with_sm90} PARENT_SCOPE)
   set(${out_include_dir} ${gen_dir} PARENT_SCOPE)
 endfunction()

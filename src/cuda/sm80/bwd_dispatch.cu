@@ -1,4 +1,4 @@
-// cuda::backward: the workspace, the preprocess (D = rowsum(dO * O)), the main kernel
+// The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the main kernel
 // of the compiled head-dim bucket, and the postprocess (dQ = scale * dq_accum in the
 // output type).
 #include <cstdint>
@@ -8,16 +8,15 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include "core/backend.hpp"
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/device_guard.hpp"
+#include "core/backend.hpp"  // alloc_async, free_async
+#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/sm80/bwd_launch.hpp"
+#include "cuda/sm80/family.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
 
-namespace flashattn::detail::cuda {
+namespace flashattn::detail::cuda::sm80 {
 
-namespace sm80 {
 namespace {
 
 constexpr int kRowThreads = 8;                         // threads per row, 8 elements each
@@ -143,25 +142,13 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
 }
 
 }  // namespace
-}  // namespace sm80
 
-std::size_t backward_workspace_size(const BwdParams& p) {
-  return sm80::bwd_workspace_layout(p).total();
-}
+std::size_t backward_workspace_size(const BwdParams& p) { return bwd_workspace_layout(p).total(); }
 
 void backward(const BwdParams& p) {
-  constexpr const char* kFn = "flashattn::backward";
-  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
-    throw Unsupported(kFn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
-  }
-  if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
-    throw Unsupported(kFn, "q", "a head dim d % 8 == 0 within the compiled CUDA buckets",
-                      std::to_string(p.d));
-  }
   if (p.batch == 0 || p.h_q == 0) return;
-  DeviceGuard guard(p.device_index);
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  const sm80::BwdWorkspaceLayout layout = sm80::bwd_workspace_layout(p);
+  const BwdWorkspaceLayout layout = bwd_workspace_layout(p);
 
   void* scratch = p.workspace;
   bool owned = false;
@@ -169,7 +156,7 @@ void backward(const BwdParams& p) {
     scratch = alloc_async(layout.total(), p.stream);
     owned = true;
   }
-  sm80::BwdWorkspace ws;
+  BwdWorkspace ws;
   ws.rows_total = layout.rows_total;
   ws.m_blocks = layout.m_blocks;
   auto* base = static_cast<unsigned char*>(scratch);
@@ -185,11 +172,11 @@ void backward(const BwdParams& p) {
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(ws.dq_sem, 0, layout.sem_bytes, stream));
   }
   if (p.dtype == DType::kBFloat16) {
-    sm80::run_bwd<__nv_bfloat16>(p, ws, stream);
+    run_bwd<__nv_bfloat16>(p, ws, stream);
   } else {
-    sm80::run_bwd<__half>(p, ws, stream);
+    run_bwd<__half>(p, ws, stream);
   }
   if (owned) free_async(scratch, p.stream);
 }
 
-}  // namespace flashattn::detail::cuda
+}  // namespace flashattn::detail::cuda::sm80

@@ -25,9 +25,9 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/common/device_attribute.hpp"
-#include "cuda/common/mma_sm80.cuh"
-#include "cuda/common/smem_layout.cuh"
+#include "cuda/runtime/device_attribute.hpp"
+#include "cuda/arch/sm80.cuh"
+#include "cuda/collective/smem_layout.cuh"
 #include "core/params.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/semantics.hpp"
@@ -86,11 +86,7 @@ struct BwdTileConfig {
   // a tile half as wide (d = 64: 192 instead of 256 KiB per pair, d = 128 and d = 256 tall:
   // 64 x 64 warp tiles, 128 instead of 192 / 256 instead of 384 KiB). Not the sm80-sized
   // tiles above d = 128 (their named key-group barriers assume both products per warp).
-#ifdef FLASHATTN_BWD_NO_SPLIT_DKDV  // experiment: every warp computes both products
-  static constexpr bool kSplitDkDv = false;
-#else
   static constexpr bool kSplitDkDv = kHeadDim <= 128 || kTall;
-#endif
   static constexpr int kKvWarps = kSplitDkDv ? kNWarps / 2 : kNWarps;  // warps per product
   // Head-dim parts of a split product: of 1, 2, 4 the one with whole n16 / m16 warp tiles
   // and the least operand traffic (M_w + N_w), the narrower key slice on a tie.
@@ -128,11 +124,7 @@ struct BwdTileConfig {
   // warp_gemm's fragment double-buffering: measured on the H200 (same run) +1.4-3.6% at
   // d = 64 (16k non-causal 270.7 -> 280.5 TFLOP/s) and -0.5 to -1% at d = 128 / 256, so
   // only the 128-row buckets (d <= 64) take it.
-#ifdef FLASHATTN_BWD_NO_PREFETCH  // experiment: no fragment double-buffering anywhere
-  static constexpr bool kPrefetch = false;
-#else
   static constexpr bool kPrefetch = kHeadDim <= 64;
-#endif
 
   using TileQ = SwizzledTile<kBlockM, kHeadDim>;  // Q and dO, [BM, d]
   using TileK = SwizzledTile<kBlockN, kHeadDim>;  // K and V, [BN, d]
@@ -859,32 +851,42 @@ void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t st
   }
 }
 
-// Whether the call's device takes the bucket's sm90 configuration: sm90 or newer with the
-// opt-in shared memory it needs, and the configuration differs from sm80's.
+// Whether the call takes the bucket's sm90 configuration: an sm90-or-newer device (the
+// configuration's sm80 compilation traps) whose shared-memory limit for the call
+// (p.smem_limit: opt-in, or the caller's cap) holds it, and it differs from sm80's.
 // (kHasSm90Config false: the bucket has one configuration, compiled once.)
 template <int kHeadDim>
 inline constexpr bool kHasSm90Config =
     BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes != BwdTileConfig<kHeadDim>::kSmemBytes;
 
 template <int kHeadDim>
-bool bwd_sm90_config_launches(int device) {
-  return kHasSm90Config<kHeadDim> && device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0) >= 9 &&
-         device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, 0) >=
-             BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes;
+bool bwd_sm90_config_launches(const BwdParams& p) {
+  return kHasSm90Config<kHeadDim> &&
+         device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) >= 9 &&
+         p.smem_limit >= BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes;
 }
 
 template <typename Element, int kHeadDim>
 bool bwd_main_runs_tall(const BwdParams& p) {
-  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>(p.device_index);
+  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>(p);
 }
 
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   if constexpr (kHasSm90Config<kHeadDim>) {
-    if (bwd_sm90_config_launches<kHeadDim>(p.device_index)) {
+    if (bwd_sm90_config_launches<kHeadDim>(p)) {
       launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
       return;
     }
+  }
+  // No configuration for less shared memory yet (sm86 / sm89: 99 KiB): a clear error.
+  constexpr int kSmem = BwdTileConfig<kHeadDim>::kSmemBytes;
+  if (p.smem_limit < kSmem) {
+    throw Unsupported("backward", "q",
+                      "at least " + std::to_string(kSmem) +
+                          " bytes of shared memory per block for head-dim bucket " +
+                          std::to_string(kHeadDim),
+                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
   }
   launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
 }

@@ -15,11 +15,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/device_attribute.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_attribute.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/decode_launch.hpp"
+#include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
 
 namespace flashattn::detail::cuda::sm80 {
@@ -56,13 +58,7 @@ TileFacts facts_for(bool fp8, bool t8) {
 }
 
 // At most 8 GQA-packed rows per KV head: the transposed kernel (decode_kernel.cuh: kT8).
-bool use_t8(const FwdParams& p) {
-#ifdef FLASHATTN_DECODE_NO_T8  // experiment: the 16-row kernel for every call
-  return false;
-#else
-  return std::int64_t(p.seqlen_q) * p.h_ratio <= 8;
-#endif
-}
+bool use_t8(const FwdParams& p) { return std::int64_t(p.seqlen_q) * p.h_ratio <= 8; }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link); null
 // where the driver does not offer it.
@@ -89,11 +85,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 // L2 promotion of the copies: 128 B, a segment. 256 B (the next segment too) doubled the
 // L2 traffic (2.17 GB of L2 bytes for 1.07 GB read from DRAM, against the peers' 1.62 GB)
 // and cost 10% at 32k-128k (docs/performance.md); none measures the same as 128 B.
-#ifdef FLASHATTN_DECODE_L2_PROMOTION  // experiments: 0 none, 1 64 B, 2 128 B, 3 256 B
-constexpr auto kL2Promotion = static_cast<CUtensorMapL2promotion>(FLASHATTN_DECODE_L2_PROMOTION);
-#else
 constexpr auto kL2Promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-#endif
 int encode_kv_map(const FwdParams& p, const void* base, std::int64_t row_stride, std::int64_t head_stride,
                   std::int64_t batch_stride, int elem, int seg_elems, int segs, int box_rows, TensorMapBytes& out) {
   const auto encode = tensor_map_encoder();
@@ -107,11 +99,7 @@ int encode_kv_map(const FwdParams& p, const void* base, std::int64_t row_stride,
   const auto dtype = elem == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16;
   const cuuint32_t estrides[5] = {1, 1, 1, 1, 1};
   CUtensorMap map;
-#ifdef FLASHATTN_DECODE_FORCE_RANK4  // experiments: a copy per box and segment
-  if (false) {
-#else
   if (p.d == seg_elems * segs) {
-#endif
     const cuuint64_t dims[5] = {cuuint64_t(seg_elems), cuuint64_t(p.kv_cache_len), cuuint64_t(segs),
                                 cuuint64_t(p.h_k), cuuint64_t(p.kv_cache_rows)};
     const cuuint64_t gstrides[4] = {cuuint64_t(strides[0]), 128, cuuint64_t(strides[1]), cuuint64_t(strides[2])};
@@ -222,11 +210,7 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   // Programmatic dependent launch on sm90: the kernel's launch and start overlap the end
   // of the kernel before it in the stream (it waits for that kernel's results before its
   // first global access), and the next kernel's those of this one.
-#ifdef FLASHATTN_DECODE_NO_PDL  // experiment: plain launches
-  a.pdl = false;
-#else
   a.pdl = cc_major(p.device_index) >= 9;
-#endif
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);
@@ -236,9 +220,16 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
-#ifndef FLASHATTN_DECODE_NO_BULK
-  plan_tma(p, tile_facts(p.d, fp8, a.t8), a);
-#endif
+  const TileFacts tf = tile_facts(p.d, fp8, a.t8);
+  // No decode configuration for less shared memory yet (sm86 / sm89: 99 KiB at d > 64).
+  if (tf.smem > p.smem_limit) {
+    throw Unsupported("kvcache_forward", "q",
+                      "at least " + std::to_string(tf.smem) +
+                          " bytes of shared memory per block for the decode kernel of head dim " +
+                          std::to_string(p.d),
+                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  }
+  plan_tma(p, tf, a);
 #define FLASHATTN_DECODE_BUCKET(D)                          \
   if (p.d <= D) {                                           \
     if (fp8) run_decode_fp8<D>(p, a);                       \

@@ -40,8 +40,10 @@
 #include <type_traits>
 
 #include "core/params.hpp"
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/mma_sm80.cuh"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/arch/pdl.cuh"
+#include "cuda/arch/sm80.cuh"
+#include "cuda/arch/sm90_bulk.cuh"
 #include "cuda/sm80/decode_launch.hpp"
 
 namespace flashattn::detail::cuda::sm80 {
@@ -58,62 +60,6 @@ __device__ __forceinline__ void cp_async_n(std::uint32_t smem_addr, const void* 
 __device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* gmem, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
                "r"(valid ? 4 : 0));
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FLASHATTN_DECODE_NO_BULK)
-#define FLASHATTN_DECODE_BULK 1
-#else
-#define FLASHATTN_DECODE_BULK 0
-#endif
-
-// sm90: one-row bulk copies (the TMA engine, no per-thread request tracking) completing
-// on a per-stage mbarrier.
-__device__ __forceinline__ void mbar_init(std::uint32_t bar) {
-#if FLASHATTN_DECODE_BULK
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_expect_tx(std::uint32_t bar, std::uint32_t bytes) {
-#if FLASHATTN_DECODE_BULK
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait(std::uint32_t bar, std::uint32_t parity) {
-#if FLASHATTN_DECODE_BULK
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-#endif
-}
-__device__ __forceinline__ void fence_mbarrier_init() {
-#if FLASHATTN_DECODE_BULK
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-#endif
-}
-// One TMA tensor copy (tile mode, 4-d coordinates) into shared memory at dst, completing
-// on the mbarrier at bar.
-__device__ __forceinline__ void tensor_copy_4d(std::uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
-                                               std::uint32_t bar) {
-#if FLASHATTN_DECODE_BULK
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];\n" ::"r"(dst),
-      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-#endif
-}
-
-__device__ __forceinline__ void tensor_copy_5d(std::uint32_t dst, const void* tmap, int c0, int c1, int c2, int c3,
-                                               int c4, std::uint32_t bar) {
-#if FLASHATTN_DECODE_BULK
-  asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, "
-      "%6}], [%7];\n" ::"r"(dst),
-      "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(bar)
-      : "memory");
-#endif
 }
 
 // Where the 16-byte chunks of a K or V tile live (decode_launch.hpp): the tile's rows in
@@ -148,11 +94,6 @@ struct LdsmRow {
     return base + static_cast<std::uint32_t>(s >> 2) * seg_stride + static_cast<std::uint32_t>((((2 * s) & 7) ^ x) << 4);
   }
 };
-__device__ __forceinline__ void fence_proxy_async() {
-#if FLASHATTN_DECODE_BULK
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
 
 // Two e4m3 (low byte first) -> f16x2 (low half first), exact: bytes 0-1 or 2-3 of x. On
 // sm89+ the PTX half selection becomes F2FP's .H1 operand (no shift); before sm89 there
@@ -178,22 +119,6 @@ __device__ __forceinline__ std::uint32_t e4m3x2_hi_to_f16x2(std::uint32_t x) {
   return d;
 #else
   return e4m3x2_to_f16x2_sw(x >> 16);
-#endif
-}
-
-// Programmatic dependent launch (sm90; launch_decode sets the launch attribute there):
-// the kernel may start while the previous kernel in the stream finishes, and waits for it
-// (its completion and memory flush) before the first global memory access; it lets the
-// next kernel launch once all its blocks have started. Without the attribute both are
-// no-ops.
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
 
@@ -318,30 +243,6 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const Decode
   }
 }
 
-#ifdef FLASHATTN_DECODE_TIMELINE
-// Experiment (docs/performance.md): per-block %globaltimer stamps of launch number
-// FLASHATTN_DECODE_TIMELINE (counted over the process's decode blocks), printed by each
-// block's thread 0 as "TL sm x y z merged t0..t5": entry, after the grid dependency wait,
-// first tile in, last tile done, partials stored, exit.
-__device__ unsigned long long g_timeline_blocks;
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void timeline_print(const unsigned long long (&tl)[6], int merged) {
-  if (threadIdx.x != 0) return;
-  const unsigned long long grid = static_cast<unsigned long long>(gridDim.x) * gridDim.y * gridDim.z;
-  if (atomicAdd(&g_timeline_blocks, 1ull) / grid != FLASHATTN_DECODE_TIMELINE) return;
-  unsigned sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  printf("TL %u %u %u %u %d %llu %llu %llu %llu %llu %llu\n", sm, blockIdx.x, blockIdx.y, blockIdx.z, merged, tl[0],
-         tl[1], tl[2], tl[3], tl[4], tl[5]);
-}
-#define FLASHATTN_TL(k) (tl[k] = global_ns())
-#else
-#define FLASHATTN_TL(k) ((void)0)
-#endif
 
 }  // namespace decode_detail
 
@@ -362,12 +263,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   constexpr bool kQInRegs = kHeadDim <= 128;
   extern __shared__ __align__(128) unsigned char smem[];
 
-#ifdef FLASHATTN_DECODE_TIMELINE
-  unsigned long long tl[6] = {0, 0, 0, 0, 0, 0};
-#endif
-  FLASHATTN_TL(0);
   griddep_wait();  // nothing in global memory is touched before this
-  FLASHATTN_TL(1);
   griddep_launch_dependents();
   const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.row_chunks));
   const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.row_chunks));
@@ -441,7 +337,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   const auto* kg = static_cast<const unsigned char*>(p.k) + std::int64_t(g_kv) * p.k_head_stride * Tr::kKvBytes;
   const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
   const int row_bytes_used = p.d * Tr::kKvBytes;
-  const bool tma = FLASHATTN_DECODE_BULK && a.tma;
+  const bool tma = kHasBulkCopies && a.tma;
 
   auto load_scales = [&](std::int64_t tile, int stage) {
     if constexpr (kFp8) {
@@ -706,9 +602,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     if (tma) {
       mbar_wait(smem_u32(bars + 8 * stage), phase);
       zero_tail(tile, stage);
-#ifdef FLASHATTN_DECODE_TIMELINE
-      if (tile == t_begin) FLASHATTN_TL(2);
-#endif
     }
     // (Filling every stage in the prologue and refilling a stage right after its tile, so
     // that kStages tiles are in flight while a block waits, measured slower on the H200:
@@ -974,7 +867,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
       phase ^= 1u;
     }
   }
-  FLASHATTN_TL(3);
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
@@ -1090,27 +982,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   if (a.splits > 1) {
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored
-    FLASHATTN_TL(4);
     if (tid == 0) {
       merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
     }
     __syncthreads();
-    if (!merges) {
-#ifdef FLASHATTN_DECODE_TIMELINE
-      FLASHATTN_TL(5);
-      timeline_print(tl, 0);
-#endif
-      return;
-    }
+    if (!merges) return;
     for (int r = r0 + warp; r <= r_last; r += Tr::kWarps) {
       const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
       merge_split_row(p, a, b, h, i, lane);
     }
-#ifdef FLASHATTN_DECODE_TIMELINE
-    __syncthreads();
-    FLASHATTN_TL(5);
-    timeline_print(tl, 1);
-#endif
   }
 }
 

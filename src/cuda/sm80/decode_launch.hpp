@@ -18,11 +18,7 @@ struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                       // packed query rows per block
-#ifdef FLASHATTN_DECODE_SUB
-  static constexpr int kSub = FLASHATTN_DECODE_SUB;
-#else
   static constexpr int kSub = kHeadDim <= 64 ? 2 : 1;    // 16-key sub-tiles per warp per tile
-#endif
   static constexpr int kBlockN = kWarps * 16 * kSub;     // keys per K/V tile
   static constexpr int kKvBytes = kFp8 ? 1 : 2;
   // K/V tiles in shared memory: each key row split into 128-byte segments; the tile's rows
@@ -49,17 +45,9 @@ struct DecodeTraits {
   // blocks spill 340 B). Transposed kernel (158-163 registers unbounded), d <= 128: 3
   // blocks (16-bit: 2 stages, 248.5 against 254.4 us at 2 x 3; fp8: 4 stages, 141.0 us,
   // against 190.8 at 4 blocks, 32 B of spills). d > 128: 2 blocks.
-#if defined(FLASHATTN_DECODE_MIN_BLOCKS_FP8) && defined(FLASHATTN_DECODE_MIN_BLOCKS_16)
-  static constexpr int kMinBlocks = kFp8 ? FLASHATTN_DECODE_MIN_BLOCKS_FP8 : FLASHATTN_DECODE_MIN_BLOCKS_16;
-#else
   static constexpr int kMinBlocks = kHeadDim <= 128 && (kFp8 || kT8) ? 3 : 2;
-#endif
-#ifdef FLASHATTN_DECODE_STAGES
-  static constexpr int kStages = FLASHATTN_DECODE_STAGES;
-#else
   static constexpr int kFitStages = (220 * 1024 / kMinBlocks - kQBytes - 1024 - 64) / kStageBytes;
   static constexpr int kStages = kFitStages < 2 ? 2 : (kFitStages > 8 ? 8 : kFitStages);
-#endif
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
   static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;

@@ -26,20 +26,21 @@
 #include <type_traits>
 
 #include "core/params.hpp"
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/dropout.cuh"
-#include "cuda/common/mask.cuh"
-#include "cuda/common/mma_sm80.cuh"
-#include "cuda/common/online_softmax.cuh"
-#include "cuda/common/smem_layout.cuh"
-#include "cuda/common/tile_size.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/collective/dropout.cuh"
+#include "cuda/collective/mask.cuh"
+#include "cuda/arch/sm80.cuh"
+#include "cuda/collective/online_softmax.cuh"
+#include "cuda/collective/smem_layout.cuh"
+#include "cuda/sm80/tile_size.hpp"
 #include "cuda/sm80/fwd_launch.hpp"
 
 namespace flashattn::detail::cuda::sm80 {
 
-// The bucket's tiles (tile_size.hpp): kBase fwd_tile, everywhere; kLarge fwd_tile_large and
-// kStaggered fwd_tile_staggered, for GPUs with the shared memory for them.
-enum FwdTileKind : int { kFwdBase = 0, kFwdLarge = 1, kFwdStaggered = 2 };
+// The bucket's tiles (tile_size.hpp): kBase fwd_tile, where its shared memory fits (sm80 and
+// sm90); kLarge fwd_tile_large and kStaggered fwd_tile_staggered, for GPUs with the shared
+// memory for them (sm90); kSmall fwd_tile_small, for 99 KiB GPUs (sm86, sm89).
+enum FwdTileKind : int { kFwdBase = 0, kFwdLarge = 1, kFwdStaggered = 2, kFwdSmall = 3 };
 
 template <int kHeadDim_, typename Element_, int kKind = kFwdBase>
 struct FwdTraits {
@@ -47,6 +48,7 @@ struct FwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr FwdTile kTile = kKind == kFwdStaggered ? fwd_tile_staggered(kHeadDim)
                                    : kKind == kFwdLarge   ? fwd_tile_large(kHeadDim)
+                                   : kKind == kFwdSmall   ? fwd_tile_small(kHeadDim)
                                                           : fwd_tile(kHeadDim);
   static constexpr int kBlockM = kTile.block_m;
   static constexpr int kBlockN = kTile.block_n;
@@ -177,13 +179,9 @@ enum class FwdMode { kGeneral, kPlainMasked, kPlainInterior };
 template <FwdMode kMode>
 using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 
-// The launch order (fwd_kernel: grid (query tile, head, sequence) or tile major).
-#ifndef FLASHATTN_FWD_ORDER  // experiments: 0 head major always, 2 tile major always
-#define FLASHATTN_FWD_ORDER 1
-#endif
-__host__ __device__ inline bool fwd_tile_major(const FwdParams& p) {
-  return FLASHATTN_FWD_ORDER == 2 || (FLASHATTN_FWD_ORDER == 1 && !p.mask.unbounded());
-}
+// The launch order (fwd_kernel: grid (query tile, head, sequence) or tile major): tile
+// major where a mask bounds the keys a tile sees.
+__host__ __device__ inline bool fwd_tile_major(const FwdParams& p) { return !p.mask.unbounded(); }
 
 template <int kHeadDim, typename Element, int kKind>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads, 1)
@@ -679,35 +677,37 @@ inline double fwd_mean_visible_keys(const FwdParams& p) {
 
 template <int kHeadDim, typename Element>
 void run_fwd(const FwdParams& p) {
-  using Tr = FwdTraits<kHeadDim, Element>;
   if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
-  constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024 || has_large_fwd_tile(kHeadDim)) {
-    // The tiles are sized for A100/H100-class parts; a GPU with less shared memory per block
-    // (sm86/sm89: 99 KiB) gets a clear error rather than a failed launch. One with room for
-    // the bucket's large tile (H100/H200) runs that.
-    int device = 0, optin = 0;
-    FLASHATTN_CUDA_CHECK(cudaGetDevice(&device));
-    FLASHATTN_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if constexpr (has_large_fwd_tile(kHeadDim)) {
-      if (optin >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
-        if (fwd_mean_visible_keys(p) >= double(kFwdStaggeredMinKeys)) {
-          launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
-        } else {
-          launch_fwd<kHeadDim, Element, kFwdLarge>(p);
-        }
-        return;
+  // The largest of the bucket's tiles that fits in p.smem_limit (the device's opt-in shared
+  // memory per block, or the caller's cap): the large / staggered tiles on H100 / H200, the
+  // base tile on A100-class parts, the 99 KiB tile on sm86 / sm89.
+  const int limit = p.smem_limit;
+  if constexpr (has_large_fwd_tile(kHeadDim)) {
+    if (limit >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
+      if (fwd_mean_visible_keys(p) >= double(kFwdStaggeredMinKeys)) {
+        launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
+      } else {
+        launch_fwd<kHeadDim, Element, kFwdLarge>(p);
       }
-    }
-    if (optin < kSmem) {
-      throw Unsupported("flashattn::forward", "q",
-                        "a GPU with at least " + std::to_string(kSmem) +
-                            " bytes of shared memory per block for head-dim bucket " +
-                            std::to_string(kHeadDim),
-                        std::to_string(optin) + " bytes on this GPU");
+      return;
     }
   }
-  launch_fwd<kHeadDim, Element, kFwdBase>(p);
+  constexpr int kSmem = FwdTraits<kHeadDim, Element>::kSmemBytes;
+  if (limit >= kSmem) {
+    launch_fwd<kHeadDim, Element, kFwdBase>(p);
+    return;
+  }
+  if constexpr (has_small_fwd_tile(kHeadDim)) {
+    if (limit >= FwdTraits<kHeadDim, Element, kFwdSmall>::kSmemBytes) {
+      launch_fwd<kHeadDim, Element, kFwdSmall>(p);
+      return;
+    }
+  }
+  throw Unsupported("forward", "q",
+                    "at least " + std::to_string(fwd_smem_bytes(fwd_tile_small(kHeadDim), kHeadDim)) +
+                        " bytes of shared memory per block for head-dim bucket " +
+                        std::to_string(kHeadDim),
+                    std::to_string(limit) + " bytes (the device's limit or opts.smem_cap)");
 }
 
 }  // namespace flashattn::detail::cuda::sm80

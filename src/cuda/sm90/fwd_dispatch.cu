@@ -6,8 +6,8 @@
 #include <numeric>
 #include <string>
 
-#include "cuda/common/device_attribute.hpp"
-#include "cuda/common/device_guard.hpp"
+#include "cuda/runtime/device_attribute.hpp"
+#include "cuda/runtime/device_guard.hpp"
 #include "cuda/sm90/fwd.hpp"
 #include "cuda/sm90/fwd_configs.hpp"
 #include "cuda/sm90/tensor_map.hpp"
@@ -23,6 +23,7 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
     return "not a compute capability 9.0 GPU";
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
+  if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0) return "head dim";
   if (p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";

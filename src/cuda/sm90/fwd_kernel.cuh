@@ -34,7 +34,7 @@
 #include "core/params.hpp"
 #include "cuda/arch/sm90_tma.cuh"
 #include "cuda/arch/sm90_wgmma.cuh"
-#include "cuda/common/mask.cuh"
+#include "cuda/collective/mask.cuh"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::cuda::sm90 {

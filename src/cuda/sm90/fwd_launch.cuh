@@ -9,8 +9,8 @@
 #include <limits>
 #include <string>
 
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/device_attribute.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_attribute.hpp"
 #include "flashattn/error.hpp"
 #include "cuda/sm90/fwd_kernel.cuh"
 

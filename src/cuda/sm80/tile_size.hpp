@@ -61,15 +61,24 @@ constexpr bool has_staggered_fwd_tile(int head_dim) { return head_dim > 224; }
 constexpr FwdTile fwd_tile_staggered(int head_dim) {
   return has_staggered_fwd_tile(head_dim) ? FwdTile{64, 64, 4, 1} : fwd_tile(head_dim);
 }
-#ifdef FLASHATTN_FWD_STAGGERED_MIN_KEYS  // experiments: 0 always, a large value never
-inline constexpr long kFwdStaggeredMinKeys = FLASHATTN_FWD_STAGGERED_MIN_KEYS;
-#else
 inline constexpr long kFwdStaggeredMinKeys = 512;
-#endif
 constexpr int fwd_smem_bytes(FwdTile t, int head_dim) {
   return (t.block_m + 2 * t.stages * t.block_n) * head_dim * 2;
 }
 constexpr int fwd_smem_bytes(int head_dim) { return fwd_smem_bytes(fwd_tile(head_dim), head_dim); }
+
+// GPUs with 99 KiB of shared memory per block (sm86, sm89; or a smem cap that low): the
+// buckets whose base tile needs more take the shape of a neighbouring bucket that fits,
+// hdim 160 that of 192 (128 x 32 / 8 warps / 2 stages, 80 KiB) and hdim 224 that of 256
+// (64 x 32 / 4 warps / 2 stages, 84 KiB). Not measured for speed on such a GPU yet.
+inline constexpr int kFwdSmallSmem = 99 * 1024;
+constexpr bool has_small_fwd_tile(int head_dim) {
+  return fwd_smem_bytes(head_dim) > kFwdSmallSmem;
+}
+constexpr FwdTile fwd_tile_small(int head_dim) {
+  if (!has_small_fwd_tile(head_dim)) return fwd_tile(head_dim);
+  return head_dim <= 160 ? FwdTile{128, 32, 8, 2} : FwdTile{64, 32, 4, 2};
+}
 
 // The head-dim buckets a kernel may be compiled for; any d % 8 == 0 up to 256 runs in
 // the smallest compiled bucket >= d with predicated loads and stores.
@@ -87,14 +96,19 @@ constexpr bool fwd_tile_fits(FwdTile t, int d, int smem_limit) {
          t.stages >= 1 && fwd_smem_bytes(t, d) <= smem_limit &&
          m_tiles * (d / 8 + t.block_n / 8) * 4 <= 192;
 }
-// Limits every bucket must respect on every target (sm80 has 163 KiB of shared memory
-// per block, sm86/89 99 KiB are not targets of the sm80 build's large buckets); the large
-// tiles, sm90's 227 KiB.
+// Limits every bucket must respect: the base tiles sm80's 163 KiB of shared memory per
+// block, the 99 KiB tiles sm86 / sm89's, the large tiles sm90's 227 KiB.
 constexpr bool fwd_tile_valid(int d) { return fwd_tile_fits(fwd_tile(d), d, 163 * 1024); }
 constexpr bool fwd_tile_large_valid(int d) { return fwd_tile_fits(fwd_tile_large(d), d, 227 * 1024); }
 static_assert(fwd_tile_large_valid(256), "fwd_tile_large: hdim 256 breaks the sm90 budget");
 static_assert(fwd_tile_fits(fwd_tile_staggered(256), 256, 113 * 1024),
               "fwd_tile_staggered: hdim 256 must leave room for two blocks per sm90 SM");
+constexpr bool fwd_tile_small_valid(int d) { return fwd_tile_fits(fwd_tile_small(d), d, kFwdSmallSmem); }
+static_assert(fwd_tile_small_valid(32) && fwd_tile_small_valid(64) && fwd_tile_small_valid(96) &&
+                  fwd_tile_small_valid(128) && fwd_tile_small_valid(160) &&
+                  fwd_tile_small_valid(192) && fwd_tile_small_valid(224) &&
+                  fwd_tile_small_valid(256),
+              "fwd_tile_small: a bucket has no tile within 99 KiB (sm86 / sm89)");
 static_assert(fwd_tile_valid(32) && fwd_tile_valid(64) && fwd_tile_valid(96) &&
                   fwd_tile_valid(128) && fwd_tile_valid(160) && fwd_tile_valid(192) &&
                   fwd_tile_valid(224) && fwd_tile_valid(256),

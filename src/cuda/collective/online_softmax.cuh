@@ -12,7 +12,7 @@
 
 #include <cmath>
 
-#include "cuda/common/mma_sm80.cuh"
+#include "cuda/arch/sm80.cuh"
 
 namespace flashattn::detail::cuda {
 

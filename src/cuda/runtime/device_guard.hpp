@@ -3,7 +3,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "cuda/common/cuda_check.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 
 namespace flashattn::detail::cuda {
 

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "core/backend.hpp"
-#include "cuda/common/cuda_check.hpp"
-#include "cuda/common/device_guard.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/device_guard.hpp"
 #include "flashattn_cuda_manifest.hpp"
 
 namespace flashattn::detail::cuda {

@@ -1,0 +1,118 @@
+// The entry points of the CUDA backend (core/backend.hpp): the one place that chooses a
+// kernel family for a call. Everything below it in src/cuda is a family (sm80/, sm90/)
+// built from collective/ over arch/.
+//
+//   call       family on cc 9.0 (auto)            elsewhere, or forced sm80
+//   forward    the sm80 decode kernel for the     sm80 (its decode kernel for KV-cache
+//              KV-cache calls it suits, else      calls it suits, else the fused forward)
+//              sm90 where sm90::fwd_unsupported
+//              is null, else sm80 (logged)
+//   backward   sm80                               sm80
+//
+// Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
+// shared memory per block the device grants (capped by Options::smem_cap).
+#include "cuda/dispatch.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "core/backend.hpp"
+#include "cuda/runtime/device_attribute.hpp"
+#include "cuda/runtime/device_guard.hpp"
+#include "cuda/sm80/decode_dispatch.hpp"
+#include "cuda/sm80/family.hpp"
+#include "cuda/sm90/fwd.hpp"
+#include "flashattn/error.hpp"
+
+namespace flashattn::detail::cuda {
+
+#if !FLASHATTN_WITH_SM90
+// A build without 90 in FLASHATTN_CUDA_ARCHS has no sm90 family: its interface answers so.
+namespace sm90 {
+bool fwd_built() noexcept { return false; }
+const char* fwd_unsupported(const FwdParams&) noexcept { return "not built"; }
+void run_fwd(const FwdParams&) {}
+}  // namespace sm90
+#endif
+
+namespace {
+
+// FLASHATTN_LOG=debug: one line on stderr when a call leaves the family it resolved to.
+// Read once.
+bool debug_log() {
+  static const bool on = [] {
+    const char* v = std::getenv("FLASHATTN_LOG");
+    return v != nullptr && std::strcmp(v, "debug") == 0;
+  }();
+  return on;
+}
+
+// Checks every family shares; a family's own limits are its own.
+void check_common(const char* fn, const FwdParams& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    throw Unsupported(fn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
+  }
+  if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
+    throw Unsupported(fn, "q", "a head dim d % 8 == 0 within the compiled CUDA buckets",
+                      std::to_string(p.d));
+  }
+}
+
+}  // namespace
+
+KernelChoice resolve_kernel_family(const char* fn, const FwdParams& p) {
+  const int cc = device_compute_capability(p.device_index);
+  const int smem_optin =
+      device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(p.device_index, 48 * 1024);
+  return choose_kernel_family(fn, cc, smem_optin, {p.kernel_family, p.smem_cap}, sm90::fwd_built());
+}
+
+void forward(const FwdParams& in) {
+  constexpr const char* kFn = "forward";
+  check_common(kFn, in);
+  if (in.probs != nullptr) {
+    throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
+                      "a return_probs tensor");
+  }
+  FwdParams p = in;
+  const KernelChoice choice = resolve_kernel_family(kFn, p);
+  p.smem_limit = choice.smem_limit;
+  DeviceGuard guard(p.device_index);
+  // Decoding (a few query rows against a long cache) is memory-bound: the decode kernel
+  // (split-KV, fp8, draft trees) serves it on every family.
+  if (choice.family == KernelFamily::kSm90 && !sm80::plan_decode(p).use) {
+    const char* why = sm90::fwd_unsupported(p);
+    if (why == nullptr) {
+      sm90::run_fwd(p);
+      return;
+    }
+    if (debug_log()) std::fprintf(stderr, "flashattn: forward: sm90 family declined (%s), running sm80\n", why);
+  }
+  sm80::forward(p);
+}
+
+// KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
+// computed from shapes and upper bounds only (the same during CUDA graph capture).
+std::size_t forward_workspace_size(const FwdParams& p) { return sm80::forward_workspace_size(p); }
+
+void backward(const BwdParams& in) {
+  constexpr const char* kFn = "backward";
+  check_common(kFn, in);
+  if (in.batch == 0 || in.h_q == 0) return;
+  BwdParams p = in;
+  const KernelChoice choice = resolve_kernel_family(kFn, p);
+  p.smem_limit = choice.smem_limit;
+  if (choice.family == KernelFamily::kSm90 && debug_log()) {
+    std::fprintf(stderr, "flashattn: backward: no sm90 family yet, running sm80\n");
+  }
+  DeviceGuard guard(p.device_index);
+  sm80::backward(p);
+}
+
+std::size_t backward_workspace_size(const BwdParams& p) { return sm80::backward_workspace_size(p); }
+
+}  // namespace flashattn::detail::cuda
