@@ -5,7 +5,9 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -24,23 +26,17 @@ namespace fa = flashattn;
 
 namespace {
 
+enum class Precision { kBF16, kFP16, kFP32 };
+
 struct Config {
   int batch = 1, heads = 8, seqlen = 2048, head_dim = 64;
   bool causal = false;
-  bool bf16 = true;  // else fp32 (CPU) / fp16 (GPU)
+  Precision precision = Precision::kBF16;
   int repeats = 3;
   bool force_cpu = false;
 };
 
-void usage() {
-  std::puts(
-      "flashattn_main [--cpu] [--batch N] [--heads N] [--seqlen N] [--head-dim N] [--causal]\n"
-      "               [--fp32|--fp16] [--repeats N]\n"
-      "Runs exact attention through flashattn and through the naive computation and prints\n"
-      "the max error of each against fp64, the time, TFLOP/s and the extra memory.");
-}
-
-Config parse(int argc, char** argv, bool gpu) {
+Config defaults(bool gpu) {
   Config c;
   if (gpu) {
     c.batch = 4;
@@ -49,25 +45,100 @@ Config parse(int argc, char** argv, bool gpu) {
     c.head_dim = 128;
     c.repeats = 10;
   }
+  return c;
+}
+
+void usage(std::FILE* to) {
+  const Config cpu = defaults(false), gpu = defaults(true);
+  std::fprintf(
+      to,
+      "usage: flashattn_main [--cpu] [--batch N] [--heads N] [--seqlen N] [--head-dim N]\n"
+      "                      [--causal] [--bf16|--fp16|--fp32] [--repeats N]\n"
+      "Runs exact attention through flashattn and through the naive computation and prints\n"
+      "the max error of each against fp64, the time, FLOP/s and the extra memory. Runs on\n"
+      "the GPU when one is visible, else (or with --cpu) on the CPU backend.\n"
+      "\n"
+      "options (default on the GPU / on the CPU):\n"
+      "  --cpu          run on the CPU backend even when a GPU is visible\n"
+      "  --batch N      batch size, N >= 1 (%d / %d)\n"
+      "  --heads N      attention heads, N >= 1 (%d / %d)\n"
+      "  --seqlen N     sequence length of queries and keys, N >= 1 (%d / %d)\n"
+      "  --head-dim N   head dim, 1 <= N <= 256; a multiple of 8 on the GPU (%d / %d)\n"
+      "  --causal       causal mask (off)\n"
+      "  --bf16         bfloat16 inputs and output (the default)\n"
+      "  --fp16         float16 inputs and output\n"
+      "  --fp32         float32 inputs and output (CPU backend only)\n"
+      "  --repeats N    timed runs, N >= 1; the best (CPU) or median (GPU) is shown (%d / %d)\n"
+      "  -h, --help     this text\n",
+      gpu.batch, cpu.batch, gpu.heads, cpu.heads, gpu.seqlen, cpu.seqlen, gpu.head_dim,
+      cpu.head_dim, gpu.repeats, cpu.repeats);
+}
+
+// A command-line error: the message names the option, the expected and the actual value;
+// exit status 2 (as for any usage error).
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "flashattn_main: %s\n(flashattn_main --help lists the options)\n",
+               msg.c_str());
+  std::exit(2);
+}
+
+// The integer value of option `name`: the whole text a decimal integer in [lo, hi].
+int parse_int(const std::string& name, const char* text, long lo, long hi) {
+  const std::string range = hi == INT_MAX ? "an integer >= " + std::to_string(lo)
+                                          : "an integer in [" + std::to_string(lo) + ", " +
+                                                std::to_string(hi) + "]";
+  errno = 0;
+  char* end = nullptr;
+  const long x = std::strtol(text, &end, 10);
+  if (end == text || *end != '\0' || errno == ERANGE || x < lo || x > hi) {
+    usage_error("option " + name + ": expected " + range + ", got '" + text + "'");
+  }
+  return static_cast<int>(x);
+}
+
+Config parse(int argc, char** argv, bool gpu) {
+  Config c = defaults(gpu);
+  int precision_options = 0;
   for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    auto next = [&]() -> int {
+    const std::string a = argv[i];
+    auto value = [&](long lo, long hi) -> int {
       if (i + 1 >= argc) {
-        std::fprintf(stderr, "missing value after %s\n", a.c_str());
-        std::exit(2);
+        usage_error("option " + a + ": expected a value after it, got the end of the command line");
       }
-      return std::atoi(argv[++i]);
+      return parse_int(a, argv[++i], lo, hi);
     };
-    if (a == "--batch") c.batch = next();
-    else if (a == "--heads") c.heads = next();
-    else if (a == "--seqlen") c.seqlen = next();
-    else if (a == "--head-dim") c.head_dim = next();
-    else if (a == "--repeats") c.repeats = std::max(1, next());
+    if (a == "--batch") c.batch = value(1, INT_MAX);
+    else if (a == "--heads") c.heads = value(1, INT_MAX);
+    else if (a == "--seqlen") c.seqlen = value(1, INT_MAX);
+    else if (a == "--head-dim") c.head_dim = value(1, 256);
+    else if (a == "--repeats") c.repeats = value(1, INT_MAX);
     else if (a == "--causal") c.causal = true;
-    else if (a == "--fp32" || a == "--fp16") c.bf16 = false;
+    else if (a == "--bf16") { c.precision = Precision::kBF16; ++precision_options; }
+    else if (a == "--fp16") { c.precision = Precision::kFP16; ++precision_options; }
+    else if (a == "--fp32") { c.precision = Precision::kFP32; ++precision_options; }
     else if (a == "--cpu") c.force_cpu = true;
-    else if (a == "--help" || a == "-h") { usage(); std::exit(0); }
-    else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); usage(); std::exit(2); }
+    else if (a == "--help" || a == "-h") { usage(stdout); std::exit(0); }
+    else usage_error("unknown option '" + a + "'");
+  }
+  if (precision_options > 1) {
+    usage_error("options --bf16, --fp16, --fp32: expected at most one, got " +
+                std::to_string(precision_options));
+  }
+  if (gpu && c.precision == Precision::kFP32) {
+    usage_error("option --fp32: expected --bf16 or --fp16 on the GPU (the CUDA backend "
+                "computes 16-bit inputs), got --fp32; add --cpu to run fp32 on the CPU");
+  }
+  // Inputs, outputs and the naive computation's S and P: refuse sizes whose element
+  // counts do not fit in memory indices rather than overflow.
+  const double elements = double(c.batch) * c.seqlen * c.heads * c.head_dim;
+  const double scores = double(c.batch) * c.heads * c.seqlen * double(c.seqlen);
+  if (elements > 9.0e15 || scores > 9.0e15) {
+    char text[160];
+    std::snprintf(text, sizeof text,
+                  "got batch * seqlen * heads * head_dim = %.3g, batch * heads * seqlen^2 = %.3g",
+                  elements, scores);
+    usage_error(std::string("options --batch, --heads, --seqlen, --head-dim: expected sizes "
+                            "below 9e15 elements, ") + text);
   }
   return c;
 }
@@ -177,8 +248,9 @@ void print_row(const char* name, double err, double sec, double flops, double fl
 }
 
 int run(const Config& c, bool on_gpu) {
-  const fa::DType dt = c.bf16 ? fa::DType::kBFloat16
-                              : (on_gpu ? fa::DType::kFloat16 : fa::DType::kFloat32);
+  const fa::DType dt = c.precision == Precision::kBF16   ? fa::DType::kBFloat16
+                       : c.precision == Precision::kFP16 ? fa::DType::kFloat16
+                                                         : fa::DType::kFloat32;
   std::printf("flashattn %s main job on the %s: %s, batch %d, heads %d, seqlen %d, head dim %d%s\n",
               fa::version(), on_gpu ? "GPU" : "CPU", fa::dtype_name(dt), c.batch, c.heads, c.seqlen,
               c.head_dim, c.causal ? ", causal" : "");

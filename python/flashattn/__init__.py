@@ -7,6 +7,7 @@ tensors, ...). The torch layer (``flash_attn_func`` and friends, a drop-in for f
 
 from ._C import (  # noqa: F401
     CudaError,
+    DTypeError,
     Error,
     InvalidArgumentError,
     UnsupportedError,
@@ -30,6 +31,7 @@ _TORCH_NAMES = (
 
 __all__ = [
     "CudaError",
+    "DTypeError",
     "Error",
     "InvalidArgumentError",
     "UnsupportedError",
@@ -46,7 +48,7 @@ def __getattr__(name):
         return getattr(interface, name)
     if name.startswith(("ring_attention", "zigzag_")):  # flashattn.ring: context parallelism
         return getattr(__import__(f"{__name__}.ring", fromlist=["ring"]), name)
-    if name in ("interface", "ops", "rotary", "hf"):
+    if name in ("interface", "flash_attn_interface", "ops", "rotary", "hf"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

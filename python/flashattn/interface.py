@@ -6,7 +6,8 @@ a function returns ``out``, or ``(out, softmax_lse, S_dmask)`` when return_attn_
 differences are listed in python/README.md; in short: S_dmask is the probabilities
 after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) from the CPU
 backend and None on CUDA; dropout seeds come from torch's default CPU generator;
-errors are flashattn.InvalidArgumentError (a ValueError) / UnsupportedError.
+errors are flashattn.InvalidArgumentError (a ValueError and, as flash_attn's, a
+RuntimeError) / UnsupportedError.
 """
 
 from typing import Optional, Tuple, Union
@@ -16,11 +17,17 @@ from torch import Tensor
 
 from . import ops
 from ._C import UnsupportedError
+from ._checks import INT32_MAX, check_int, check_rank, invalid, shape_text
+from ._checks import window as _checked_window
 from .rotary import rotate
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
-    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    if softmax_scale is not None:
+        return float(softmax_scale)
+    d = q.shape[-1] if q.dim() > 0 else 0
+    # d == 0: any value; the op refuses the head dim, naming q.
+    return d ** -0.5 if d > 0 else 1.0
 
 
 def _rng_state(dropout_p: float) -> Optional[Tensor]:
@@ -31,14 +38,9 @@ def _rng_state(dropout_p: float) -> Optional[Tensor]:
     return torch.randint(0, 1 << 62, (2,), dtype=torch.int64)
 
 
-def _window(window_size: Tuple[int, int]) -> Tuple[int, int]:
-    left, right = window_size
-    return int(left), int(right)
-
-
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs):
-    left, right = _window(window_size)
+               deterministic, return_attn_probs, fn="flashattn.flash_attn_func"):
+    left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = ops.fwd(q, k, v, alibi_slopes, _rng_state(dropout_p),
                               _scale(q, softmax_scale), bool(causal), left, right,
@@ -50,8 +52,11 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, seqused_k=None):
-    left, right = _window(window_size)
+                      deterministic, return_attn_probs, seqused_k=None,
+                      fn="flashattn.flash_attn_varlen_func"):
+    left, right = _checked_window(fn, window_size)
+    max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+    max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                      alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
@@ -61,6 +66,13 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
+
+
+def _check_packed(fn, name, t, rank, dim, count, layout):
+    check_rank(fn, name, t, rank, layout)
+    if t.shape[dim] != count:
+        raise invalid(fn, name, f"shape[{dim}] == {count} (layout {layout})",
+                      f"{int(t.shape[dim])} (shape {shape_text(t)})")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -81,18 +93,22 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                               deterministic=False, return_attn_probs=False):
     """qkv [b, s, 3, h, d] -> out [b, s, h, d]. The gradient of qkv is assembled by
     autograd from dq, dk, dv (the library writes them to separate tensors)."""
+    fn = "flashattn.flash_attn_qkvpacked_func"
+    _check_packed(fn, "qkv", qkv, 5, 2, 3, "[b, s, 3, h, d]")
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, fn)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False):
     """q [b, s_q, h_q, d], kv [b, s_k, 2, h_k, d] -> out [b, s_q, h_q, d]."""
+    fn = "flashattn.flash_attn_kvpacked_func"
+    _check_packed(fn, "kv", kv, 5, 2, 2, "[b, s_k, 2, h_k, d]")
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs, fn)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -116,10 +132,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """qkv [total, 3, h, d], cu_seqlens int32 [b + 1] -> out [total, h, d]."""
+    fn = "flashattn.flash_attn_varlen_qkvpacked_func"
+    _check_packed(fn, "qkv", qkv, 4, 1, 3, "[total, 3, h, d]")
+    max_seqlen = check_int(fn, "max_seqlen", max_seqlen, 0, INT32_MAX)
     q, k, v = qkv.unbind(dim=1)
     return _varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs)
+                             alibi_slopes, deterministic, return_attn_probs, fn=fn)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -128,10 +147,12 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     alibi_slopes=None, deterministic=False,
                                     return_attn_probs=False):
     """q [total_q, h_q, d], kv [total_k, 2, h_k, d] -> out [total_q, h_q, d]."""
+    fn = "flashattn.flash_attn_varlen_kvpacked_func"
+    _check_packed(fn, "kv", kv, 4, 1, 2, "[total_k, 2, h_k, d]")
     k, v = kv.unbind(dim=1)
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs)
+                             alibi_slopes, deterministic, return_attn_probs, fn=fn)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -170,24 +191,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise UnsupportedError(
             "flashattn.flash_attn_with_kvcache: argument 'cache_leftpad': expected None "
             "(left-padded caches are not supported), got a tensor")
+    fn = "flashattn.flash_attn_with_kvcache"
     if (k is None) != (v is None):
-        raise ValueError("flashattn.flash_attn_with_kvcache: k and v are given together")
+        raise invalid(fn, "v" if v is None else "k", "k and v given together (or neither)",
+                      "only " + ("k" if v is None else "v"))
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+        check_rank(fn, name, t, 4, "[b, s, h, d]")
+    check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
     batch = q.shape[0]
     if cache_seqlens is None:
         if k is not None:
-            raise ValueError("flashattn.flash_attn_with_kvcache: argument 'cache_seqlens': "
-                             "expected a tensor or int when k and v are appended, got None")
+            raise invalid(fn, "cache_seqlens", "a tensor or int when k and v are appended",
+                          "None")
         capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                     else k_cache.shape[1])
         cache_seqlens = torch.full((batch,), capacity, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, int):
+    elif not isinstance(cache_seqlens, Tensor):
+        cache_seqlens = check_int(fn, "cache_seqlens", cache_seqlens, 0, INT32_MAX)
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    left, right = _window(window_size)
+    left, right = _checked_window(fn, window_size)
 
     if rotary_cos is not None or rotary_sin is not None:
         if rotary_cos is None or rotary_sin is None or k is None:
-            raise ValueError("flashattn.flash_attn_with_kvcache: rotary_cos, rotary_sin, k and v "
-                             "are given together (rotary embeddings rotate the new keys)")
+            missing = [n for n, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                                      ("k", k)) if t is None]
+            raise invalid(fn, missing[0], "rotary_cos, rotary_sin, k and v given together "
+                          "(rotary embeddings rotate the new keys)", "None")
+        _check_rotary(fn, q, k_cache, block_table, rotary_cos, rotary_sin)
         base = cache_seqlens.to(torch.long)[:, None]
         k_pos = base + torch.arange(k.shape[1], device=q.device)[None, :]
         if causal or (left, right) != (-1, -1):
@@ -202,6 +232,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                right, float(softcap), int(num_splits), k_scale, v_scale,
                                tree_mask)
     return (out, lse) if return_softmax_lse else out
+
+
+def _check_rotary(fn, q, k_cache, block_table, cos, sin):
+    """flash_attn's rules: cos, sin [seqlen_ro, rotary_dim / 2] of one shape, rotary_dim
+    <= head dim, and seqlen_ro at least the cache's sequence capacity (so every position a
+    call can rotate at is a row)."""
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        check_rank(fn, name, t, 2, "[seqlen_ro, rotary_dim / 2]")
+        if t.device != q.device:
+            raise invalid(fn, name, f"a tensor on {q.device} (the device of q)",
+                          f"a tensor on {t.device}")
+    if sin.shape != cos.shape:
+        raise invalid(fn, "rotary_sin", f"shape {shape_text(cos)} (the shape of rotary_cos)",
+                      shape_text(sin))
+    d = q.shape[-1]
+    if 2 * cos.shape[1] > d:
+        raise invalid(fn, "rotary_cos", f"shape[1] <= {d // 2} (rotary_dim / 2 <= head dim / 2)",
+                      int(cos.shape[1]))
+    capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                else k_cache.shape[1])
+    what = ("max_blocks_per_seq * block_size" if block_table is not None
+            else "k_cache.shape[1]")
+    if cos.shape[0] < capacity:
+        raise invalid(fn, "rotary_cos",
+                      f"shape[0] >= {capacity} (a row per cache position, {what})",
+                      int(cos.shape[0]))
 
 
 def apply_rotary_emb(x, cos, sin, interleaved=False, seqlen_offsets=0):

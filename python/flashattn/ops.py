@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _C
+from ._checks import check_device, check_head_dim, check_rank
 
 _U64 = (1 << 64) - 1
 
@@ -82,6 +83,51 @@ def _options(
     )
 
 
+# Checks shared by each op and its fake implementation: the ranks the outputs' shapes are
+# read from, a nonzero head dim, and one device for every tensor (rng_state excepted: a
+# CPU tensor by design). The library checks everything else.
+_DENSE = "[b, s, h, d]"
+_PACKED = "[total, h, d]"
+
+
+def _check_fwd(q, k, v, alibi_slopes):
+    fn = "flashattn::fwd"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_rank(fn, name, t, 4, _DENSE)
+    check_head_dim(fn, "q", q)
+    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes)
+
+
+def _check_bwd(dout, q, k, v, out, lse, alibi_slopes):
+    fn = "flashattn::bwd"
+    for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
+        check_rank(fn, name, t, 4, _DENSE)
+    check_rank(fn, "lse", lse, 3, "[b, h_q, s_q]")
+    check_head_dim(fn, "q", q)
+    check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+
+
+def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, **more):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_rank(fn, name, t, 3, _PACKED)
+    check_head_dim(fn, "q", q)
+    check_device(fn, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                 seqused_k=seqused_k, alibi_slopes=alibi_slopes, **more)
+
+
+def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask):
+    fn = "flashattn::kvcache_fwd"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new)):
+        check_rank(fn, name, t, 4, _DENSE)
+    check_head_dim(fn, "q", q)
+    check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
+                 block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
+                 v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+                 tree_mask=tree_mask)
+
+
 def _empty(shape, like: Tensor, dtype=None) -> Tensor:
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
@@ -114,6 +160,7 @@ def fwd(
     return_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0])."""
+    _check_fwd(q, k, v, alibi_slopes)
     out, lse, probs = _fwd_outputs(q, k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
@@ -125,6 +172,7 @@ def fwd(
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
       softcap, dropout_p, deterministic, return_probs):
+    _check_fwd(q, k, v, alibi_slopes)
     return _fwd_outputs(q, k, return_probs)
 
 
@@ -147,6 +195,7 @@ def bwd(
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv); dk and dv are summed over each GQA group (shapes of k and v)."""
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
     dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
@@ -165,6 +214,7 @@ def bwd(
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, window_left,
       window_right, softcap, dropout_p, deterministic):
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
     return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
 
 
@@ -222,6 +272,8 @@ def varlen_fwd(
     return_probs: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0])."""
+    _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes)
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
@@ -235,6 +287,8 @@ def varlen_fwd(
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
       deterministic, return_probs):
+    _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes)
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
@@ -261,6 +315,8 @@ def varlen_bwd(
     dropout_p: float,
     deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes, dout=dout, out=out, lse=lse)
     dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
@@ -276,6 +332,8 @@ def varlen_bwd(
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
       dropout_p, deterministic):
+    _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes, dout=dout, out=out, lse=lse)
     return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
 
 
@@ -331,6 +389,8 @@ def kvcache_fwd(
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys."""
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask)
     b, s_q, h_q, _ = q.shape
     out = _empty(q.shape, q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
@@ -349,5 +409,7 @@ def kvcache_fwd(
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
       k_scale=None, v_scale=None, tree_mask=None):
+    _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask)
     b, s_q, h_q, _ = q.shape
     return _empty(q.shape, q), _empty((b, h_q, s_q), q, torch.float32)

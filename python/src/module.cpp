@@ -9,14 +9,20 @@
 // C++ exceptions become Python exceptions with the same message:
 //   flashattn::Unsupported     -> flashattn.UnsupportedError (InvalidArgumentError and
 //                                 NotImplementedError)
-//   flashattn::InvalidArgument -> flashattn.InvalidArgumentError (ValueError)
+//   flashattn::InvalidArgument -> flashattn.InvalidArgumentError (ValueError and
+//                                 RuntimeError: flash_attn raises RuntimeError)
 //   flashattn::CudaError       -> flashattn.CudaError (flashattn.Error)
 //   other flashattn::Error     -> flashattn.Error (RuntimeError)
-// The argument errors carry .function, .argument, .expected and .actual.
+// The argument errors carry .function, .argument, .expected and .actual. The binding's own
+// checks (a dtype or device the library has no name for, a rank above kMaxRank, an int out
+// of range) raise the same errors before the library is called; an unknown dtype raises
+// flashattn.DTypeError (InvalidArgumentError and TypeError).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+
+#include <Python.h>
 
 #include <cmath>
 #include <cstdint>
@@ -29,6 +35,28 @@
 namespace nb = nanobind;
 namespace fa = flashattn;
 
+// A Python int (or anything with __index__ but a float), converted in the entry point with
+// a range check, so that an out-of-range value is an InvalidArgumentError naming the
+// argument rather than nanobind's "incompatible function arguments".
+struct PyInt {
+  nb::object value;
+};
+
+namespace nanobind::detail {
+template <>
+struct type_caster<PyInt> {
+  NB_TYPE_CASTER(PyInt, const_name("int"))
+  bool from_python(handle src, uint8_t, cleanup_list*) noexcept {
+    if (PyFloat_Check(src.ptr()) || !PyIndex_Check(src.ptr())) return false;
+    value.value = borrow(src);
+    return true;
+  }
+  static handle from_cpp(const PyInt& v, rv_policy, cleanup_list*) noexcept {
+    return v.value.inc_ref();
+  }
+};
+}  // namespace nanobind::detail
+
 namespace {
 
 using In = nb::ndarray<nb::ro>;  // an input: read-only arrays are accepted
@@ -39,7 +67,10 @@ using OptOut = std::optional<Out>;
 // The Python exception types, created once at import.
 PyObject* g_error = nullptr;             // flashattn.Error(RuntimeError)
 PyObject* g_cuda_error = nullptr;        // flashattn.CudaError(Error)
-PyObject* g_invalid_argument = nullptr;  // flashattn.InvalidArgumentError(ValueError)
+PyObject* g_invalid_argument = nullptr;  // flashattn.InvalidArgumentError(ValueError,
+                                         //                               RuntimeError)
+PyObject* g_dtype_error = nullptr;       // flashattn.DTypeError(InvalidArgumentError,
+                                         //                      TypeError)
 PyObject* g_unsupported = nullptr;       // flashattn.UnsupportedError(InvalidArgumentError,
                                          //                            NotImplementedError)
 
@@ -60,14 +91,65 @@ std::string dlpack_dtype_text(nb::dlpack::dtype t) {
   return "dtype " + name;
 }
 
-// A dtype the library has no DType for, or a device it does not run: a TypeError / ValueError
-// raised by the binding before the library sees the call.
-[[noreturn]] void binding_error(PyObject* type, const char* argument, const std::string& expected,
+// The entry point being bound, for the binding's own errors ("flashattn::<function>: ...").
+thread_local const char* g_function = "binding";
+
+struct Entry {
+  explicit Entry(const char* name) : saved(g_function) { g_function = name; }
+  ~Entry() { g_function = saved; }
+  Entry(const Entry&) = delete;
+  Entry& operator=(const Entry&) = delete;
+  const char* saved;
+};
+
+// A dtype the library has no DType for: flashattn.DTypeError (also a TypeError).
+struct DTypeArgument : fa::InvalidArgument {
+  using fa::InvalidArgument::InvalidArgument;
+};
+
+// An argument the binding refuses before the library sees the call: the library's own
+// error type, with the same message format and attributes.
+[[noreturn]] void binding_error(const char* argument, const std::string& expected,
                                 const std::string& actual) {
-  const std::string msg = std::string("flashattn: argument '") + argument + "': expected " +
-                          expected + ", got " + actual;
-  PyErr_SetString(type, msg.c_str());
-  throw nb::python_error();
+  throw fa::InvalidArgument(g_function, argument, expected, actual);
+}
+
+// The index arrays: int32 only.
+bool is_index_argument(const std::string& a) {
+  return a == "cu_seqlens_q" || a == "cu_seqlens_k" || a == "seqused_k" ||
+         a == "cache_seqlens" || a == "block_table" || a == "cache_batch_idx" ||
+         a == "tree_mask";
+}
+
+std::int64_t int_in(const PyInt& v, const char* argument, std::int64_t lo, std::int64_t hi) {
+  nb::object idx = nb::steal(PyNumber_Index(v.value.ptr()));
+  if (!idx.is_valid()) throw nb::python_error();
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+  if (overflow == 0 && x == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow != 0 || x < lo || x > hi) {
+    binding_error(argument,
+                  "an int in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]",
+                  nb::cast<std::string>(nb::str(idx)));
+  }
+  return x;
+}
+
+int int32_in(const PyInt& v, const char* argument, std::int64_t lo = INT32_MIN) {
+  return static_cast<int>(int_in(v, argument, lo, INT32_MAX));
+}
+
+std::uint64_t uint64_in(const PyInt& v, const char* argument) {
+  nb::object idx = nb::steal(PyNumber_Index(v.value.ptr()));
+  if (!idx.is_valid()) throw nb::python_error();
+  const unsigned long long x = PyLong_AsUnsignedLongLong(idx.ptr());
+  if (x == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw nb::python_error();
+    PyErr_Clear();
+    binding_error(argument, "an int in [0, 18446744073709551615]",
+                  nb::cast<std::string>(nb::str(idx)));
+  }
+  return x;
 }
 
 fa::DType to_dtype(nb::dlpack::dtype t, const char* argument) {
@@ -81,15 +163,17 @@ fa::DType to_dtype(nb::dlpack::dtype t, const char* argument) {
     if (code == Code::Float8_E4M3FN && t.bits == 8) return fa::DType::kFloat8E4M3;
     if (code == Code::Int && t.bits == 32) return fa::DType::kInt32;
   }
-  binding_error(PyExc_TypeError, argument,
-                "dtype float16, bfloat16, float32, float64, float8_e4m3fn or int32",
-                dlpack_dtype_text(t));
+  throw DTypeArgument(g_function, argument,
+                     is_index_argument(argument)
+                         ? "dtype int32"
+                         : "dtype float16, bfloat16, float32, float64, float8_e4m3fn or int32",
+                     dlpack_dtype_text(t));
 }
 
 fa::Device to_device(int type, int id, const char* argument) {
   if (type == nb::device::cpu::value) return fa::Device::cpu();
   if (type == nb::device::cuda::value) return fa::Device::cuda(id);
-  binding_error(PyExc_ValueError, argument, "a CPU or CUDA array",
+  binding_error(argument, "a CPU or CUDA array",
                 "DLPack device type " + std::to_string(type));
 }
 
@@ -97,8 +181,7 @@ template <typename Array>
 fa::Tensor to_tensor(const Array& a, const char* argument) {
   fa::Tensor t;
   if (a.ndim() < 1 || a.ndim() > static_cast<std::size_t>(fa::kMaxRank)) {
-    binding_error(PyExc_ValueError, argument,
-                  "rank 1 .. " + std::to_string(fa::kMaxRank), "rank " + std::to_string(a.ndim()));
+    binding_error(argument, "rank 1 .. " + std::to_string(fa::kMaxRank), "rank " + std::to_string(a.ndim()));
   }
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   t.dtype = to_dtype(a.dtype(), argument);
@@ -120,32 +203,32 @@ fa::Tensor to_tensor(const std::optional<Array>& a, const char* argument) {
 struct CommonOptions {
   std::optional<double> softmax_scale;
   bool causal = false;
-  int window_left = -1;
-  int window_right = -1;
+  PyInt window_left;
+  PyInt window_right;
   double softcap = 0.0;
   OptIn alibi_slopes;
   double dropout_p = 0.0;
-  std::uint64_t seed = 0;
-  std::uint64_t offset = 0;
+  PyInt seed;
+  PyInt offset;
   bool deterministic = false;
   OptOut return_probs;
   std::uintptr_t stream = 0;
-  int num_threads = 0;
+  PyInt num_threads;
 
   fa::Options build() const {
     fa::Options o;
     if (softmax_scale) o.softmax_scale = static_cast<float>(*softmax_scale);
     o.causal = causal;
-    o.window_left = window_left;
-    o.window_right = window_right;
+    o.window_left = int32_in(window_left, "window_left");
+    o.window_right = int32_in(window_right, "window_right");
     o.softcap = static_cast<float>(softcap);
     o.alibi_slopes = to_tensor(alibi_slopes, "alibi_slopes");
     o.dropout_p = static_cast<float>(dropout_p);
-    o.seed = seed;
-    o.offset = offset;
+    o.seed = uint64_in(seed, "seed");
+    o.offset = uint64_in(offset, "offset");
     o.deterministic = deterministic;
     o.stream = reinterpret_cast<void*>(stream);
-    o.num_threads = num_threads;
+    o.num_threads = int32_in(num_threads, "num_threads");
     o.return_probs = to_tensor(return_probs, "return_probs");
     return o;
   }
@@ -180,6 +263,8 @@ void translate(const std::exception_ptr& p, void*) {
     std::rethrow_exception(p);
   } catch (const fa::Unsupported& e) {
     raise_argument_error(g_unsupported, e);
+  } catch (const DTypeArgument& e) {
+    raise_argument_error(g_dtype_error, e);
   } catch (const fa::InvalidArgument& e) {
     raise_argument_error(g_invalid_argument, e);
   } catch (const fa::CudaError& e) {
@@ -194,10 +279,20 @@ void register_exceptions(nb::module_& m) {
                           "A flashattn error that is not about the arguments.");
   g_cuda_error = new_exception(m, "CudaError", g_error,
                                "The CUDA runtime reported an error while running a call.");
+  // Also a RuntimeError: flash_attn's argument checks (TORCH_CHECK) raise RuntimeError, so
+  // code written for it catches these too.
+  nb::object invalid_bases =
+      nb::make_tuple(nb::handle(PyExc_ValueError), nb::handle(PyExc_RuntimeError));
   g_invalid_argument = new_exception(
-      m, "InvalidArgumentError", PyExc_ValueError,
+      m, "InvalidArgumentError", invalid_bases.ptr(),
       "An argument is malformed: wrong shape, dtype, stride, alignment, range or aliasing.\n"
-      "Attributes: function, argument, expected, actual.");
+      "A ValueError and a RuntimeError. Attributes: function, argument, expected, actual.");
+  nb::object dtype_bases =
+      nb::make_tuple(nb::handle(g_invalid_argument), nb::handle(PyExc_TypeError));
+  g_dtype_error = new_exception(
+      m, "DTypeError", dtype_bases.ptr(),
+      "An array's dtype is none the library has a name for (int64, bool, uint8, ...):\n"
+      "an InvalidArgumentError and a TypeError.");
   nb::object unsupported_bases =
       nb::make_tuple(nb::handle(g_invalid_argument), nb::handle(PyExc_NotImplementedError));
   g_unsupported = new_exception(
@@ -210,10 +305,9 @@ void register_exceptions(nb::module_& m) {
 // ------------------------------------------------------------------ entry points
 
 #define FA_COMMON_ARGS                                                                      \
-  std::optional<double> softmax_scale, bool causal, int window_left, int window_right,      \
-      double softcap, OptIn alibi_slopes, double dropout_p, std::uint64_t seed,             \
-      std::uint64_t offset, bool deterministic, OptOut return_probs, std::uintptr_t stream, \
-      int num_threads
+  std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
+      double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
+      bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
@@ -231,8 +325,8 @@ void register_exceptions(nb::module_& m) {
       nb::arg("num_threads") = 0
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
-                           const In& cu_seqlens_k, const OptIn& seqused_k, int max_seqlen_q,
-                           int max_seqlen_k) {
+                           const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,
+                           const PyInt& max_seqlen_k) {
   fa::VarlenArgs a;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
@@ -240,8 +334,8 @@ fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_s
   a.cu_seqlens_q = to_tensor(cu_seqlens_q, "cu_seqlens_q");
   a.cu_seqlens_k = to_tensor(cu_seqlens_k, "cu_seqlens_k");
   a.seqused_k = to_tensor(seqused_k, "seqused_k");
-  a.max_seqlen_q = max_seqlen_q;
-  a.max_seqlen_k = max_seqlen_k;
+  a.max_seqlen_q = int32_in(max_seqlen_q, "max_seqlen_q");
+  a.max_seqlen_k = int32_in(max_seqlen_k, "max_seqlen_k");
   return a;
 }
 
@@ -250,7 +344,7 @@ template <typename Cache>
 fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_cache,
                              const In& cache_seqlens, const OptIn& block_table,
                              const OptIn& cache_batch_idx, const OptIn& k_new,
-                             const OptIn& v_new, int num_splits, const OptIn& k_scale,
+                             const OptIn& v_new, const PyInt& num_splits, const OptIn& k_scale,
                              const OptIn& v_scale, const OptIn& tree_mask) {
   fa::KVCacheArgs a;
   a.q = to_tensor(q, "q");
@@ -261,7 +355,7 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
   a.cache_batch_idx = to_tensor(cache_batch_idx, "cache_batch_idx");
   a.k_new = to_tensor(k_new, "k_new");
   a.v_new = to_tensor(v_new, "v_new");
-  a.num_splits = num_splits;
+  a.num_splits = int32_in(num_splits, "num_splits");
   a.k_scale = to_tensor(k_scale, "k_scale");
   a.v_scale = to_tensor(v_scale, "v_scale");
   a.tree_mask = to_tensor(tree_mask, "tree_mask");
@@ -287,6 +381,7 @@ NB_MODULE(_C, m) {
       "forward",
       [](const In& q, const In& k, const In& v, const Out& out, const OptOut& lse,
          FA_COMMON_ARGS) {
+        const Entry entry("forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::Tensor tq = to_tensor(q, "q"), tk = to_tensor(k, "k"), tv = to_tensor(v, "v"),
                          to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
@@ -302,6 +397,7 @@ NB_MODULE(_C, m) {
       "backward",
       [](const In& dout, const In& q, const In& k, const In& v, const In& out, const In& lse,
          const Out& dq, const Out& dk, const Out& dv, const OptOut& workspace, FA_COMMON_ARGS) {
+        const Entry entry("backward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::Tensor tdo = to_tensor(dout, "dout"), tq = to_tensor(q, "q"),
                          tk = to_tensor(k, "k"), tv = to_tensor(v, "v"),
@@ -321,6 +417,7 @@ NB_MODULE(_C, m) {
   m.def(
       "backward_workspace_size",
       [](const In& q, const In& k, const In& v, FA_COMMON_ARGS) {
+        const Entry entry("backward_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         return fa::backward_workspace_size(to_tensor(q, "q"), to_tensor(k, "k"),
                                            to_tensor(v, "v"), o);
@@ -331,8 +428,9 @@ NB_MODULE(_C, m) {
   m.def(
       "varlen_forward",
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
-         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const Out& out,
+         const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, const Out& out,
          const OptOut& lse, FA_COMMON_ARGS) {
+        const Entry entry("varlen_forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                              max_seqlen_q, max_seqlen_k);
@@ -349,9 +447,10 @@ NB_MODULE(_C, m) {
   m.def(
       "varlen_backward",
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
-         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, const In& dout,
+         const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, const In& dout,
          const In& out, const In& lse, const Out& dq, const Out& dk, const Out& dv,
          const OptOut& workspace, FA_COMMON_ARGS) {
+        const Entry entry("varlen_backward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                              max_seqlen_q, max_seqlen_k);
@@ -371,7 +470,8 @@ NB_MODULE(_C, m) {
   m.def(
       "varlen_backward_workspace_size",
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
-         const OptIn& seqused_k, int max_seqlen_q, int max_seqlen_k, FA_COMMON_ARGS) {
+         const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, FA_COMMON_ARGS) {
+        const Entry entry("varlen_backward_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         return fa::varlen_backward_workspace_size(
             varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
@@ -386,9 +486,10 @@ NB_MODULE(_C, m) {
       "kvcache_forward",
       [](const In& q, const Out& k_cache, const Out& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
-         const OptIn& v_new, int num_splits, const Out& out, const OptOut& lse,
+         const OptIn& v_new, const PyInt& num_splits, const Out& out, const OptOut& lse,
          const OptOut& workspace, FA_COMMON_ARGS, const OptIn& k_scale, const OptIn& v_scale,
          const OptIn& tree_mask) {
+        const Entry entry("kvcache_forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,
@@ -412,8 +513,9 @@ NB_MODULE(_C, m) {
       "kvcache_workspace_size",
       [](const In& q, const In& k_cache, const In& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
-         const OptIn& v_new, int num_splits, FA_COMMON_ARGS, const OptIn& k_scale,
+         const OptIn& v_new, const PyInt& num_splits, FA_COMMON_ARGS, const OptIn& k_scale,
          const OptIn& v_scale, const OptIn& tree_mask) {
+        const Entry entry("kvcache_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,

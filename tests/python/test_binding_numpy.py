@@ -274,7 +274,10 @@ def test_exception_hierarchy():
     assert issubclass(flashattn.UnsupportedError, NotImplementedError)
     assert issubclass(flashattn.Error, RuntimeError)
     assert issubclass(flashattn.CudaError, flashattn.Error)
-    assert not issubclass(flashattn.InvalidArgumentError, RuntimeError)
+    # flash_attn raises RuntimeError for argument problems (TORCH_CHECK): ours are both.
+    assert issubclass(flashattn.InvalidArgumentError, RuntimeError)
+    assert issubclass(flashattn.DTypeError, flashattn.InvalidArgumentError)
+    assert issubclass(flashattn.DTypeError, TypeError)
 
 
 def test_invalid_argument_keeps_the_message():
@@ -487,3 +490,84 @@ def test_kvcache_uint8_cache_is_not_fp8():
         _C.kvcache_forward(q, cache, cache.copy(), np.array([2], np.int32), None, None, None,
                            None, 1, np.zeros_like(q), None, k_scale=np.ones(2, np.float32),
                            v_scale=np.ones(2, np.float32))
+
+
+# ------------------------------------------------------------------ binding-level checks
+
+
+@pytest.mark.parametrize("kw, argument, actual", [
+    (dict(window_left=2 ** 31), "window_left", "2147483648"),
+    (dict(window_right=-2 ** 31 - 1), "window_right", "-2147483649"),
+    (dict(seed=2 ** 64), "seed", "18446744073709551616"),
+    (dict(seed=-1), "seed", "-1"),
+    (dict(offset=2 ** 70), "offset", str(2 ** 70)),
+    (dict(num_threads=2 ** 31), "num_threads", "2147483648"),
+], ids=["window_left", "window_right", "seed-2^64", "seed-negative", "offset", "num_threads"])
+def test_int_out_of_range_names_the_argument(kw, argument, actual):
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.forward(q, q, q, np.zeros_like(q), None, **kw)
+    e = info.value
+    assert isinstance(e, RuntimeError)
+    assert (e.function, e.argument, e.actual) == ("forward", argument, actual)
+    assert str(e).startswith(f"flashattn::forward: argument '{argument}': expected an int in [")
+
+
+def test_seed_up_to_two_to_the_64_is_accepted():
+    q = np.random.default_rng(0).standard_normal((1, 4, 2, 8))
+    a, b = np.zeros_like(q), np.zeros_like(q)
+    _C.forward(q, q, q, a, None, dropout_p=0.5, seed=2 ** 64 - 1, offset=2 ** 63)
+    _C.forward(q, q, q, b, None, dropout_p=0.5, seed=np.uint64(2 ** 64 - 1), offset=2 ** 63)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_max_seqlen_and_num_splits_out_of_range():
+    q = np.zeros((4, 2, 8))
+    cu = np.array([0, 4], np.int32)
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.varlen_forward(q, q, q, cu, cu, None, 2 ** 31, 4, np.zeros_like(q), None)
+    assert (info.value.function, info.value.argument) == ("varlen_forward", "max_seqlen_q")
+    q4, cache = np.zeros((1, 1, 2, 8)), np.zeros((1, 4, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.kvcache_forward(q4, cache, cache.copy(), np.array([2], np.int32), None, None, None,
+                           None, 2 ** 40, np.zeros_like(q4), None)
+    assert (info.value.function, info.value.argument) == ("kvcache_forward", "num_splits")
+
+
+def test_float_for_an_int_is_still_a_type_error():
+    q = np.zeros((1, 4, 2, 8))
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        _C.forward(q, q, q, np.zeros_like(q), None, window_left=1.5)
+
+
+def test_index_arrays_ask_for_int32():
+    q, cache = np.zeros((1, 1, 2, 8)), np.zeros((2, 4, 2, 8))
+    with pytest.raises(flashattn.DTypeError) as info:
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([6], np.int32),
+                           np.array([[1, 0]], np.int64), None, None, None, 0, np.zeros_like(q),
+                           None)
+    e = info.value
+    assert str(e) == ("flashattn::kvcache_forward: argument 'block_table': expected dtype int32, "
+                      "got dtype int64")
+    assert (e.function, e.argument, e.expected, e.actual) == (
+        "kvcache_forward", "block_table", "dtype int32", "dtype int64")
+    assert isinstance(e, TypeError) and isinstance(e, RuntimeError)
+    cu = np.array([0, 4], np.int64)
+    with pytest.raises(TypeError, match="argument 'cu_seqlens_q': expected dtype int32, got dtype int64"):
+        _C.varlen_forward(q[0], q[0], q[0], cu, cu, None, 4, 4, np.zeros_like(q[0]), None)
+
+
+def test_binding_rank_error_is_an_invalid_argument():
+    q = np.zeros((1, 1, 4, 2, 8))
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.forward(q, q, q, q.copy(), None)
+    assert (info.value.function, info.value.argument, info.value.actual) == ("forward", "q", "rank 5")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_out_of_range_block_table_is_a_runtime_error():
+    q, cache = np.zeros((1, 1, 2, 8)), np.zeros((2, 4, 2, 8))
+    with pytest.raises(RuntimeError, match="argument 'block_table'"):
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([6], np.int32),
+                           np.array([[1, 7]], np.int32), None, None, None, 0, np.zeros_like(q),
+                           None)
