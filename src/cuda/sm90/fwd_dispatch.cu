@@ -6,6 +6,7 @@
 #include <numeric>
 #include <string>
 
+#include "cuda/collective/work_estimate.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/sm90/fwd.hpp"
@@ -78,45 +79,18 @@ void run(const FwdParams& p, FwdArgs& args) {
   launch_fwd<Cfg, Element>(args);
 }
 
-// Keys a query row sees on average, from the shapes and the mask (varlen: the maximum
-// lengths): the configuration choice's measure of work per query tile.
-double mean_visible_keys(const FwdParams& p) {
-  const double s_q = p.seqlen_q, s_k = p.seqlen_k;
-  if (s_q <= 0 || s_k <= 0) return 0.0;
-  // Row i sees [i + s_k - s_q - left, i + s_k - s_q + right] within [0, s_k): piecewise
-  // linear in i, so 64 samples are enough for a tile choice.
-  double sum = 0.0;
-  for (int t = 0; t < 64; ++t) {
-    const double diag = (t + 0.5) * s_q / 64 + s_k - s_q;
-    const double lo = p.mask.left >= 0 ? std::max(0.0, diag - p.mask.left) : 0.0;
-    const double hi = p.mask.right >= 0 ? std::min(s_k, diag + p.mask.right + 1) : s_k;
-    sum += std::max(0.0, hi - lo);
-  }
-  return sum / 64;
-}
-
-// Measurement aid (host side only): FLASHATTN_SM90_FWD_VARIANT=1 / 2 forces each bucket's
-// first / second configuration where it has two.
-int variant() {
-  static const int v = [] {
-    const char* e = std::getenv("FLASHATTN_SM90_FWD_VARIANT");
-    return e != nullptr ? std::atoi(e) : 0;
-  }();
-  return v;
-}
-
 // Measured on the H200 (docs/performance.md): hdim 64 takes three consumer warpgroups
 // (192 query rows) except for causal calls up to 2k queries, where the 128-row tile
 // balances better; hdim 128 takes 176 keys per tile where queries see >= 8k keys on average.
 template <typename Element>
 void run_bucket(const FwdParams& p, FwdArgs& args) {
   if (p.d <= 64) {
-    const bool tall = variant() == 0 ? (p.mask.right < 0 || p.seqlen_q > 2048) : variant() == 2;
+    const bool tall = p.mask.right < 0 || p.seqlen_q > 2048;
     if (tall) return run<FwdHdim64Tall, Element>(p, args);
     return run<FwdHdim64, Element>(p, args);
   }
   if (p.d <= 128) {
-    const bool wide = variant() == 0 ? mean_visible_keys(p) >= 8192 : variant() == 2;
+    const bool wide = mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= 8192;
     if (wide) return run<FwdHdim128Wide, Element>(p, args);
     return run<FwdHdim128, Element>(p, args);
   }
