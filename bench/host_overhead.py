@@ -8,6 +8,8 @@ Each line is the mean wall time of one call of that layer (best of the rounds), 
 
     flash_attn_func            the drop-in interface (what bench/suite.py calls)
     ops.fwd (torch.library)    the custom op through torch's dispatcher (autograd, Python impl)
+    ops.call(ops.fwd, ...)     what the interface calls: the implementation directly when the
+                               dispatcher would add nothing (no autograd, compile, modes)
     ops.fwd implementation     the op's Python body called directly (outputs, options, _C)
     _C.forward (tensors)       the nanobind call with preallocated outputs, tensors passed as
                                they are (nanobind calls Tensor.__dlpack__ on each)
@@ -52,7 +54,8 @@ def main(argv=None):
     scale = d ** -0.5
     stream = ops._stream(q)
     cap = torch.utils.dlpack.to_dlpack
-    impl = getattr(ops, "_fwd_impl", None) or ops.fwd._init_fn
+    impls = getattr(ops, "_IMPLS", None)  # the op's Python body (ops.call's direct path)
+    impl = impls[ops.fwd][0] if impls else ops.fwd._init_fn
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     op_args = (q, k, v, None, None, scale, True, -1, -1, 0.0, 0.0, False, False)
 
@@ -76,6 +79,8 @@ def main(argv=None):
     with torch.no_grad():
         bench("flash_attn_func", lambda: flash_attn_func(q, k, v, causal=True))
         bench("ops.fwd (torch.library)", lambda: ops.fwd(*op_args))
+        if hasattr(ops, "call"):
+            bench("ops.call(ops.fwd, ...)", lambda: ops.call(ops.fwd, *op_args))
         bench("ops.fwd implementation", lambda: impl(*op_args))
         bench("_C.forward (tensors)", lambda: _C.forward(
             q, k, v, out, lse, softmax_scale=scale, causal=True, stream=stream))
