@@ -14,7 +14,8 @@ Each line is the mean wall time of one call of that layer (best of the rounds), 
     _C.forward (tensors)       the nanobind call with preallocated outputs, tensors passed as
                                they are (nanobind calls Tensor.__dlpack__ on each)
     _C.forward (capsules)      the same with DLPack capsules made by torch.utils.dlpack.to_dlpack
-    ...                        and the pieces: output allocation, options, stream query.
+    ...                        and the pieces: output allocation, options, stream query;
+                               then the forward with inputs requiring grad and the backward.
 
 On the CPU, _C.forward includes the CPU backend's work for the tiny call (its OpenMP team
 and buffers); bench/cuda_fwd_bench.cpp and the C++ API need no Python at all.
@@ -97,6 +98,15 @@ def main(argv=None):
                                                          0.0, 0.0, False))
         bench("stream (_stream)", lambda: ops._stream(q))
         bench("3 x _prepare", lambda: (ops._prepare(q), ops._prepare(k), ops._prepare(v)))
+    # With autograd: the forward goes through the op (it records the graph); the backward
+    # (torch.autograd.grad over a retained graph, as bench/suite.py times it) runs the
+    # autograd formula, which calls the bwd op.
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn_like(q)
+    bench("flash_attn_func, inputs requiring grad", lambda: flash_attn_func(qg, kg, vg, causal=True))
+    og = flash_attn_func(qg, kg, vg, causal=True)
+    bench("torch.autograd.grad (backward)", lambda: torch.autograd.grad(
+        og, (qg, kg, vg), do, retain_graph=True))
     return 0
 
 
