@@ -33,17 +33,24 @@ from DIR/results.json (for a machine with matplotlib).
                            [--only fwd,bwd,fwd_bwd] [--hdims 64,128] [--seqlens 4k,16k]
                            [--dtypes bf16] [--causal both|yes|no] [--impls ...]
                            [--families auto,sm80] [--prefill-chunk] [--no-gemm]
+                           [--timing graph|eager]
     python3 bench/suite.py --plot DIR
 
-Method: CUDA events around every call (host clock on the CPU), one warm-up call (FA4
-compiles a configuration on its first call there), one call to estimate the time, then as
-many timed calls as fit a budget per measurement (default 25 ms, at least 3 and at most 30),
-median; inputs rotate among 3 sets (1 set where one call's s x s intermediate alone is
-larger than the L2). Forward is timed without autograd; backward is torch.autograd.grad
-over a retained forward graph; forward + backward is both.
+Method: one warm-up call (FA4 compiles a configuration on its first call there), one call
+to estimate the time, then as many timed calls as fit a budget per measurement (default
+25 ms, at least 3 and at most 30), median; inputs rotate among 3 sets (1 set where one
+call's s x s intermediate alone is larger than the L2). On the GPU the standard grid
+(--timing graph, the default) captures rounds x sets calls, rotating over the sets, into a
+CUDA graph (about 2 ms of work, at most 16 rounds) and times its replays with CUDA events,
+so that the host's time per call (0.1-0.2 ms through Python) does not count where the
+kernels are shorter; eager timing where an implementation cannot be captured (the note
+says why). --timing eager, the prefill chunk and the ceilings: CUDA events around every
+call (host clock on the CPU). Forward is timed without autograd; backward is
+torch.autograd.grad over a retained forward graph; forward + backward is both.
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
@@ -123,11 +130,23 @@ def metadata(torch, cpu, args):
 
 class Timer:
     """Times a list of calls, rotating among them: CUDA events around every call (host
-    clock on the CPU), a warm-up call, a call to estimate, then repeats within a budget."""
+    clock on the CPU), a warm-up call, a call to estimate, then repeats within a budget.
 
-    def __init__(self, torch, cpu, budget_ms, min_reps, max_reps):
+    time_cell (the standard grid) does that in eager mode; in graph mode it captures the
+    calls, rotating over the input sets, into a CUDA graph (rounds x sets calls, enough
+    for about graph_ms of work) and times its replays, so that the host's time per call
+    (argument checks, dispatch, launches: 0.1-0.2 ms) does not count where a call's
+    kernels are shorter than it. Where capture fails for an implementation it falls back to
+    eager timing and says so."""
+
+    GRAPH_MS = 2.0        # work per replay that rounds aim at
+    GRAPH_MAX_ROUNDS = 16
+
+    def __init__(self, torch, cpu, budget_ms, min_reps, max_reps, timing="eager"):
         self.torch, self.cpu = torch, cpu
         self.budget_ms, self.min_reps, self.max_reps = budget_ms, min_reps, max_reps
+        self.timing = "eager" if cpu else timing
+        self._stream = None
 
     def sync(self):
         if not self.cpu:
@@ -156,6 +175,68 @@ class Timer:
         est = self._times(calls[1 % len(calls):] + calls[: 1 % len(calls)], 1)[0]
         reps = R.repeats_for(est, self.budget_ms, self.min_reps, self.max_reps)
         return R.median(self._times(calls, reps)), reps
+
+    @contextlib.contextmanager
+    def cell_stream(self):
+        """The context a standard-grid cell builds and times its calls in: in graph mode
+        the capture stream (so that a backward cell's retained forward, and so its
+        autograd backward, run on the stream the graph captures), ordered after the
+        current stream's work and before its later work; else nothing."""
+        if self.timing != "graph":
+            yield
+            return
+        cuda = self.torch.cuda
+        if self._stream is None:
+            self._stream = cuda.Stream()
+        current = cuda.current_stream()
+        self._stream.wait_stream(current)
+        try:
+            with cuda.stream(self._stream):
+                yield
+        finally:
+            current.wait_stream(self._stream)
+
+    def time_cell(self, calls):
+        """(ms per call, repeats, how): how is "CUDA graph, N calls per replay" or "eager"
+        (with the reason where capture failed); "" on the CPU (host clock)."""
+        if self.cpu:
+            return (*self.time(calls), "")
+        if self.timing != "graph":
+            return (*self.time(calls), "eager")
+        cuda = self.torch.cuda
+        calls[0]()                                   # warm-up on the capture stream
+        self.sync()
+        est = self._times(calls[1 % len(calls):] + calls[: 1 % len(calls)], 1)[0]
+        rounds = graph_rounds(est, len(calls), self.GRAPH_MS, self.GRAPH_MAX_ROUNDS)
+        try:
+            graph = cuda.CUDAGraph()
+            with cuda.graph(graph, stream=self._stream):
+                for _ in range(rounds):
+                    for c in calls:
+                        c()
+        except Exception as exc:  # an implementation that cannot be captured
+            graph = None          # (its memory pool goes with it)
+            self.sync()
+            cuda.empty_cache()
+            ms, reps = self.time(calls)
+            return ms, reps, "eager: CUDA graph capture failed (" + R.short_reason(
+                f"{type(exc).__name__}: {exc}", 100) + ")"
+        n = rounds * len(calls)
+        graph.replay()                               # warm-up (upload)
+        self.sync()
+        reps = R.repeats_for(est * n, self.budget_ms, max(1, -(-self.min_reps // n)),
+                             self.max_reps)
+        ms = R.median(self._times([graph.replay], reps)) / n
+        del graph
+        return ms, reps, f"CUDA graph, {n} calls per replay"
+
+
+def graph_rounds(est_ms, nsets, target_ms, max_rounds):
+    """Rounds over the input sets one CUDA graph holds: enough for about target_ms of work
+    (one eager call estimated at est_ms), at least 1, at most max_rounds."""
+    if not est_ms or est_ms <= 0 or math.isnan(est_ms):
+        return max_rounds
+    return int(max(1, min(max_rounds, math.ceil(target_ms / (est_ms * nsets)))))
 
 
 def is_oom(exc):
@@ -293,9 +374,11 @@ def run_standard(torch, impls, timer, grid, impl_names, cpu, args, rows, progres
                                              causal, nsets)
                             if r[0] == "ok":
                                 ms, reps = r[1], r[2]
+                                note = "; ".join(x for x in (
+                                    r[3], "" if nsets > 1 else "1 input set") if x)
                                 rows.append(R.row("standard", impl, dt_name, d, causal, s, b, h,
                                                   dirn, ms=ms, tflops=R.tflops(flops, ms),
-                                                  reps=reps, note="" if nsets > 1 else "1 input set"))
+                                                  reps=reps, note=note))
                             else:
                                 if r[1] == "out of memory":
                                     oom_at[key] = s
@@ -312,11 +395,11 @@ def run_standard(torch, impls, timer, grid, impl_names, cpu, args, rows, progres
 
 
 def measure_cell(torch, impls, timer, pool, impl, dirn, b, s, h, d, causal, nsets):
-    """('ok', ms, reps) or ('n/a', reason)."""
+    """('ok', ms, reps, how) or ('n/a', reason); how is Timer.time_cell's."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with impls.context(impl):
+            with impls.context(impl), timer.cell_stream():
                 calls = []
                 for i in range(nsets):
                     q, k, v, do = (pool[i, j].view(b, s, h, d) for j in range(4))
@@ -331,9 +414,9 @@ def measure_cell(torch, impls, timer, pool, impl, dirn, b, s, h, d, causal, nset
                             calls.append(_bwd_call(torch, out, (q, k, v), do))
                         else:
                             calls.append(_fb_call(torch, impls, impl, q, k, v, do, causal))
-                ms, reps = timer.time(calls)
+                ms, reps, how = timer.time_cell(calls)
                 del calls
-                return ("ok", ms, reps)
+                return ("ok", ms, reps, how)
         except Exception as exc:  # unsupported cell, out of memory
             return ("n/a", reason_of(exc, caught))
 
@@ -372,6 +455,8 @@ def family_command(args, grid, family, out):
            "--max-reps", str(args.max_reps), "--sets", str(args.sets)]
     if args.cpu:
         cmd.append("--cpu")
+    else:
+        cmd += ["--timing", timing_mode(args, False)]
     if args.time_limit:
         cmd += ["--time-limit", str(args.time_limit)]
     return cmd
@@ -712,12 +797,27 @@ def build_parser():
     ap.add_argument("--min-reps", type=int)
     ap.add_argument("--max-reps", type=int)
     ap.add_argument("--sets", type=int, default=None, help="input sets to rotate among")
+    ap.add_argument("--timing", choices=("graph", "eager"),
+                    help="standard grid on the GPU: graph (default: the calls captured into a "
+                    "CUDA graph, its replays timed, so that host time per call does not count; "
+                    "eager where capture fails) or eager (CUDA events around every call)")
     ap.add_argument("--time-limit", type=float, default=0,
                     help="seconds for the standard grid; cells after it are recorded as not run")
     ap.add_argument("--plot", metavar="DIR", help="only draw the plots from DIR/results.json")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
+
+
+def timing_mode(args, cpu):
+    """The standard grid's timing: "host clock" on the CPU; on the GPU --timing, default
+    "graph". --timing graph with --cpu is a usage error (ValueError)."""
+    if cpu:
+        if getattr(args, "timing", None) == "graph":
+            raise ValueError("--timing graph: CUDA graphs need the GPU (the CPU mode times "
+                             "with the host clock)")
+        return "host clock"
+    return getattr(args, "timing", None) or "graph"
 
 
 def resolve(args, cpu):
@@ -740,6 +840,7 @@ def resolve(args, cpu):
         grid["dtypes"] = tuple(R.parse_list(args.dtypes, allowed=("bf16", "fp16", "fp32"),
                                             what="--dtypes entry"))
     grid["causals"] = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    timing_mode(args, cpu)  # raises on --timing graph with --cpu
     families = (R.parse_list(args.families, allowed=R.FAMILIES, what="--families entry")
                 if args.families else [])
     if len(set(families)) != len(families):
@@ -807,6 +908,7 @@ def main(argv=None):
     meta["grid"] = {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()}
     meta["grids"] = grids
     meta["impls"] = names
+    meta["timing"] = timing_mode(args, cpu)
     if families:
         meta["families"] = families
     if "prefill" in grids:
@@ -833,7 +935,8 @@ def main(argv=None):
         total += (1 + len(pre["blocks"])) * (2 if fa4 is not None and not cpu else 1)
     progress = R.Progress(total, "bench")
     impls = Impls(torch, cpu, fa4)
-    timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps)
+    timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps,
+                  timing=timing_mode(args, cpu))
     rows, wall = [], {}
     meta["wall_s"] = wall
     t_all = time.time()

@@ -42,9 +42,9 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func"):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = ops.fwd(q, k, v, alibi_slopes, _rng_state(dropout_p),
-                              _scale(q, softmax_scale), bool(causal), left, right,
-                              float(softcap), float(dropout_p), bool(deterministic), want_probs)
+    out, lse, probs = ops.call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
+                               _scale(q, softmax_scale), bool(causal), left, right,
+                               float(softcap), float(dropout_p), bool(deterministic), want_probs)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -58,11 +58,11 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                     alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
-                                     int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
-                                     left, right, float(softcap), float(dropout_p),
-                                     bool(deterministic), want_probs)
+    out, lse, probs = ops.call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                               alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
+                               int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
+                               left, right, float(softcap), float(dropout_p),
+                               bool(deterministic), want_probs)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -227,10 +227,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
-    out, lse = ops.kvcache_fwd(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx,
-                               k, v, alibi_slopes, _scale(q, softmax_scale), bool(causal), left,
-                               right, float(softcap), int(num_splits), k_scale, v_scale,
-                               tree_mask)
+    out, lse = ops.call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
+                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
+                        bool(causal), left, right, float(softcap), int(num_splits), k_scale,
+                        v_scale, tree_mask)
     return (out, lse) if return_softmax_lse else out
 
 

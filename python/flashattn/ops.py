@@ -7,7 +7,13 @@
 Each op has a fake (shape) implementation for torch.compile and the forward ops have
 autograd formulas, so the ops compose with torch.compile(fullgraph=True), torch.func and
 CUDA graphs. Tensors reach the C++ library through DLPack (detached views: no copies
-unless a layout needs one, see _prepare); the CUDA stream is torch's current stream.
+unless a layout needs one, see _prepare), as capsules made by torch's C exporter (see _dl);
+the CUDA stream is torch's current stream.
+
+call(op, *args) is what the torch layer (flashattn.interface, the autograd formulas)
+uses: the op's implementation called directly where torch's dispatcher would add nothing
+(no autograd to record, no torch.compile / tracing, no mode, transform, tensor subclass
+or profiler), else the op; the same outputs and errors, some 15-20 us less per call.
 
 Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
 generator (drawn by the caller from torch's default CPU generator); the forward's
@@ -25,10 +31,33 @@ from ._checks import check_device, check_head_dim, check_rank
 _U64 = (1 << 64) - 1
 
 
+# The raw cudaStream_t of torch's current stream on a device (what
+# torch.cuda.current_stream(device).cuda_stream is, without building a Stream object).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(t: Tensor) -> int:
-    if t.device.type == "cuda":
+    if t.is_cuda:
+        if _raw_stream is not None:
+            return _raw_stream(t.get_device())
         return torch.cuda.current_stream(t.device).cuda_stream
     return 0
+
+
+_to_dlpack = torch.utils.dlpack.to_dlpack
+
+
+def _dl(t):
+    """t for the binding: a DLPack capsule from torch's C exporter. Given the tensor,
+    nanobind calls Tensor.__dlpack__, a Python method (about 2 us per tensor on the CPU,
+    more on CUDA, where it also queries the current device). A tensor the exporter
+    refuses goes as it is, so that the binding reports it as before; None stays None."""
+    if t is None:
+        return None
+    try:
+        return _to_dlpack(t)
+    except Exception:
+        return t
 
 
 def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -40,9 +69,12 @@ def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
     if t.dim() == 0:
         return t
     ok = t.stride(-1) == 1
-    if ok and t.device.type == "cuda":
-        ok = t.data_ptr() % 16 == 0 and all(
-            st % 8 == 0 for st, sz in zip(t.stride()[:-1], t.shape[:-1]) if sz > 1
+    if ok and t.is_cuda:
+        # A contiguous tensor whose last dimension is a multiple of 8 has every outer
+        # stride a multiple of 8: only the address is left to check.
+        ok = t.data_ptr() % 16 == 0 and (
+            (t.shape[-1] % 8 == 0 and t.is_contiguous())
+            or all(st % 8 == 0 for st, sz in zip(t.stride()[:-1], t.shape[:-1]) if sz > 1)
         )
     if ok:
         return t
@@ -74,7 +106,7 @@ def _options(
         window_left=window_left,
         window_right=window_right,
         softcap=softcap,
-        alibi_slopes=_prepare(alibi_slopes),
+        alibi_slopes=_dl(_prepare(alibi_slopes)),
         dropout_p=dropout_p,
         seed=seed,
         offset=offset,
@@ -132,19 +164,85 @@ def _empty(shape, like: Tensor, dtype=None) -> Tensor:
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
 
 
+def _like(t: Tensor) -> Tensor:
+    """torch.empty(t.shape, dtype=t.dtype, device=t.device), in half the time."""
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- direct calls
+
+_IMPLS = {}  # op -> (its implementation, positions of tensor arguments, of optional ones)
+_MUTATED = {}  # op -> positions of the arguments it writes in place
+_C_ = torch._C
+_profiler_enabled = _C_._autograd._profiler_enabled
+
+
+def _direct(op, args) -> bool:
+    """Whether calling op's implementation with these arguments does what calling the op
+    does: every argument the schema types as a tensor is a plain torch.Tensor (no subclass,
+    FakeTensor, ...; None where optional), nothing for autograd to record (grad mode off, or
+    no tensor requiring grad), no torch.compile / export / jit tracing, no torch function or
+    dispatch mode, no functorch transform (vmap, grad, ...) and no profiler (which names
+    the op). The other arguments come normalised by the caller (bool(), int(), float())."""
+    if torch.compiler.is_compiling():
+        return False
+    if (_C_._is_torch_function_mode_enabled() or _C_._len_torch_dispatch_stack() > 0
+            or _C_._are_functorch_transforms_active() or _profiler_enabled()
+            or _C_._get_tracing_state() is not None):
+        return False
+    impl, tensors, optional = _IMPLS[op]
+    if len(args) != impl.__code__.co_argcount:
+        return False
+    grad = torch.is_grad_enabled()
+    for i in tensors:
+        a = args[i]
+        if type(a) is not Tensor or (grad and a.requires_grad):
+            return False
+    for i in optional:
+        a = args[i]
+        if a is not None and (type(a) is not Tensor or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def call(op, *args):
+    """op(*args) with every argument positional, by a direct call of its implementation
+    where that is the same (see _direct): torch's dispatcher costs some 15-20 us per call,
+    as much as a short kernel. An op that writes arguments in place bumps their version
+    counters either way."""
+    if not _direct(op, args):
+        return op(*args)
+    result = _IMPLS[op][0](*args)
+    for i in _MUTATED.get(op, ()):
+        if not args[i].is_inference():  # (an inference tensor has no version counter)
+            torch.autograd.graph.increment_version(args[i])
+    return result
+
+
+def _register(op, impl, mutated=()):
+    """Records op's implementation, the positions of its Tensor and Optional[Tensor]
+    parameters and those it mutates, for call()."""
+    names = impl.__code__.co_varnames[: impl.__code__.co_argcount]
+    hints = impl.__annotations__
+    _IMPLS[op] = (impl, tuple(i for i, n in enumerate(names) if hints[n] is Tensor),
+                  tuple(i for i, n in enumerate(names) if hints[n] == Optional[Tensor]))
+    if mutated:
+        _MUTATED[op] = mutated
+    return op
+
+
 # ---------------------------------------------------------------- dense
 
 
 def _fwd_outputs(q: Tensor, k: Tensor, return_probs: bool):
     b, s_q, h_q, _ = q.shape
-    out = _empty(q.shape, q)
+    out = _like(q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     probs = _empty((b, h_q, s_q, k.shape[1]) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
 
 
-@torch.library.custom_op("flashattn::fwd", mutates_args=())
-def fwd(
+def _fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -164,9 +262,12 @@ def fwd(
     out, lse, probs = _fwd_outputs(q, k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
-    _C.forward(_prepare(q), _prepare(k), _prepare(v), out, lse,
-               return_probs=probs if return_probs else None, **opts)
+    _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
+               return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
+
+
+fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd), _fwd)
 
 
 @fwd.register_fake
@@ -176,8 +277,7 @@ def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, wind
     return _fwd_outputs(q, k, return_probs)
 
 
-@torch.library.custom_op("flashattn::bwd", mutates_args=())
-def bwd(
+def _bwd(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -196,26 +296,30 @@ def bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv); dk and dv are summed over each GQA group (shapes of k and v)."""
     _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
-    dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    dq, dk, dv = _like(q), _like(k), _like(v)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     workspace = None
-    if q.device.type == "cuda":
+    if q.is_cuda:
         # Scratch from torch's allocator: stream-ordered, and graph-private under capture.
-        nbytes = _C.backward_workspace_size(q, k, v, **opts)
+        nbytes = _C.backward_workspace_size(_dl(q), _dl(k), _dl(v),
+                                            **dict(opts, alibi_slopes=_dl(_prepare(alibi_slopes))))
         if nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
-    _C.backward(_prepare(dout), q, k, v, _prepare(out), _prepare(lse), dq, dk, dv, workspace,
-                **opts)
+    _C.backward(_dl(_prepare(dout)), _dl(q), _dl(k), _dl(v), _dl(_prepare(out)),
+                _dl(_prepare(lse)), _dl(dq), _dl(dk), _dl(dv), _dl(workspace), **opts)
     return dq, dk, dv
+
+
+bwd = _register(torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd), _bwd)
 
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, window_left,
       window_right, softcap, dropout_p, deterministic):
     _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
-    return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    return _like(q), _like(k), _like(v)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -232,7 +336,7 @@ def _fwd_backward(ctx, dout, dlse, dprobs):
     q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, alibi_slopes, rng_state, *ctx.scalars)
+    dq, dk, dv = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state, *ctx.scalars)
     return (dq, dk, dv) + (None,) * 10
 
 
@@ -244,14 +348,13 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 def _varlen_fwd_outputs(q: Tensor, max_seqlen_k: int, return_probs: bool):
     total_q, h_q, _ = q.shape
-    out = _empty(q.shape, q)
+    out = _like(q)
     lse = _empty((h_q, total_q), q, torch.float32)
     probs = _empty((h_q, total_q, max_seqlen_k) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
 
 
-@torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())
-def varlen_fwd(
+def _varlen_fwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -277,10 +380,15 @@ def varlen_fwd(
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
-    _C.varlen_forward(_prepare(q), _prepare(k), _prepare(v), _prepare(cu_seqlens_q),
-                      _prepare(cu_seqlens_k), _prepare(seqused_k), max_seqlen_q, max_seqlen_k,
-                      out, lse, return_probs=probs if return_probs else None, **opts)
+    _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
+                      _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
+                      _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
+                      return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
+
+
+varlen_fwd = _register(
+    torch.library.custom_op("flashattn::varlen_fwd", mutates_args=())(_varlen_fwd), _varlen_fwd)
 
 
 @varlen_fwd.register_fake
@@ -292,8 +400,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, m
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
-@torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())
-def varlen_bwd(
+def _varlen_bwd(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -317,15 +424,21 @@ def varlen_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse)
-    dq, dk, dv = _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    dq, dk, dv = _like(q), _like(k), _like(v)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic)
     # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
     # would read cu_seqlens from the device a second time.
-    _C.varlen_backward(_prepare(q), _prepare(k), _prepare(v), _prepare(cu_seqlens_q),
-                       _prepare(cu_seqlens_k), _prepare(seqused_k), max_seqlen_q, max_seqlen_k,
-                       _prepare(dout), _prepare(out), _prepare(lse), dq, dk, dv, None, **opts)
+    _C.varlen_backward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
+                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
+                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k,
+                       _dl(_prepare(dout)), _dl(_prepare(out)), _dl(_prepare(lse)), _dl(dq),
+                       _dl(dk), _dl(dv), None, **opts)
     return dq, dk, dv
+
+
+varlen_bwd = _register(
+    torch.library.custom_op("flashattn::varlen_bwd", mutates_args=())(_varlen_bwd), _varlen_bwd)
 
 
 @varlen_bwd.register_fake
@@ -334,7 +447,7 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
       dropout_p, deterministic):
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse)
-    return _empty(q.shape, q), _empty(k.shape, k), _empty(v.shape, v)
+    return _like(q), _like(k), _like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output):
@@ -353,8 +466,8 @@ def _varlen_backward(ctx, dout, dlse, dprobs):
      rng_state) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                            alibi_slopes, rng_state, *ctx.scalars)
+    dq, dk, dv = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                      seqused_k, alibi_slopes, rng_state, *ctx.scalars)
     return (dq, dk, dv) + (None,) * 15
 
 
@@ -364,8 +477,7 @@ varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_conte
 # ---------------------------------------------------------------- KV cache
 
 
-@torch.library.custom_op("flashattn::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
-def kvcache_fwd(
+def _kvcache_fwd(
     q: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
@@ -392,17 +504,24 @@ def kvcache_fwd(
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask)
     b, s_q, h_q, _ = q.shape
-    out = _empty(q.shape, q)
+    out = _like(q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
                     softcap, 0.0, False)
     # The caches are written in place: they go as they are (no copy).
-    _C.kvcache_forward(_prepare(q), k_cache.detach(), v_cache.detach(), _prepare(cache_seqlens),
-                       _prepare(block_table), _prepare(cache_batch_idx), _prepare(k_new),
-                       _prepare(v_new), num_splits, out, lse, None, **opts,
-                       k_scale=_prepare(k_scale), v_scale=_prepare(v_scale),
-                       tree_mask=_prepare(tree_mask))
+    _C.kvcache_forward(_dl(_prepare(q)), _dl(k_cache.detach()), _dl(v_cache.detach()),
+                       _dl(_prepare(cache_seqlens)), _dl(_prepare(block_table)),
+                       _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
+                       _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
+                       k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
+                       tree_mask=_dl(_prepare(tree_mask)))
     return out, lse
+
+
+kvcache_fwd = _register(
+    torch.library.custom_op("flashattn::kvcache_fwd", mutates_args=("k_cache", "v_cache"))(
+        _kvcache_fwd),
+    _kvcache_fwd, mutated=(1, 2))
 
 
 @kvcache_fwd.register_fake
@@ -412,4 +531,4 @@ def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask)
     b, s_q, h_q, _ = q.shape
-    return _empty(q.shape, q), _empty((b, h_q, s_q), q, torch.float32)
+    return _like(q), _empty((b, h_q, s_q), q, torch.float32)

@@ -57,13 +57,15 @@ ByteRange byte_range(const Tensor& t) {
 // exact for the usual permuted and padded layouts.)
 bool distinct_elements(const Tensor& t) {
   if (!t.defined() || t.numel() == 0) return true;
-  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, extent)
-  for (int i = 0; i < t.rank; ++i) {
-    if (t.shape[i] > 1) dims.emplace_back(t.stride[i], t.shape[i]);
+  std::pair<std::int64_t, std::int64_t> dims[kMaxRank];  // (stride, extent); no allocation
+  int n = 0;
+  for (int i = 0; i < t.rank && i < kMaxRank; ++i) {
+    if (t.shape[i] > 1) dims[n++] = {t.stride[i], t.shape[i]};
   }
-  std::sort(dims.begin(), dims.end());
+  std::sort(dims, dims + n);
   std::int64_t span = 0;  // highest offset reachable by the dimensions so far
-  for (const auto& [stride, extent] : dims) {
+  for (int i = 0; i < n; ++i) {
+    const auto [stride, extent] = dims[i];
     if (stride <= span) return false;
     span += (extent - 1) * stride;
   }
@@ -180,10 +182,16 @@ void Check::layout(std::string_view name, const Tensor& t) const {
 
 void Check::like(std::string_view name, const Tensor& t, std::string_view ref_name,
                  const Tensor& ref) const {
-  const std::string why = "same as " + std::string(ref_name);
-  shape(name, t, shape_of(ref), why);
-  dtype(name, t, ref.dtype, why);
-  device(name, t, ref.device, why);
+  // The message ("same as <ref>") and the reference's Shape are built only on a mismatch:
+  // this runs for most tensors of every call.
+  const bool same_shape = t.defined() && t.rank == ref.rank && t.rank <= kMaxRank &&
+                          std::equal(t.shape, t.shape + t.rank, ref.shape);
+  if (!same_shape || t.dtype != ref.dtype || !(t.device == ref.device)) {
+    const std::string why = "same as " + std::string(ref_name);
+    shape(name, t, shape_of(ref), why);
+    dtype(name, t, ref.dtype, why);
+    device(name, t, ref.device, why);
+  }
   layout(name, t);
 }
 

@@ -513,3 +513,175 @@ def test_cpu_run_end_to_end_with_two_family_columns(tmp_path):
     assert all(r["status"] == "ok" for r in pre), pre
     text = open(out / "report.md").read()
     assert "flashattn-sm80 / best" in text and "Prefill chunk" in text
+
+
+# ----------------------------------------------------------------- standard-grid timing:
+# CUDA graph replays or eager events (a fake torch: no GPU here)
+
+
+class _FakeCuda:
+    """A GPU clock advanced by the calls: an eager call costs host_ms + kernel_ms between
+    its events (the host is slower than the kernel), a replayed one kernel_ms only."""
+
+    def __init__(self, kernel_ms, host_ms, capturable=True):
+        self.kernel_ms, self.host_ms, self.capturable = kernel_ms, host_ms, capturable
+        self.clock, self.capturing, self.captured, self.replays = 0.0, False, 0, 0
+        self.streams_entered = 0
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self):
+                self.t = cuda.clock
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        class CUDAGraph:
+            def __init__(self):
+                self.calls = 0
+
+            def replay(self):
+                cuda.replays += 1
+                cuda.clock += self.calls * cuda.kernel_ms
+
+        class graph:
+            def __init__(self, g, stream=None):
+                self.g = g
+
+            def __enter__(self):
+                cuda.capturing, cuda.captured = True, 0
+
+            def __exit__(self, *exc):
+                cuda.capturing = False
+                self.g.calls = cuda.captured
+                return False
+
+        import contextlib
+
+        @contextlib.contextmanager
+        def stream(s):
+            cuda.streams_entered += 1
+            yield
+
+        self.Event, self.Stream, self.CUDAGraph, self.graph, self.stream = (
+            Event, Stream, CUDAGraph, graph, stream)
+
+    def current_stream(self):
+        return self.Stream()
+
+    def synchronize(self):
+        pass
+
+    def empty_cache(self):
+        pass
+
+    def call(self):
+        if self.capturing:
+            if not self.capturable:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.captured += 1
+        else:
+            self.clock += self.host_ms + self.kernel_ms
+
+
+class _FakeTorch:
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+
+def test_graph_rounds():
+    import suite  # noqa: PLC0415
+    assert suite.graph_rounds(0.1, 3, 2.0, 16) == 7          # ceil(2 / 0.3)
+    assert suite.graph_rounds(0.001, 3, 2.0, 16) == 16       # at most max_rounds
+    assert suite.graph_rounds(50.0, 3, 2.0, 16) == 1         # at least one round
+    assert suite.graph_rounds(float("nan"), 3, 2.0, 16) == 16
+
+
+def test_time_cell_graph_replays_hide_the_host_time():
+    import suite  # noqa: PLC0415
+    cuda = _FakeCuda(kernel_ms=0.128, host_ms=0.06)
+    timer = suite.Timer(_FakeTorch(cuda), False, 25.0, 3, 30, timing="graph")
+    calls = [cuda.call] * 3
+    with timer.cell_stream():
+        ms, reps, how = timer.time_cell(calls)
+    assert cuda.streams_entered == 1
+    assert ms == pytest.approx(0.128)                        # the kernel only
+    rounds = suite.graph_rounds(0.188, 3, timer.GRAPH_MS, timer.GRAPH_MAX_ROUNDS)
+    n = 3 * rounds
+    assert cuda.captured == n and how == f"CUDA graph, {n} calls per replay"
+    assert reps == R.repeats_for(0.188 * n, 25.0, 1, 30)
+    assert cuda.replays == reps + 1                          # a warm-up replay
+    # eager: the host time shows (events around every call)
+    cuda = _FakeCuda(kernel_ms=0.128, host_ms=0.06)
+    timer = suite.Timer(_FakeTorch(cuda), False, 25.0, 3, 30, timing="eager")
+    with timer.cell_stream():
+        ms, reps, how = timer.time_cell([cuda.call] * 3)
+    assert ms == pytest.approx(0.188) and how == "eager" and cuda.streams_entered == 0
+    assert cuda.replays == 0 and reps == 30
+
+
+def test_time_cell_falls_back_to_eager_when_capture_fails():
+    import suite  # noqa: PLC0415
+    cuda = _FakeCuda(kernel_ms=1.0, host_ms=0.5, capturable=False)
+    timer = suite.Timer(_FakeTorch(cuda), False, 25.0, 3, 30, timing="graph")
+    with timer.cell_stream():
+        ms, reps, how = timer.time_cell([cuda.call] * 2)
+    assert ms == pytest.approx(1.5) and reps == 16
+    assert how.startswith("eager: CUDA graph capture failed (RuntimeError: operation not "
+                          "permitted") and cuda.replays == 0
+
+
+def test_time_cell_on_the_cpu_is_the_host_clock():
+    import suite  # noqa: PLC0415
+    timer = suite.Timer(None, True, 5.0, 2, 4, timing="graph")
+    assert timer.timing == "eager"
+    n = []
+    ms, reps, how = timer.time_cell([lambda: n.append(1)])
+    assert how == "" and 2 <= reps <= 4 and ms >= 0 and len(n) == 2 + reps
+
+
+def test_timing_option():
+    import suite  # noqa: PLC0415
+    ap = suite.build_parser()
+    assert suite.timing_mode(ap.parse_args([]), cpu=False) == "graph"
+    assert suite.timing_mode(ap.parse_args(["--timing", "eager"]), cpu=False) == "eager"
+    assert suite.timing_mode(ap.parse_args([]), cpu=True) == "host clock"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--timing", "sometimes"])
+    with pytest.raises(ValueError, match="--timing graph"):
+        suite.resolve(ap.parse_args(["--timing", "graph"]), cpu=True)
+    assert suite.main(["--cpu", "--timing", "graph"]) == 2  # before torch loads
+    # a family subprocess times like its parent
+    a = ap.parse_args(["--families", "auto,sm80", "--timing", "eager"])
+    grid, _, _, _ = suite.resolve(a, cpu=False)
+    a.budget_ms, a.min_reps, a.max_reps, a.sets = 25.0, 3, 30, 3
+    cmd = suite.family_command(a, grid, "sm80", "/tmp/x")
+    assert cmd[cmd.index("--timing") + 1] == "eager"
+    a = ap.parse_args(["--families", "auto,sm80"])
+    a.budget_ms, a.min_reps, a.max_reps, a.sets = 25.0, 3, 30, 3
+    cmd = suite.family_command(a, grid, "sm80", "/tmp/x")
+    assert cmd[cmd.index("--timing") + 1] == "graph"
+
+
+def test_measure_cell_records_how_it_was_timed(seed):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("flashattn")
+    import suite  # noqa: PLC0415
+
+    class Timer(suite.Timer):
+        def time_cell(self, calls):
+            ms, reps = self.time(calls)
+            return ms, reps, "CUDA graph, 6 calls per replay"
+
+    impls = suite.Impls(torch, cpu=True)
+    timer = Timer(torch, True, budget_ms=2.0, min_reps=1, max_reps=2)
+    pool = torch.randn(2, 4, 2 * 8 * 2 * 16, dtype=torch.float32)
+    r = suite.measure_cell(torch, impls, timer, pool, "flashattn", "fwd", 2, 8, 2, 16, True, 2)
+    assert r[0] == "ok" and r[3] == "CUDA graph, 6 calls per replay"

@@ -3,6 +3,8 @@ torch.library.opcheck, torch.compile(fullgraph=True), dropout through torch's ge
 the KV-cache call with rotary embeddings, and on CUDA: fp16/bf16 accuracy and CUDA graphs.
 Skipped when torch is not installed (CI without torch runs test_binding_numpy.py)."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -246,6 +248,117 @@ def test_non_contiguous_last_dim_is_copied(seed):
     out = flash_attn_func(q, q, q)
     np.testing.assert_allclose(np64(out), ref.attention(np64(q), np64(q), np64(q))["out"],
                                rtol=1e-10, atol=1e-11)
+
+
+# ------------------------------------------------------------------ direct calls (ops.call)
+
+
+def _spy_dispatch(monkeypatch):
+    """Counts the calls that go through torch's dispatcher (CustomOpDef.__call__)."""
+    from torch._library.custom_ops import CustomOpDef
+
+    seen = []
+    orig = CustomOpDef.__call__
+
+    def spy(self, *args, **kwargs):
+        seen.append(self._qualname)
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(CustomOpDef, "__call__", spy)
+    return seen
+
+
+def test_call_is_direct_without_autograd_and_matches_the_op(seed, monkeypatch):
+    g = gen(seed)
+    q, k, v = (randn(g, 2, 5, 4, 16) for _ in range(3))
+    args = (q, k, v, None, None, 0.25, True, -1, -1, 0.0, 0.0, False, False)
+    want = ops.fwd(*args)
+    seen = _spy_dispatch(monkeypatch)
+    got = ops.call(ops.fwd, *args)
+    with torch.no_grad():
+        got_interface = flash_attn_func(q, k, v, softmax_scale=0.25, causal=True)
+    assert seen == []
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+        assert not a.requires_grad
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(got_interface, want[0], rtol=0, atol=0)
+
+
+def test_call_goes_through_the_op_when_the_dispatcher_matters(seed, monkeypatch):
+    g = gen(seed)
+    q, k, v = (randn(g, 1, 4, 2, 8) for _ in range(3))
+    seen = _spy_dispatch(monkeypatch)
+    # autograd: an input requiring grad with grad mode on
+    qg = q.clone().requires_grad_()
+    out = flash_attn_func(qg, k, v)
+    assert seen == ["flashattn::fwd"] and out.requires_grad
+    # ... and its backward: the bwd op runs directly (grad mode is off in the backward)
+    out.sum().backward()
+    assert seen == ["flashattn::fwd"] and qg.grad is not None
+    # a profiler names the op
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flash_attn_func(q, k, v)
+    assert seen[-1] == "flashattn::fwd"
+    assert any(e.name == "flashattn::fwd" for e in prof.events())
+    # a tensor subclass, a dispatch mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    n = len(seen)
+    flash_attn_func(torch.nn.Parameter(q, requires_grad=False), k, v)
+    with Mode():
+        flash_attn_func(q, k, v)
+    assert len(seen) == n + 2
+    # functorch transforms
+    with warnings.catch_warnings():  # (no batching rule: torch runs the op per element)
+        warnings.simplefilter("ignore")
+        torch.func.vmap(lambda x: flash_attn_func(x, k, v))(torch.stack([q, q]))
+    assert len(seen) == n + 3
+
+
+def test_call_errors_are_the_ops_errors():
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    for f in (lambda: ops.fwd(q, q[..., :4], q[..., :4], None, None, 1.0, False, -1, -1, 0.0,
+                              0.0, False, False),
+              lambda: ops.call(ops.fwd, q, q[..., :4], q[..., :4], None, None, 1.0, False, -1,
+                               -1, 0.0, 0.0, False, False)):
+        with pytest.raises(flashattn.InvalidArgumentError) as e:
+            f()
+        assert str(e.value) == ("flashattn::forward: argument 'k': expected shape[3] == 8 "
+                                "(head dim of q), got 4")
+
+
+def test_call_bumps_the_kvcache_version_like_the_op(seed):
+    g = gen(seed)
+    q = randn(g, 2, 1, 4, 16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    counts = []
+    for direct in (False, True):
+        kc, vc = randn(g, 2, 8, 2, 16), randn(g, 2, 8, 2, 16)
+        kn, vn = randn(g, 2, 1, 2, 16), randn(g, 2, 1, 2, 16)
+        args = (q, kc, vc, lens, None, None, kn, vn, None, 0.25, True, -1, -1, 0.0, 0)
+        before = kc._version, vc._version
+        (ops.call if direct else lambda op, *a: op(*a))(ops.kvcache_fwd, *args)
+        counts.append((kc._version - before[0], vc._version - before[1]))
+        torch.testing.assert_close(kc[0, 3], kn[0, 0], rtol=0, atol=0)
+    assert counts[0] == counts[1] and counts[0][0] >= 1
+    with torch.inference_mode():  # inference tensors have no version counter
+        kc, vc = torch.zeros(2, 8, 2, 16, dtype=torch.float64), torch.zeros(2, 8, 2, 16,
+                                                                             dtype=torch.float64)
+    ops.call(ops.kvcache_fwd, q, kc, vc, lens, None, None, None, None, None, 0.25, True, -1, -1,
+             0.0, 0)
+
+
+def test_tensors_go_to_the_binding_as_capsules():
+    t = torch.zeros(2, 3)
+    assert type(ops._dl(t)).__name__ == "PyCapsule"
+    assert ops._dl(None) is None
+    sparse = t.to_sparse()
+    assert ops._dl(sparse) is sparse  # refused by the exporter: the binding reports it
 
 
 # ------------------------------------------------------------------ custom ops
