@@ -7,6 +7,8 @@
 # Python suite, and prints a short table last. Logs and CSVs go to $OUT (default ./out).
 #   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python
 #                                 (default: all but python)
+# Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
+# the git metadata of the device machine's copy of the tree can be that of an older commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${1:-tests,sanitize,sass,main,fwd,bwd,memory}
