@@ -19,12 +19,9 @@ namespace flashattn::detail::cuda::sm90 {
 template <class Cfg, typename Element>
 void launch_fwd(FwdArgs& args) {
   auto kernel = args.raw_scores ? fwd_kernel<Cfg, Element, true> : fwd_kernel<Cfg, Element, false>;
-  static const cudaError_t attr_raw = cudaFuncSetAttribute(
-      fwd_kernel<Cfg, Element, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  static const cudaError_t attr_general = cudaFuncSetAttribute(
-      fwd_kernel<Cfg, Element, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  FLASHATTN_CUDA_CHECK(attr_raw);
-  FLASHATTN_CUDA_CHECK(attr_general);
+  // Per launch (a function attribute is per device; the call costs about a microsecond).
+  FLASHATTN_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const FwdParams& p = args.p;
   args.m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
   const int per_head = p.mask.right >= 0 ? (args.m_blocks + 1) / 2 : args.m_blocks;  // work_tile
