@@ -1,9 +1,11 @@
 // The sm90a fused attention forward: warp-specialized, TMA-fed, wgmma-computed.
 //
-// A persistent kernel: one thread block per SM walks the work tiles (query tile, query
-// head, sequence) t = blockIdx.x, + gridDim.x, ...; kConsumers + 1 warpgroups:
-//   warpgroup 0, the producer: one thread issues the TMA copies of each work tile's Q
-//     tile and of its K and V tiles into a kStages-deep ring, each slot guarded by a
+// A persistent kernel: one thread block per SM walks units of work u = blockIdx.x,
+// + gridDim.x, ..., each one or two work tiles (query tile, query head, sequence; see
+// work_tile); kConsumers + 1 warpgroups:
+//   warpgroup 0, the producer: one thread of its first warp issues the TMA copies of each
+//     work tile's Q tile and of its K and V tiles into a kStages-deep ring (the warp zeroes
+//     V rows past the keys' end where the tensor goes on), each slot guarded by a
 //     "full" mbarrier (transaction bytes) and an "empty" one (the consumers' release);
 //     the ring runs on across work tiles, so the next tile's loads overlap this one's
 //     last GEMMs and epilogue. Its registers go to the consumers (setmaxnreg).
