@@ -20,16 +20,16 @@
 // blocks per SM fit. With more rows the 16-row form: S = Q K^T, O = P V.
 //
 // fp8: K/V stay e4m3 in shared memory (half the bytes of the copy) and are converted in
-// registers to f16 (exact), so the fp8 variant runs f16 MMAs whatever q's dtype (q is
-// rounded to f16 once). K fragments come from ldmatrix over e4m3 bytes (a dim permutation,
-// the same for q, keeps dots exact); V from ldmatrix.trans plus a byte permute, which
-// interleaves even and odd dims of the output (undone at the store). Per-key scales
-// (per (block, head)) multiply S columns and P before PV; per-head scales fold into the
-// softmax scale and the output.
+// registers to f16 (exact, collective/convert.cuh), so the fp8 variant runs f16 MMAs
+// whatever q's dtype (q is rounded to f16 once). K fragments come from ldmatrix over e4m3
+// bytes (a dim permutation, the same for q, keeps dots exact); V from ldmatrix.trans plus a
+// byte permute, which interleaves even and odd dims of the output (undone at the store).
+// Per-key scales (per (block, head)) multiply S columns and P before PV; per-head scales
+// fold into the softmax scale and the output.
 //
-// With splits > 1 each block writes fp32 partial O and lse to the workspace, and the last
-// split of each row chunk to finish merges them by log-sum-exp (semantics::merge_weight):
-// arrive_split / merge_split_row below, one launch per call.
+// The pieces: the K/V tile layout (decode_loaders.cuh), and with splits > 1 the split-KV
+// merge by the last split of each row chunk to finish (collective/split_kv_merge.cuh), one
+// launch per call; the launch is decode_run.cuh.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -45,204 +45,15 @@
 #include "cuda/arch/sm80.cuh"
 #include "cuda/arch/sm90_bulk.cuh"
 #include "cuda/sm80/decode_launch.hpp"
+#include "cuda/collective/convert.cuh"
+#include "cuda/collective/split_kv_merge.cuh"
+#include "cuda/sm80/decode_loaders.cuh"
 
 namespace flashattn::detail::cuda::sm80 {
 
 namespace decode_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// 16-byte async copy of src_bytes (0..16) bytes, the rest zero-filled.
-__device__ __forceinline__ void cp_async_n(std::uint32_t smem_addr, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(valid ? 4 : 0));
-}
-
-// Where the 16-byte chunks of a K or V tile live (decode_launch.hpp): the tile's rows in
-// boxes of 2^box_shift rows (a whole tile when dense, a paged cache's block otherwise),
-// each box holding its rows' 128-byte segments one after another ([box][segment][row]
-// [128 B]), the chunks of a row XOR-swizzled by row % 8: the layout that TMA tensor copies
-// with 128-byte swizzle write, one copy per box (or per box and segment), and that
-// ldmatrix reads without bank conflicts.
-template <class Tr>
-struct TileLayout {
-  int box_shift;  // log2 rows per box, >= 3
-  __device__ __forceinline__ std::uint32_t seg_stride() const { return 1u << (box_shift + 7); }
-  __device__ __forceinline__ std::uint32_t box_bytes() const { return Tr::kSegs * seg_stride(); }
-  __device__ __forceinline__ std::uint32_t row_base(int row) const {
-    return static_cast<std::uint32_t>(row >> box_shift) * box_bytes() +
-           (static_cast<std::uint32_t>(row & ((1 << box_shift) - 1)) << 7);
-  }
-  __device__ __forceinline__ std::uint32_t offset(int row, int chunk) const {
-    return row_base(row) + static_cast<std::uint32_t>(chunk >> 3) * seg_stride() +
-           static_cast<std::uint32_t>(((chunk & 7) ^ (row & 7)) << 4);
-  }
-};
-// One thread's ldmatrix row of a tile: chunk 2 * s + bit for s = 0, 1, ... with a
-// per-thread bit, the row part computed once.
-struct LdsmRow {
-  std::uint32_t base, seg_stride;
-  int x;  // (row % 8) ^ bit
-  template <class Tr>
-  __device__ __forceinline__ LdsmRow(const TileLayout<Tr>& l, int row, int bit)
-      : base(l.row_base(row)), seg_stride(l.seg_stride()), x((row & 7) ^ bit) {}
-  __device__ __forceinline__ std::uint32_t at(int s) const {
-    return base + static_cast<std::uint32_t>(s >> 2) * seg_stride + static_cast<std::uint32_t>((((2 * s) & 7) ^ x) << 4);
-  }
-};
-
-// Two e4m3 (low byte first) -> f16x2 (low half first), exact: bytes 0-1 or 2-3 of x. On
-// sm89+ the PTX half selection becomes F2FP's .H1 operand (no shift); before sm89 there
-// is no e4m3 conversion instruction and cuda_fp8.h's software path runs.
-__device__ __forceinline__ std::uint32_t e4m3x2_to_f16x2_sw(std::uint32_t two_bytes) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
-  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
-}
-__device__ __forceinline__ std::uint32_t e4m3x2_lo_to_f16x2(std::uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  std::uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(d) : "r"(x));
-  return d;
-#else
-  return e4m3x2_to_f16x2_sw(x);
-#endif
-}
-__device__ __forceinline__ std::uint32_t e4m3x2_hi_to_f16x2(std::uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  std::uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(d) : "r"(x));
-  return d;
-#else
-  return e4m3x2_to_f16x2_sw(x >> 16);
-#endif
-}
-
-// The 8 x 8 16-bit matrix held as one register per lane (lane l: row l / 4, columns
-// 2 (l % 4) and + 1), transposed across the warp (sm75+).
-__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
-  std::uint32_t d;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
-  return d;
-}
-
-__device__ __forceinline__ float to_float(std::uint16_t bits, bool bf16) {
-  if (bf16) return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
-  __half_raw r;
-  r.x = bits;
-  return __half2float(__half(r));
-}
-
-__device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16) {
-  return bf16 ? pack2<__nv_bfloat16>(lo, hi) : pack2<__half>(lo, hi);
-}
-
-// Split-KV merge, in the decode kernel itself (no second launch): each split's block
-// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival word
-// (decode_launch.hpp: the call's tag over a 16-bit count); the one that brings the count
-// to a.splits merges every split's partials. A word holding another tag (a previous call's,
-// or whatever the caller's workspace held) counts as nothing arrived; the last split resets
-// the word to (tag, 0), which a replay of the same captured call starts from. Returns true
-// in the merging block's thread (one thread per block calls it, after a barrier: the one
-// fence there covers the whole block's stores, as in a grid barrier).
-// (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
-// launch and ramp more than its loads; docs/performance.md.)
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-__device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
-  fence_acq_rel_gpu();  // releases the block's partials (ordered before it by the barrier)
-  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
-  for (;;) {
-    const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
-    const unsigned long long seen = atomicCAS(word, cur, next);
-    if (seen == cur) {
-      const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
-      if (last) {
-        atomicExch(word, tag);
-        fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
-      }
-      return last;
-    }
-    cur = seen;
-  }
-}
-
-// One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]
-// rows by log-sum-exp and writes out (and lse): lane l holds split
-// l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
-// 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
-// together, and summed in split order (the same bits whichever split merges) with the
-// weights broadcast by shuffle. The loads go to L2 (ld.global.cg): the partials were
-// written by other blocks.
-__device__ __forceinline__ void merge_split_row(const FwdParams& p, const DecodeArgs& a, int b, int h, int i,
-                                                int lane) {
-  constexpr int kBatch = 8;
-  const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
-  const std::int64_t row = (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i;
-  const float* lse_s = a.ws_lse + row;
-  const int n = a.splits;
-  const bool lane_held = n <= 32;  // every split's lse in its own lane
-  const float my_ls = lane < n ? __ldcg(lse_s + std::int64_t(lane) * rows) : -INFINITY;
-  // The first column group's first kBatch partial rows, in flight with the lse loads.
-  auto load_o = [&](int c, int s0, float4 (&v)[kBatch]) {
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
-      v[k] = c < p.d && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  };
-  float4 first[kBatch];
-  load_o(lane * 4, 0, first);
-  float m = my_ls;
-  for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    sum = expf(my_ls - m);
-    for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - m);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
-  if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
-  const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
-  auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
-              std::int64_t(h) * p.o_head_stride;
-  // Every lane runs every column group (those past d load and store nothing): the
-  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
-  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
-  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
-  for (int c0 = 0; c0 < p.d; c0 += 128) {
-    const int c = c0 + lane * 4;
-    const bool col = c < p.d;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n; s0 += kBatch) {
-      float4 v[kBatch];
-      if (c0 == 0 && s0 == 0) {
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) v[k] = first[k];
-      } else {
-        load_o(c, s0, v);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int s = s0 + k;
-        float w = __shfl_sync(0xffffffffu, my_w, s & 31);
-        if (!lane_held) w = s < n && lse != -INFINITY ? semantics::merge_weight(__ldcg(lse_s + s * rows), lse) : 0.0f;
-        if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
-      }
-    }
-    if (col) {
-      const uint2 packed = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
-      *reinterpret_cast<uint2*>(out + c) = packed;
-    }
-  }
-}
-
 
 }  // namespace decode_detail
 
@@ -983,7 +794,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored
     if (tid == 0) {
-      merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
+      merges = arrive_split<kSplitCountMask>(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
     }
     __syncthreads();
     if (!merges) return;
@@ -994,52 +805,4 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   }
 }
 
-template <int kHeadDim, typename Element, bool kFp8, bool kT8>
-void launch_decode(const FwdParams& p, const DecodeArgs& a) {
-  using Tr = DecodeTraits<kHeadDim, kFp8, kT8>;
-  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8>;
-  constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024) {
-    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
-                     static_cast<unsigned>(p.batch));
-  cfg.blockDim = dim3(Tr::kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.pdl ? 1 : 0;
-  FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
-}
-
-template <int kHeadDim, typename Element>
-void run_decode(const FwdParams& p, const DecodeArgs& a) {
-  if (a.t8) {
-    launch_decode<kHeadDim, Element, false, true>(p, a);
-  } else {
-    launch_decode<kHeadDim, Element, false, false>(p, a);
-  }
-}
-
-template <int kHeadDim>
-void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
-  if (a.t8) {
-    launch_decode<kHeadDim, __half, true, true>(p, a);
-  } else {
-    launch_decode<kHeadDim, __half, true, false>(p, a);
-  }
-}
-
 }  // namespace flashattn::detail::cuda::sm80
-
-// One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
-#define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
-  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&);                    \
-  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&);
-#define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
-  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&);
-#define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)
