@@ -27,9 +27,10 @@
 // Per-key scales (per (block, head)) multiply S columns and P before PV; per-head scales
 // fold into the softmax scale and the output.
 //
-// The pieces: the K/V tile layout (decode_loaders.cuh), and with splits > 1 the split-KV
-// merge by the last split of each row chunk to finish (collective/split_kv_merge.cuh), one
-// launch per call; the launch is decode_run.cuh.
+// The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
+// decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
+// and with splits > 1 the split-KV merge by the last split of each row chunk to finish
+// (collective/split_kv_merge.cuh), one launch per call; the launch is decode_run.cuh.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -141,139 +142,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
                                : nullptr;
   }
 
-  // ---- K/V tile loader
-  const int* btab = p.block_table ? p.block_table + std::int64_t(b) * p.block_table_batch_stride : nullptr;
-  const std::int64_t cache_row = p.cache_row(b);
-  const bool per_key_scale = kFp8 && p.scale_block_stride != 0;
-  const auto* kg = static_cast<const unsigned char*>(p.k) + std::int64_t(g_kv) * p.k_head_stride * Tr::kKvBytes;
-  const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
-  const int row_bytes_used = p.d * Tr::kKvBytes;
-  const bool tma = kHasBulkCopies && a.tma;
-
-  auto load_scales = [&](std::int64_t tile, int stage) {
-    if constexpr (kFp8) {
-      if (per_key_scale && tid < kBlockN) {
-        float* kss = reinterpret_cast<float*>(pipe + stage * Tr::kStageBytes + 2 * Tr::kTileBytes);
-        float* vss = kss + kBlockN;
-        const std::int64_t j = tile * kBlockN + tid;
-        const bool ok = j < s_k;
-        const std::int64_t at = ok ? p.kv_block(b, j) * p.scale_block_stride + g_kv : 0;
-        cp_async_4(smem_u32(kss + tid), p.k_scale + at, ok);
-        cp_async_4(smem_u32(vss + tid), p.v_scale + at, ok);
-      }
-    }
-  };
-  // sm90: the tensor copies of a tile, per box of box_rows keys (a paged cache's block ids
-  // loaded one tile ahead): one copy for all of a box's segments (5-d map) or one per
-  // segment (4-d), K and V. Lane 0 of warp w issues boxes w, w + kWarps, ... (the issue
-  // runs on each warp's uniform datapath, so the warps share it); warp 0's lane 0 arms the
-  // stage's mbarrier with the tile's bytes (a copy completing first only makes the
-  // transaction count negative meanwhile). Boxes past the sequence are not copied; rows
-  // past it are zeroed after arrival (zero_tail), so unused cache slots never reach the MMAs.
-  constexpr int kMaxBoxes = kBlockN / 8;
-  constexpr int kBoxesPerWarp = (kMaxBoxes + Tr::kWarps - 1) / Tr::kWarps;
-  const int box_rows = tma ? a.box_rows : kBlockN;
-  const TileLayout<Tr> lay{31 - __clz(box_rows)};
-  int pf_blk[kBoxesPerWarp];  // block ids of this warp's boxes of the next tile to issue
-  auto table_ids = [&](std::int64_t tile, int (&ids)[kBoxesPerWarp]) {
-#pragma unroll
-    for (int q = 0; q < kBoxesPerWarp; ++q) {
-      const int k = warp + q * Tr::kWarps;
-      const std::int64_t j = tile * kBlockN + std::int64_t(k) * box_rows;
-      ids[q] = (btab != nullptr && k * box_rows < kBlockN && j < s_k) ? btab[j / p.block_size] : 0;
-    }
-  };
-  auto issue_tma = [&](std::int64_t tile, int stage) {
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    const std::uint32_t bar = smem_u32(bars + 8 * stage);
-    const std::int64_t j0 = tile * kBlockN;
-    const int rows = static_cast<int>(min(std::int64_t(kBlockN), std::int64_t(s_k) - j0));
-    const int boxes = (rows + box_rows - 1) / box_rows;
-    if (warp == 0) mbar_expect_tx(bar, static_cast<std::uint32_t>(boxes * box_rows * 128 * Tr::kSegs * 2));
-#pragma unroll
-    for (int q = 0; q < kBoxesPerWarp; ++q) {
-      const int k = warp + q * Tr::kWarps;
-      if (k < boxes) {
-        const std::int64_t j = j0 + std::int64_t(k) * box_rows;
-        const int c1 = btab ? static_cast<int>(j % p.block_size) : static_cast<int>(j);
-        const int c3 = btab ? pf_blk[q] : static_cast<int>(cache_row);
-        const std::uint32_t dk = smem_u32(ks) + k * lay.box_bytes();
-        const std::uint32_t dv = dk + Tr::kTileBytes;
-        if (a.map_rank == 5) {
-          tensor_copy_5d(dk, &a.k_map, 0, c1, 0, g_kv, c3, bar);
-          tensor_copy_5d(dv, &a.v_map, 0, c1, 0, g_kv, c3, bar);
-        } else {
-#pragma unroll
-          for (int sg = 0; sg < Tr::kSegs; ++sg) {
-            tensor_copy_4d(dk + sg * lay.seg_stride(), &a.k_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
-            tensor_copy_4d(dv + sg * lay.seg_stride(), &a.v_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
-          }
-        }
-      }
-    }
-  };
-  // The rows of a partial last tile past the sequence: zeros (the copies may have brought
-  // in unused cache slots, or nothing).
-  auto zero_tail = [&](std::int64_t tile, int stage) {
-    const int first = static_cast<int>(std::int64_t(s_k) - tile * kBlockN);
-    if (first >= kBlockN) return;
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    const int n = (kBlockN - first) * Tr::kChunksTotal * 2;  // 16-byte stores, K then V
-    for (int idx = tid; idx < n; idx += Tr::kThreads) {
-      const int c = idx % Tr::kChunksTotal, rest = idx / Tr::kChunksTotal;
-      const int row = first + rest % (kBlockN - first);
-      const int kv = rest / (kBlockN - first);
-      *reinterpret_cast<uint4*>(ks + kv * Tr::kTileBytes + lay.offset(row, c)) = make_uint4(0, 0, 0, 0);
-    }
-    fence_proxy_async();  // before the stage is a tensor copy's destination again
-  };
-  // 16-byte cp.async rows (zero-filled past the sequence and past d), into the same layout.
-  auto load_cp_async = [&](std::int64_t tile, int stage) {
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    unsigned char* vs = ks + Tr::kTileBytes;
-    const std::int64_t j0 = tile * kBlockN;
-    constexpr int kCpr = Tr::kChunksPerRow;
-    int last_row = -1;
-    std::int64_t ko = 0, vo = 0;
-    bool row_ok = false;
-#pragma unroll 4
-    for (int idx = tid; idx < kBlockN * kCpr; idx += Tr::kThreads) {
-      const int row = idx / kCpr, ch = idx % kCpr;
-      if (row != last_row) {
-        last_row = row;
-        const std::int64_t j = j0 + row;
-        row_ok = j < s_k;
-        if (row_ok) {
-          if (btab) {
-            const std::int64_t blk = btab[j / p.block_size];
-            const std::int64_t jj = j % p.block_size;
-            ko = blk * p.k_batch_stride + jj * p.k_row_stride;
-            vo = blk * p.v_batch_stride + jj * p.v_row_stride;
-          } else {
-            ko = cache_row * p.k_batch_stride + j * p.k_row_stride;
-            vo = cache_row * p.v_batch_stride + j * p.v_row_stride;
-          }
-          ko *= Tr::kKvBytes;
-          vo *= Tr::kKvBytes;
-        }
-      }
-      const int bytes = row_ok ? max(0, min(16, row_bytes_used - ch * 16)) : 0;
-      const std::uint32_t so = lay.offset(row, ch);
-      cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
-      cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
-    }
-  };
-  auto load_tile = [&](std::int64_t tile, int stage, bool prefetch_next) {
-    if (tma) {
-      if (lane == 0) {
-        issue_tma(tile, stage);
-        if (btab && prefetch_next) table_ids(tile + t_step, pf_blk);
-      }
-    } else {
-      load_cp_async(tile, stage);
-    }
-    load_scales(tile, stage);
-  };
+  // ---- K/V tile loader: load_tile(tile, stage, prefetch_next), zero_tail, table_ids, pf_blk
+#include "cuda/sm80/decode_kernel_loaders.inc"
 
   // ---- scores
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
@@ -681,113 +551,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
-  // ---- merge the warps' (max, sum, O)
-  float* o_smem = reinterpret_cast<float*>(pipe);
-  float* m_smem = o_smem + Tr::kWarps * Tr::kRows * Tr::kOStride;
-  float* l_smem = m_smem + Tr::kWarps * Tr::kRows;
-  // A row's sum over the lanes sharing it (same gq; kT8: same tq), stored by one of them.
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float l = row_sum[hf];
-    if constexpr (kT8) {
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      l += __shfl_xor_sync(0xffffffffu, l, 8);
-      l += __shfl_xor_sync(0xffffffffu, l, 16);
-    } else {
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-    }
-    row_sum[hf] = l;
-    const int rr = my_row(hf);
-    if ((kT8 ? gq : tq) == 0) {
-      m_smem[warp * Tr::kRows + rr] = row_max[hf];
-      l_smem[warp * Tr::kRows + rr] = l;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int rr = my_row(hf);
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + rr]);
-    float ll = 0.0f;
-    if (mm != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < Tr::kWarps; ++w) {
-        const float lw = l_smem[w * Tr::kRows + rr];
-        if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + rr] - mm);
-      }
-    }
-    const float f = (ll > 0.0f && row_sum[hf] > 0.0f) ? fast_exp2(row_max[hf] - mm) / ll * v_head_scale : 0.0f;
-    float* orow = o_smem + (warp * Tr::kRows + rr) * Tr::kOStride;
-    if constexpr (kT8) {
-      // O^T tile t: elements hf (dim row gq) and 2 + hf (dim row gq + 8) of this row.
-#pragma unroll
-      for (int t = 0; t < kOAcc; ++t) {
-        const int d0 = kFp8 ? 16 * t + 2 * gq : 16 * t + gq;
-        orow[d0] = o[t][hf] * f;
-        orow[d0 + (kFp8 ? 1 : 8)] = o[t][2 + hf] * f;
-      }
-    } else {
-#pragma unroll
-    for (int nt = 0; nt < kOTiles; ++nt) {
-      if constexpr (kFp8) {
-        const int d0 = 16 * (nt >> 1) + 4 * tq + (nt & 1);
-        orow[d0] = o[nt][2 * hf] * f;
-        orow[d0 + 2] = o[nt][2 * hf + 1] * f;
-      } else {
-        *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) = make_float2(o[nt][2 * hf] * f, o[nt][2 * hf + 1] * f);
-      }
-    }
-    }
-  }
-  __syncthreads();
-
-  // ---- store: out / lse directly, or the split's partials
-  const bool out_bf16 = kFp8 ? a.q_bf16 : __is_same(Element, __nv_bfloat16);
-  constexpr int kGroups = Tr::kRows * kHeadDim / 4;
-  for (int idx = tid; idx < kGroups; idx += Tr::kThreads) {
-    const int rr = idx / (kHeadDim / 4), c = (idx % (kHeadDim / 4)) * 4;
-    const int r = r0 + rr;
-    if (r >= nrows || c >= p.d) continue;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(o_smem + (w * Tr::kRows + rr) * Tr::kOStride + c);
-      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-    }
-    const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-    if (a.splits > 1) {
-      const std::int64_t row = ((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i;
-      *reinterpret_cast<float4*>(a.ws_o + row * p.d + c) = acc;
-    } else {
-      auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
-                  std::int64_t(h) * p.o_head_stride + c;
-      *reinterpret_cast<uint2*>(out) = make_uint2(pack_out(acc.x, acc.y, out_bf16), pack_out(acc.z, acc.w, out_bf16));
-    }
-  }
-  if (tid < Tr::kRows) {
-    const int r = r0 + tid;
-    if (r < nrows) {
-      float mm = -INFINITY;
-      for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + tid]);
-      float ll = 0.0f;
-      if (mm != -INFINITY) {
-        for (int w = 0; w < Tr::kWarps; ++w) {
-          const float lw = l_smem[w * Tr::kRows + tid];
-          if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + tid] - mm);
-        }
-      }
-      const float lse = ll > 0.0f ? (mm + log2f(ll)) * 0.6931471805599453f : -INFINITY;
-      const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-      if (a.splits > 1) {
-        a.ws_lse[((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i] = lse;
-      } else if (p.lse) {
-        p.lse[p.lse_offset(b, h) + i] = lse;
-      }
-    }
-  }
+  // ---- merge the warps' (max, sum, O), then store out / lse or the split's partials
+#include "cuda/sm80/decode_kernel_epilogue.inc"
 
   // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
   if (a.splits > 1) {
@@ -804,5 +569,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     }
   }
 }
+
 
 }  // namespace flashattn::detail::cuda::sm80
