@@ -100,4 +100,12 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// The 8 x 8 16-bit matrix held as one register per lane (lane l: row l / 4, columns
+// 2 (l % 4) and + 1), transposed across the warp (sm75+).
+__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
+  std::uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
+  return d;
+}
+
 }  // namespace flashattn::detail::cuda::sm80

@@ -20,16 +20,17 @@
 // blocks per SM fit. With more rows the 16-row form: S = Q K^T, O = P V.
 //
 // fp8: K/V stay e4m3 in shared memory (half the bytes of the copy) and are converted in
-// registers to f16 (exact), so the fp8 variant runs f16 MMAs whatever q's dtype (q is
-// rounded to f16 once). K fragments come from ldmatrix over e4m3 bytes (a dim permutation,
-// the same for q, keeps dots exact); V from ldmatrix.trans plus a byte permute, which
-// interleaves even and odd dims of the output (undone at the store). Per-key scales
-// (per (block, head)) multiply S columns and P before PV; per-head scales fold into the
-// softmax scale and the output.
+// registers to f16 (exact, collective/convert.cuh), so the fp8 variant runs f16 MMAs
+// whatever q's dtype (q is rounded to f16 once). K fragments come from ldmatrix over e4m3
+// bytes (a dim permutation, the same for q, keeps dots exact); V from ldmatrix.trans plus a
+// byte permute, which interleaves even and odd dims of the output (undone at the store).
+// Per-key scales (per (block, head)) multiply S columns and P before PV; per-head scales
+// fold into the softmax scale and the output.
 //
-// With splits > 1 each block writes fp32 partial O and lse to the workspace, and the last
-// split of each row chunk to finish merges them by log-sum-exp (semantics::merge_weight):
-// arrive_split / merge_split_row below, one launch per call.
+// The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
+// decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
+// and with splits > 1 the split-KV merge by the last split of each row chunk to finish
+// (collective/split_kv_merge.cuh), one launch per call; the launch is decode_run.cuh.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -45,204 +46,15 @@
 #include "cuda/arch/sm80.cuh"
 #include "cuda/arch/sm90_bulk.cuh"
 #include "cuda/sm80/decode_launch.hpp"
+#include "cuda/collective/convert.cuh"
+#include "cuda/collective/split_kv_merge.cuh"
+#include "cuda/sm80/decode_loaders.cuh"
 
 namespace flashattn::detail::cuda::sm80 {
 
 namespace decode_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
-
-// 16-byte async copy of src_bytes (0..16) bytes, the rest zero-filled.
-__device__ __forceinline__ void cp_async_n(std::uint32_t smem_addr, const void* gmem, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_4(std::uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
-               "r"(valid ? 4 : 0));
-}
-
-// Where the 16-byte chunks of a K or V tile live (decode_launch.hpp): the tile's rows in
-// boxes of 2^box_shift rows (a whole tile when dense, a paged cache's block otherwise),
-// each box holding its rows' 128-byte segments one after another ([box][segment][row]
-// [128 B]), the chunks of a row XOR-swizzled by row % 8: the layout that TMA tensor copies
-// with 128-byte swizzle write, one copy per box (or per box and segment), and that
-// ldmatrix reads without bank conflicts.
-template <class Tr>
-struct TileLayout {
-  int box_shift;  // log2 rows per box, >= 3
-  __device__ __forceinline__ std::uint32_t seg_stride() const { return 1u << (box_shift + 7); }
-  __device__ __forceinline__ std::uint32_t box_bytes() const { return Tr::kSegs * seg_stride(); }
-  __device__ __forceinline__ std::uint32_t row_base(int row) const {
-    return static_cast<std::uint32_t>(row >> box_shift) * box_bytes() +
-           (static_cast<std::uint32_t>(row & ((1 << box_shift) - 1)) << 7);
-  }
-  __device__ __forceinline__ std::uint32_t offset(int row, int chunk) const {
-    return row_base(row) + static_cast<std::uint32_t>(chunk >> 3) * seg_stride() +
-           static_cast<std::uint32_t>(((chunk & 7) ^ (row & 7)) << 4);
-  }
-};
-// One thread's ldmatrix row of a tile: chunk 2 * s + bit for s = 0, 1, ... with a
-// per-thread bit, the row part computed once.
-struct LdsmRow {
-  std::uint32_t base, seg_stride;
-  int x;  // (row % 8) ^ bit
-  template <class Tr>
-  __device__ __forceinline__ LdsmRow(const TileLayout<Tr>& l, int row, int bit)
-      : base(l.row_base(row)), seg_stride(l.seg_stride()), x((row & 7) ^ bit) {}
-  __device__ __forceinline__ std::uint32_t at(int s) const {
-    return base + static_cast<std::uint32_t>(s >> 2) * seg_stride + static_cast<std::uint32_t>((((2 * s) & 7) ^ x) << 4);
-  }
-};
-
-// Two e4m3 (low byte first) -> f16x2 (low half first), exact: bytes 0-1 or 2-3 of x. On
-// sm89+ the PTX half selection becomes F2FP's .H1 operand (no shift); before sm89 there
-// is no e4m3 conversion instruction and cuda_fp8.h's software path runs.
-__device__ __forceinline__ std::uint32_t e4m3x2_to_f16x2_sw(std::uint32_t two_bytes) {
-  const __half2_raw h =
-      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
-  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
-}
-__device__ __forceinline__ std::uint32_t e4m3x2_lo_to_f16x2(std::uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  std::uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}" : "=r"(d) : "r"(x));
-  return d;
-#else
-  return e4m3x2_to_f16x2_sw(x);
-#endif
-}
-__device__ __forceinline__ std::uint32_t e4m3x2_hi_to_f16x2(std::uint32_t x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  std::uint32_t d;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}" : "=r"(d) : "r"(x));
-  return d;
-#else
-  return e4m3x2_to_f16x2_sw(x >> 16);
-#endif
-}
-
-// The 8 x 8 16-bit matrix held as one register per lane (lane l: row l / 4, columns
-// 2 (l % 4) and + 1), transposed across the warp (sm75+).
-__device__ __forceinline__ std::uint32_t movmatrix_trans(std::uint32_t x) {
-  std::uint32_t d;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
-  return d;
-}
-
-__device__ __forceinline__ float to_float(std::uint16_t bits, bool bf16) {
-  if (bf16) return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
-  __half_raw r;
-  r.x = bits;
-  return __half2float(__half(r));
-}
-
-__device__ __forceinline__ std::uint32_t pack_out(float lo, float hi, bool bf16) {
-  return bf16 ? pack2<__nv_bfloat16>(lo, hi) : pack2<__half>(lo, hi);
-}
-
-// Split-KV merge, in the decode kernel itself (no second launch): each split's block
-// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival word
-// (decode_launch.hpp: the call's tag over a 16-bit count); the one that brings the count
-// to a.splits merges every split's partials. A word holding another tag (a previous call's,
-// or whatever the caller's workspace held) counts as nothing arrived; the last split resets
-// the word to (tag, 0), which a replay of the same captured call starts from. Returns true
-// in the merging block's thread (one thread per block calls it, after a barrier: the one
-// fence there covers the whole block's stores, as in a grid barrier).
-// (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
-// launch and ramp more than its loads; docs/performance.md.)
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-__device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
-  fence_acq_rel_gpu();  // releases the block's partials (ordered before it by the barrier)
-  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
-  for (;;) {
-    const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
-    const unsigned long long seen = atomicCAS(word, cur, next);
-    if (seen == cur) {
-      const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
-      if (last) {
-        atomicExch(word, tag);
-        fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
-      }
-      return last;
-    }
-    cur = seen;
-  }
-}
-
-// One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]
-// rows by log-sum-exp and writes out (and lse): lane l holds split
-// l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
-// 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
-// together, and summed in split order (the same bits whichever split merges) with the
-// weights broadcast by shuffle. The loads go to L2 (ld.global.cg): the partials were
-// written by other blocks.
-__device__ __forceinline__ void merge_split_row(const FwdParams& p, const DecodeArgs& a, int b, int h, int i,
-                                                int lane) {
-  constexpr int kBatch = 8;
-  const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
-  const std::int64_t row = (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i;
-  const float* lse_s = a.ws_lse + row;
-  const int n = a.splits;
-  const bool lane_held = n <= 32;  // every split's lse in its own lane
-  const float my_ls = lane < n ? __ldcg(lse_s + std::int64_t(lane) * rows) : -INFINITY;
-  // The first column group's first kBatch partial rows, in flight with the lse loads.
-  auto load_o = [&](int c, int s0, float4 (&v)[kBatch]) {
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
-      v[k] = c < p.d && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  };
-  float4 first[kBatch];
-  load_o(lane * 4, 0, first);
-  float m = my_ls;
-  for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    sum = expf(my_ls - m);
-    for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - m);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
-  if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
-  const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
-  auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
-              std::int64_t(h) * p.o_head_stride;
-  // Every lane runs every column group (those past d load and store nothing): the
-  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
-  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
-  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
-  for (int c0 = 0; c0 < p.d; c0 += 128) {
-    const int c = c0 + lane * 4;
-    const bool col = c < p.d;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n; s0 += kBatch) {
-      float4 v[kBatch];
-      if (c0 == 0 && s0 == 0) {
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) v[k] = first[k];
-      } else {
-        load_o(c, s0, v);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int s = s0 + k;
-        float w = __shfl_sync(0xffffffffu, my_w, s & 31);
-        if (!lane_held) w = s < n && lse != -INFINITY ? semantics::merge_weight(__ldcg(lse_s + s * rows), lse) : 0.0f;
-        if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
-      }
-    }
-    if (col) {
-      const uint2 packed = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
-      *reinterpret_cast<uint2*>(out + c) = packed;
-    }
-  }
-}
-
 
 }  // namespace decode_detail
 
@@ -330,139 +142,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
                                : nullptr;
   }
 
-  // ---- K/V tile loader
-  const int* btab = p.block_table ? p.block_table + std::int64_t(b) * p.block_table_batch_stride : nullptr;
-  const std::int64_t cache_row = p.cache_row(b);
-  const bool per_key_scale = kFp8 && p.scale_block_stride != 0;
-  const auto* kg = static_cast<const unsigned char*>(p.k) + std::int64_t(g_kv) * p.k_head_stride * Tr::kKvBytes;
-  const auto* vg = static_cast<const unsigned char*>(p.v) + std::int64_t(g_kv) * p.v_head_stride * Tr::kKvBytes;
-  const int row_bytes_used = p.d * Tr::kKvBytes;
-  const bool tma = kHasBulkCopies && a.tma;
-
-  auto load_scales = [&](std::int64_t tile, int stage) {
-    if constexpr (kFp8) {
-      if (per_key_scale && tid < kBlockN) {
-        float* kss = reinterpret_cast<float*>(pipe + stage * Tr::kStageBytes + 2 * Tr::kTileBytes);
-        float* vss = kss + kBlockN;
-        const std::int64_t j = tile * kBlockN + tid;
-        const bool ok = j < s_k;
-        const std::int64_t at = ok ? p.kv_block(b, j) * p.scale_block_stride + g_kv : 0;
-        cp_async_4(smem_u32(kss + tid), p.k_scale + at, ok);
-        cp_async_4(smem_u32(vss + tid), p.v_scale + at, ok);
-      }
-    }
-  };
-  // sm90: the tensor copies of a tile, per box of box_rows keys (a paged cache's block ids
-  // loaded one tile ahead): one copy for all of a box's segments (5-d map) or one per
-  // segment (4-d), K and V. Lane 0 of warp w issues boxes w, w + kWarps, ... (the issue
-  // runs on each warp's uniform datapath, so the warps share it); warp 0's lane 0 arms the
-  // stage's mbarrier with the tile's bytes (a copy completing first only makes the
-  // transaction count negative meanwhile). Boxes past the sequence are not copied; rows
-  // past it are zeroed after arrival (zero_tail), so unused cache slots never reach the MMAs.
-  constexpr int kMaxBoxes = kBlockN / 8;
-  constexpr int kBoxesPerWarp = (kMaxBoxes + Tr::kWarps - 1) / Tr::kWarps;
-  const int box_rows = tma ? a.box_rows : kBlockN;
-  const TileLayout<Tr> lay{31 - __clz(box_rows)};
-  int pf_blk[kBoxesPerWarp];  // block ids of this warp's boxes of the next tile to issue
-  auto table_ids = [&](std::int64_t tile, int (&ids)[kBoxesPerWarp]) {
-#pragma unroll
-    for (int q = 0; q < kBoxesPerWarp; ++q) {
-      const int k = warp + q * Tr::kWarps;
-      const std::int64_t j = tile * kBlockN + std::int64_t(k) * box_rows;
-      ids[q] = (btab != nullptr && k * box_rows < kBlockN && j < s_k) ? btab[j / p.block_size] : 0;
-    }
-  };
-  auto issue_tma = [&](std::int64_t tile, int stage) {
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    const std::uint32_t bar = smem_u32(bars + 8 * stage);
-    const std::int64_t j0 = tile * kBlockN;
-    const int rows = static_cast<int>(min(std::int64_t(kBlockN), std::int64_t(s_k) - j0));
-    const int boxes = (rows + box_rows - 1) / box_rows;
-    if (warp == 0) mbar_expect_tx(bar, static_cast<std::uint32_t>(boxes * box_rows * 128 * Tr::kSegs * 2));
-#pragma unroll
-    for (int q = 0; q < kBoxesPerWarp; ++q) {
-      const int k = warp + q * Tr::kWarps;
-      if (k < boxes) {
-        const std::int64_t j = j0 + std::int64_t(k) * box_rows;
-        const int c1 = btab ? static_cast<int>(j % p.block_size) : static_cast<int>(j);
-        const int c3 = btab ? pf_blk[q] : static_cast<int>(cache_row);
-        const std::uint32_t dk = smem_u32(ks) + k * lay.box_bytes();
-        const std::uint32_t dv = dk + Tr::kTileBytes;
-        if (a.map_rank == 5) {
-          tensor_copy_5d(dk, &a.k_map, 0, c1, 0, g_kv, c3, bar);
-          tensor_copy_5d(dv, &a.v_map, 0, c1, 0, g_kv, c3, bar);
-        } else {
-#pragma unroll
-          for (int sg = 0; sg < Tr::kSegs; ++sg) {
-            tensor_copy_4d(dk + sg * lay.seg_stride(), &a.k_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
-            tensor_copy_4d(dv + sg * lay.seg_stride(), &a.v_map, sg * Tr::kSegElems, c1, g_kv, c3, bar);
-          }
-        }
-      }
-    }
-  };
-  // The rows of a partial last tile past the sequence: zeros (the copies may have brought
-  // in unused cache slots, or nothing).
-  auto zero_tail = [&](std::int64_t tile, int stage) {
-    const int first = static_cast<int>(std::int64_t(s_k) - tile * kBlockN);
-    if (first >= kBlockN) return;
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    const int n = (kBlockN - first) * Tr::kChunksTotal * 2;  // 16-byte stores, K then V
-    for (int idx = tid; idx < n; idx += Tr::kThreads) {
-      const int c = idx % Tr::kChunksTotal, rest = idx / Tr::kChunksTotal;
-      const int row = first + rest % (kBlockN - first);
-      const int kv = rest / (kBlockN - first);
-      *reinterpret_cast<uint4*>(ks + kv * Tr::kTileBytes + lay.offset(row, c)) = make_uint4(0, 0, 0, 0);
-    }
-    fence_proxy_async();  // before the stage is a tensor copy's destination again
-  };
-  // 16-byte cp.async rows (zero-filled past the sequence and past d), into the same layout.
-  auto load_cp_async = [&](std::int64_t tile, int stage) {
-    unsigned char* ks = pipe + stage * Tr::kStageBytes;
-    unsigned char* vs = ks + Tr::kTileBytes;
-    const std::int64_t j0 = tile * kBlockN;
-    constexpr int kCpr = Tr::kChunksPerRow;
-    int last_row = -1;
-    std::int64_t ko = 0, vo = 0;
-    bool row_ok = false;
-#pragma unroll 4
-    for (int idx = tid; idx < kBlockN * kCpr; idx += Tr::kThreads) {
-      const int row = idx / kCpr, ch = idx % kCpr;
-      if (row != last_row) {
-        last_row = row;
-        const std::int64_t j = j0 + row;
-        row_ok = j < s_k;
-        if (row_ok) {
-          if (btab) {
-            const std::int64_t blk = btab[j / p.block_size];
-            const std::int64_t jj = j % p.block_size;
-            ko = blk * p.k_batch_stride + jj * p.k_row_stride;
-            vo = blk * p.v_batch_stride + jj * p.v_row_stride;
-          } else {
-            ko = cache_row * p.k_batch_stride + j * p.k_row_stride;
-            vo = cache_row * p.v_batch_stride + j * p.v_row_stride;
-          }
-          ko *= Tr::kKvBytes;
-          vo *= Tr::kKvBytes;
-        }
-      }
-      const int bytes = row_ok ? max(0, min(16, row_bytes_used - ch * 16)) : 0;
-      const std::uint32_t so = lay.offset(row, ch);
-      cp_async_n(smem_u32(ks + so), bytes ? kg + ko + ch * 16 : kg, bytes);
-      cp_async_n(smem_u32(vs + so), bytes ? vg + vo + ch * 16 : vg, bytes);
-    }
-  };
-  auto load_tile = [&](std::int64_t tile, int stage, bool prefetch_next) {
-    if (tma) {
-      if (lane == 0) {
-        issue_tma(tile, stage);
-        if (btab && prefetch_next) table_ids(tile + t_step, pf_blk);
-      }
-    } else {
-      load_cp_async(tile, stage);
-    }
-    load_scales(tile, stage);
-  };
+  // ---- K/V tile loader: load_tile(tile, stage, prefetch_next), zero_tail, table_ids, pf_blk
+#include "cuda/sm80/decode_kernel_loaders.inc"
 
   // ---- scores
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
@@ -870,120 +551,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   cp_async_wait<0>();
   __syncthreads();  // the pipeline's shared memory is reused below
 
-  // ---- merge the warps' (max, sum, O)
-  float* o_smem = reinterpret_cast<float*>(pipe);
-  float* m_smem = o_smem + Tr::kWarps * Tr::kRows * Tr::kOStride;
-  float* l_smem = m_smem + Tr::kWarps * Tr::kRows;
-  // A row's sum over the lanes sharing it (same gq; kT8: same tq), stored by one of them.
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    float l = row_sum[hf];
-    if constexpr (kT8) {
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      l += __shfl_xor_sync(0xffffffffu, l, 8);
-      l += __shfl_xor_sync(0xffffffffu, l, 16);
-    } else {
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-    }
-    row_sum[hf] = l;
-    const int rr = my_row(hf);
-    if ((kT8 ? gq : tq) == 0) {
-      m_smem[warp * Tr::kRows + rr] = row_max[hf];
-      l_smem[warp * Tr::kRows + rr] = l;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int rr = my_row(hf);
-    float mm = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + rr]);
-    float ll = 0.0f;
-    if (mm != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < Tr::kWarps; ++w) {
-        const float lw = l_smem[w * Tr::kRows + rr];
-        if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + rr] - mm);
-      }
-    }
-    const float f = (ll > 0.0f && row_sum[hf] > 0.0f) ? fast_exp2(row_max[hf] - mm) / ll * v_head_scale : 0.0f;
-    float* orow = o_smem + (warp * Tr::kRows + rr) * Tr::kOStride;
-    if constexpr (kT8) {
-      // O^T tile t: elements hf (dim row gq) and 2 + hf (dim row gq + 8) of this row.
-#pragma unroll
-      for (int t = 0; t < kOAcc; ++t) {
-        const int d0 = kFp8 ? 16 * t + 2 * gq : 16 * t + gq;
-        orow[d0] = o[t][hf] * f;
-        orow[d0 + (kFp8 ? 1 : 8)] = o[t][2 + hf] * f;
-      }
-    } else {
-#pragma unroll
-    for (int nt = 0; nt < kOTiles; ++nt) {
-      if constexpr (kFp8) {
-        const int d0 = 16 * (nt >> 1) + 4 * tq + (nt & 1);
-        orow[d0] = o[nt][2 * hf] * f;
-        orow[d0 + 2] = o[nt][2 * hf + 1] * f;
-      } else {
-        *reinterpret_cast<float2*>(orow + 8 * nt + 2 * tq) = make_float2(o[nt][2 * hf] * f, o[nt][2 * hf + 1] * f);
-      }
-    }
-    }
-  }
-  __syncthreads();
-
-  // ---- store: out / lse directly, or the split's partials
-  const bool out_bf16 = kFp8 ? a.q_bf16 : __is_same(Element, __nv_bfloat16);
-  constexpr int kGroups = Tr::kRows * kHeadDim / 4;
-  for (int idx = tid; idx < kGroups; idx += Tr::kThreads) {
-    const int rr = idx / (kHeadDim / 4), c = (idx % (kHeadDim / 4)) * 4;
-    const int r = r0 + rr;
-    if (r >= nrows || c >= p.d) continue;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < Tr::kWarps; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(o_smem + (w * Tr::kRows + rr) * Tr::kOStride + c);
-      acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
-    }
-    const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-    if (a.splits > 1) {
-      const std::int64_t row = ((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i;
-      *reinterpret_cast<float4*>(a.ws_o + row * p.d + c) = acc;
-    } else {
-      auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
-                  std::int64_t(h) * p.o_head_stride + c;
-      *reinterpret_cast<uint2*>(out) = make_uint2(pack_out(acc.x, acc.y, out_bf16), pack_out(acc.z, acc.w, out_bf16));
-    }
-  }
-  if (tid < Tr::kRows) {
-    const int r = r0 + tid;
-    if (r < nrows) {
-      float mm = -INFINITY;
-      for (int w = 0; w < Tr::kWarps; ++w) mm = fmaxf(mm, m_smem[w * Tr::kRows + tid]);
-      float ll = 0.0f;
-      if (mm != -INFINITY) {
-        for (int w = 0; w < Tr::kWarps; ++w) {
-          const float lw = l_smem[w * Tr::kRows + tid];
-          if (lw > 0.0f) ll += lw * fast_exp2(m_smem[w * Tr::kRows + tid] - mm);
-        }
-      }
-      const float lse = ll > 0.0f ? (mm + log2f(ll)) * 0.6931471805599453f : -INFINITY;
-      const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-      if (a.splits > 1) {
-        a.ws_lse[((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i] = lse;
-      } else if (p.lse) {
-        p.lse[p.lse_offset(b, h) + i] = lse;
-      }
-    }
-  }
+  // ---- merge the warps' (max, sum, O), then store out / lse or the split's partials
+#include "cuda/sm80/decode_kernel_epilogue.inc"
 
   // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
   if (a.splits > 1) {
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored
     if (tid == 0) {
-      merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
+      merges = arrive_split<kSplitCountMask>(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
     }
     __syncthreads();
     if (!merges) return;
@@ -994,52 +570,5 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
   }
 }
 
-template <int kHeadDim, typename Element, bool kFp8, bool kT8>
-void launch_decode(const FwdParams& p, const DecodeArgs& a) {
-  using Tr = DecodeTraits<kHeadDim, kFp8, kT8>;
-  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8>;
-  constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024) {
-    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
-                     static_cast<unsigned>(p.batch));
-  cfg.blockDim = dim3(Tr::kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.pdl ? 1 : 0;
-  FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
-}
-
-template <int kHeadDim, typename Element>
-void run_decode(const FwdParams& p, const DecodeArgs& a) {
-  if (a.t8) {
-    launch_decode<kHeadDim, Element, false, true>(p, a);
-  } else {
-    launch_decode<kHeadDim, Element, false, false>(p, a);
-  }
-}
-
-template <int kHeadDim>
-void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
-  if (a.t8) {
-    launch_decode<kHeadDim, __half, true, true>(p, a);
-  } else {
-    launch_decode<kHeadDim, __half, true, false>(p, a);
-  }
-}
 
 }  // namespace flashattn::detail::cuda::sm80
-
-// One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
-#define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
-  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&);                    \
-  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&);
-#define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
-  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&);
-#define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)

@@ -25,7 +25,7 @@ struct DecodeTraits {
   // in boxes (the whole tile when dense, one paged block's rows otherwise), a box's rows
   // stored segment by segment ([box][kSegs][box rows][128 B]), the 16-byte chunks of a row
   // XOR-swizzled by (row % 8): the layout TMA tensor copies with 128-byte swizzle write
-  // (decode_kernel.cuh: TileLayout), read by ldmatrix without bank conflicts.
+  // (decode_loaders.cuh: TileLayout), read by ldmatrix without bank conflicts.
   static constexpr int kRowBytes = kHeadDim * kKvBytes;            // bytes used per key row
   static constexpr int kSegs = (kRowBytes + 127) / 128;
   static constexpr int kSegBytes = kBlockN * 128;                  // one segment of a tile
@@ -81,7 +81,7 @@ struct DecodeArgs {
   bool pdl = false;        // sm90: programmatic dependent launch (decode_kernel.cuh: griddep_wait)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
   float* ws_lse = nullptr;  // [splits, batch, h_q, seqlen_q] fp32
-  // [batch, h_k, row_chunks] arrival words of the split merge (decode_kernel.cuh:
+  // [batch, h_k, row_chunks] arrival words of the split merge (split_kv_merge.cuh:
   // arrive_split): the call's tag in the upper 48 bits, the splits arrived in the lower 16.
   // Whatever the workspace held before, a word with another tag counts as none arrived, and
   // the last split leaves (tag, 0) behind, so graph replays of one call start from zero too.

@@ -1,0 +1,127 @@
+// The split-KV merge of the decode kernel: each split of a row chunk writes fp32 partial O
+// and lse to a workspace, counts itself in the chunk's arrival word (arrive_split: a
+// tag in the high bits, the count under kSplitCountMask), and the last split to arrive
+// merges every split's partials by log-sum-exp (merge_split_row, semantics::merge_weight),
+// one warp per row, in the same launch. Used by the sm80 decode kernel (decode_kernel.cuh;
+// the workspace layout, tag and mask are decode_launch.hpp's DecodeArgs / kSplitCountMask,
+// passed in as template arguments so that this layer does not include the family's
+// headers). In the sm80 namespace with the conversions it uses (convert.cuh).
+//
+// merge_split_row's SplitArgs: splits, ws_o ([splits][batch * h_q * seqlen_q][d] fp32),
+// ws_lse ([splits][batch * h_q * seqlen_q]) and q_bf16 (the output's dtype).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "cuda/collective/convert.cuh"
+#include "flashattn/semantics.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+// Split-KV merge, in the decode kernel itself (no second launch): each split's block
+// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival word
+// (decode_launch.hpp: the call's tag over a 16-bit count); the one that brings the count
+// to a.splits merges every split's partials. A word holding another tag (a previous call's,
+// or whatever the caller's workspace held) counts as nothing arrived; the last split resets
+// the word to (tag, 0), which a replay of the same captured call starts from. Returns true
+// in the merging block's thread (one thread per block calls it, after a barrier: the one
+// fence there covers the whole block's stores, as in a grid barrier).
+// (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
+// launch and ramp more than its loads; docs/performance.md.)
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+template <unsigned long long kSplitCountMask>
+__device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
+  fence_acq_rel_gpu();  // releases the block's partials (ordered before it by the barrier)
+  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
+  for (;;) {
+    const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
+    const unsigned long long seen = atomicCAS(word, cur, next);
+    if (seen == cur) {
+      const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
+      if (last) {
+        atomicExch(word, tag);
+        fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
+      }
+      return last;
+    }
+    cur = seen;
+  }
+}
+
+// One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]
+// rows by log-sum-exp and writes out (and lse): lane l holds split
+// l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
+// 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
+// together, and summed in split order (the same bits whichever split merges) with the
+// weights broadcast by shuffle. The loads go to L2 (ld.global.cg): the partials were
+// written by other blocks.
+template <class SplitArgs>
+__device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitArgs& a, int b, int h, int i,
+                                                int lane) {
+  constexpr int kBatch = 8;
+  const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
+  const std::int64_t row = (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i;
+  const float* lse_s = a.ws_lse + row;
+  const int n = a.splits;
+  const bool lane_held = n <= 32;  // every split's lse in its own lane
+  const float my_ls = lane < n ? __ldcg(lse_s + std::int64_t(lane) * rows) : -INFINITY;
+  // The first column group's first kBatch partial rows, in flight with the lse loads.
+  auto load_o = [&](int c, int s0, float4 (&v)[kBatch]) {
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
+      v[k] = c < p.d && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  };
+  float4 first[kBatch];
+  load_o(lane * 4, 0, first);
+  float m = my_ls;
+  for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+    sum = expf(my_ls - m);
+    for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
+  if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
+  const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
+  auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
+              std::int64_t(h) * p.o_head_stride;
+  // Every lane runs every column group (those past d load and store nothing): the
+  // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
+  // loop over only the lanes with columns left read the weights of splits >= d / 4 from
+  // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
+  for (int c0 = 0; c0 < p.d; c0 += 128) {
+    const int c = c0 + lane * 4;
+    const bool col = c < p.d;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < n; s0 += kBatch) {
+      float4 v[kBatch];
+      if (c0 == 0 && s0 == 0) {
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) v[k] = first[k];
+      } else {
+        load_o(c, s0, v);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int s = s0 + k;
+        float w = __shfl_sync(0xffffffffu, my_w, s & 31);
+        if (!lane_held) w = s < n && lse != -INFINITY ? semantics::merge_weight(__ldcg(lse_s + s * rows), lse) : 0.0f;
+        if (s < n && w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+      }
+    }
+    if (col) {
+      const uint2 packed = make_uint2(pack_out(acc.x, acc.y, a.q_bf16), pack_out(acc.z, acc.w, a.q_bf16));
+      *reinterpret_cast<uint2*>(out + c) = packed;
+    }
+  }
+}
+
+}  // namespace flashattn::detail::cuda::sm80

@@ -1,0 +1,68 @@
+// The host side of the decode kernel (decode_kernel.cuh): launch_decode sets the dynamic
+// shared memory and launches one instantiation with its grid (row chunks x splits, KV
+// heads, sequences) and, when asked, programmatic dependent launch; run_decode /
+// run_decode_fp8 pick the transposed (kT8) or 16-row form; FLASHATTN_DECODE_INSTANTIATE is
+// what the generated translation units (decode.inst.cu.in) expand. Called from
+// decode_dispatch.cu through decode_launch.hpp's declarations.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "core/params.hpp"
+#include "cuda/runtime/cuda_check.hpp"
+#include "cuda/sm80/decode_kernel.cuh"
+#include "cuda/sm80/decode_launch.hpp"
+
+namespace flashattn::detail::cuda::sm80 {
+
+template <int kHeadDim, typename Element, bool kFp8, bool kT8>
+void launch_decode(const FwdParams& p, const DecodeArgs& a) {
+  using Tr = DecodeTraits<kHeadDim, kFp8, kT8>;
+  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  if constexpr (kSmem > 48 * 1024) {
+    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
+                     static_cast<unsigned>(p.batch));
+  cfg.blockDim = dim3(Tr::kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = static_cast<cudaStream_t>(p.stream);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.pdl ? 1 : 0;
+  FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
+}
+
+template <int kHeadDim, typename Element>
+void run_decode(const FwdParams& p, const DecodeArgs& a) {
+  if (a.t8) {
+    launch_decode<kHeadDim, Element, false, true>(p, a);
+  } else {
+    launch_decode<kHeadDim, Element, false, false>(p, a);
+  }
+}
+
+template <int kHeadDim>
+void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
+  if (a.t8) {
+    launch_decode<kHeadDim, __half, true, true>(p, a);
+  } else {
+    launch_decode<kHeadDim, __half, true, false>(p, a);
+  }
+}
+
+}  // namespace flashattn::detail::cuda::sm80
+
+// One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
+#define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
+  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&);                    \
+  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&);
+#define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
+  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&);
+#define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)
