@@ -173,8 +173,14 @@ def _like(t: Tensor) -> Tensor:
 
 _IMPLS = {}  # op -> (its implementation, positions of tensor arguments, of optional ones)
 _MUTATED = {}  # op -> positions of the arguments it writes in place
-_C_ = torch._C
-_profiler_enabled = _C_._autograd._profiler_enabled
+# The dispatcher state _direct reads is private to torch: a torch without one of these
+# functions makes every call() go through the op (correct, only slower).
+try:
+    _STATE = (torch._C._is_torch_function_mode_enabled, torch._C._len_torch_dispatch_stack,
+              torch._C._are_functorch_transforms_active, torch._C._autograd._profiler_enabled,
+              torch._C._get_tracing_state)
+except AttributeError:
+    _STATE = None
 
 
 def _direct(op, args) -> bool:
@@ -184,11 +190,11 @@ def _direct(op, args) -> bool:
     no tensor requiring grad), no torch.compile / export / jit tracing, no torch function or
     dispatch mode, no functorch transform (vmap, grad, ...) and no profiler (which names
     the op). The other arguments come normalised by the caller (bool(), int(), float())."""
-    if torch.compiler.is_compiling():
+    if _STATE is None or torch.compiler.is_compiling():
         return False
-    if (_C_._is_torch_function_mode_enabled() or _C_._len_torch_dispatch_stack() > 0
-            or _C_._are_functorch_transforms_active() or _profiler_enabled()
-            or _C_._get_tracing_state() is not None):
+    fn_mode, dispatch_stack, functorch, profiler, tracing = _STATE
+    if (fn_mode() or dispatch_stack() > 0 or functorch() or profiler()
+            or tracing() is not None):
         return False
     impl, tensors, optional = _IMPLS[op]
     if len(args) != impl.__code__.co_argcount:
