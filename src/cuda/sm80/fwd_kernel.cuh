@@ -29,6 +29,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/collective/dropout.cuh"
 #include "cuda/collective/mask.cuh"
+#include "cuda/collective/work_estimate.hpp"
 #include "cuda/arch/sm80.cuh"
 #include "cuda/collective/online_softmax.cuh"
 #include "cuda/collective/smem_layout.cuh"
@@ -523,26 +524,6 @@ void launch_fwd(const FwdParams& p) {
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
 
-// Keys a query row sees on average, from the shapes and the mask alone (varlen: the maximum
-// lengths): row i of s_q sees keys [i + s_k - s_q - left, i + s_k - s_q + right] within
-// [0, s_k). An estimate for the tile choice, not a bound.
-inline double fwd_mean_visible_keys(const FwdParams& p) {
-  const double s_q = p.seqlen_q, s_k = p.seqlen_k;
-  if (s_q <= 0 || s_k <= 0) return 0.0;
-  double sum = 0.0;
-  // the mean over rows of the visible count, sampled at 64 rows (exact for the bounds that
-  // matter here: linear in i between the clamps)
-  constexpr int kSamples = 64;
-  for (int t = 0; t < kSamples; ++t) {
-    const double i = (t + 0.5) * s_q / kSamples;
-    const double diag = i + s_k - s_q;
-    const double lo = p.mask.left >= 0 ? std::max(0.0, diag - p.mask.left) : 0.0;
-    const double hi = p.mask.right >= 0 ? std::min(s_k, diag + p.mask.right + 1) : s_k;
-    sum += std::max(0.0, hi - lo);
-  }
-  return sum / kSamples;
-}
-
 template <int kHeadDim, typename Element>
 void run_fwd(const FwdParams& p) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
@@ -552,7 +533,7 @@ void run_fwd(const FwdParams& p) {
   const int limit = p.smem_limit;
   if constexpr (has_large_fwd_tile(kHeadDim)) {
     if (limit >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
-      if (fwd_mean_visible_keys(p) >= double(kFwdStaggeredMinKeys)) {
+      if (mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= double(kFwdStaggeredMinKeys)) {
         launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
       } else {
         launch_fwd<kHeadDim, Element, kFwdLarge>(p);
