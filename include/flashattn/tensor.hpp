@@ -4,7 +4,9 @@
 // strides counted in elements, and the device the memory lives on. The library
 // never allocates or frees the memory a Tensor points to. The last dimension
 // must be contiguous (stride 1); every other stride is free, so q, k and v may
-// be slices of one packed qkv tensor.
+// be slices of one packed qkv tensor. The byte offset of the highest element,
+// sum((shape[i] - 1) * stride[i]) * element size, must stay below 2^63 and within the
+// address space from data (a call with larger strides is an InvalidArgument).
 #pragma once
 
 #include <cstddef>

@@ -172,6 +172,31 @@ void Check::layout(std::string_view name, const Tensor& t) const {
     fail(name, "non-null data for a tensor of shape " + flashattn::shape_string(t), "nullptr");
   }
   const std::size_t esize = dtype_size(t.dtype);
+  // The byte offset of the highest element, sum((shape[i] - 1) * stride[i]) * esize, must
+  // fit the int64 offsets of the backends and not run past the end of the address space:
+  // a larger stride would wrap the pointer around (a read or write far from the tensor).
+  if (t.numel() > 0) {
+    std::uint64_t end = 0;
+    bool overflow = false;
+    for (int i = 0; i < t.rank; ++i) {
+      std::uint64_t term = 0;
+      overflow |= __builtin_mul_overflow(static_cast<std::uint64_t>(t.shape[i] - 1),
+                                         static_cast<std::uint64_t>(t.stride[i]), &term);
+      overflow |= __builtin_add_overflow(end, term, &end);
+    }
+    overflow |= __builtin_add_overflow(end, std::uint64_t{1}, &end);
+    overflow |= __builtin_mul_overflow(end, static_cast<std::uint64_t>(esize), &end);
+    const auto begin = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(t.data));
+    if (overflow || end > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
+        end > std::numeric_limits<std::uintptr_t>::max() - begin) {
+      fail(name,
+           "element offsets within the address space (sum of (shape[i] - 1) * stride[i] "
+           "elements of " + std::to_string(esize) + " bytes, below 2^63 bytes, from data " +
+               address_string(t.data) + ")",
+           "shape " + flashattn::shape_string(t) + " with strides " +
+               shape_string(Shape(t.stride, t.stride + t.rank)));
+    }
+  }
   if (reinterpret_cast<std::uintptr_t>(t.data) % esize != 0) {
     fail(name,
          "data aligned to " + std::to_string(esize) + " bytes (the size of " +

@@ -275,6 +275,11 @@ std::vector<Row> rows() {
       // ---------------------------------------------------------------- sizes past 2^31
       {"q_seqlen_2^31", F, [](C& c) { c.q = with_shape(c.q, 1, std::int64_t{1} << 31); }, I, "q", "shape[1] < 2^31", "2147483648"},
       {"varlen_k_total_2^31", VF, [](C& c) { c.va.k = with_shape(c.va.k, 0, std::int64_t{1} << 31); }, I, "k", "shape[0] < 2^31", "2147483648"},
+      // Offsets of 2^62 elements: no tensor can span that many bytes (nor can the byte
+      // range that the overlap check computes): must be rejected, not wrapped around.
+      {"q_batch_stride_2^62", F, [](C& c) { c.q = with_stride(c.q, 0, std::int64_t{1} << 62); }, I, "q", "element offsets", "stride"},
+      {"out_stride_int64_max", F, [](C& c) { c.out = with_stride(c.out, 1, std::numeric_limits<std::int64_t>::max()); }, I, "out", "element offsets", "stride"},
+      {"k_cache_stride_2^61", KV, [](C& c) { c.ka.k_cache = with_stride(c.ka.k_cache, 0, std::int64_t{1} << 61); }, I, "k_cache", "element offsets", "stride"},
   };
 }
 
