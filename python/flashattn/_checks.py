@@ -22,12 +22,17 @@ def shape_text(t) -> str:
 
 
 def check_rank(function: str, argument: str, t, rank: int, layout: str) -> None:
-    """t (a tensor or None) has the given rank; layout names the dimensions."""
+    """t (a tensor or None) has the given rank and every size below 2^31 (the library's
+    limit, checked here too: the outputs, sized from q, are allocated before the library
+    sees the call); layout names the dimensions."""
     if t is None:
         return
     if t.dim() != rank:
         raise invalid(function, argument, f"rank {rank} {layout}",
                       f"rank {t.dim()} (shape {shape_text(t)})")
+    for i, n in enumerate(t.shape):
+        if n > INT32_MAX:
+            raise invalid(function, argument, f"shape[{i}] < 2^31", int(n))
 
 
 def check_head_dim(function: str, argument: str, t) -> None:

@@ -176,6 +176,10 @@ ROWS = [
     ("block_table_int64", "kvcache", then(paged, setter(block_table=lambda kw: kw["block_table"].long())), flashattn.DTypeError, "block_table", "dtype int32", "int64"),
     ("cache_batch_idx_out_of_range", "kvcache", setter(cache_batch_idx=i32(0, 3)), E, "cache_batch_idx", "values in [0, 3)", "cache_batch_idx[1] = 3"),
     # -------------------------------------------------------------- sizes past 2^31
+    # A [2, 2^31, 4, 8] view of 8 elements (outer strides 0): described, not allocated.
+    ("q_seqlen_2^31", "func", setter(q=lambda kw: torch.zeros(D, dtype=F64).as_strided((B, 2**31, H_Q, D), (0, 0, 0, 1))), E, "q", "shape[1] < 2^31", "2147483648"),
+    # The same for flash_attn_with_kvcache, whose int cache_seqlens becomes a [b] tensor.
+    ("kv_q_batch_2^31", "kvcache", setter(q=lambda kw: torch.zeros(D, dtype=F64).as_strided((2**31, 1, H_Q, D), (0, 0, 0, 1)), cache_seqlens=5), E, "q", "shape[0] < 2^31", "2147483648"),
     ("varlen_total_k_2^31", "varlen", setter(k=lambda kw: torch.zeros(D, dtype=F64).as_strided((2**31, H_K, D), (0, 0, 1))), E, "k", "shape[0] < 2^31", "2147483648"),
 ]
 
