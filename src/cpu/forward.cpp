@@ -81,6 +81,7 @@ struct ForwardTile {
   int d, dp;                    // head dim and its padded width
   std::vector<T> q;             // [kBlockM][dp]      query rows (unscaled)
   std::vector<T> kt;            // [d][kBlockN]       key block, transposed
+  std::vector<T> k;             // [kBlockN][dp]      key block (converted, before the transpose)
   std::vector<T> v;             // [kBlockN][dp]      value block
   std::vector<T> s;             // [kBlockM][kBlockN] scores, then probabilities
   std::vector<T> keep;          // [kBlockM][kBlockN] dropout keep mask, 1 or 0
@@ -94,6 +95,7 @@ struct ForwardTile {
         dp(padded_dim<T>(head_dim)),
         q(std::size_t(kBlockM) * dp),
         kt(std::size_t(head_dim) * kBlockN),
+        k(std::size_t(kBlockN) * padded_dim<T>(head_dim)),
         v(std::size_t(kBlockN) * dp),
         s(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
@@ -129,11 +131,12 @@ class Forward {
     }
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
+    // Rows converted with unit stride, then one blocked transpose into kt.
     for (int j = 0; j < n; ++j) {
-      const S* krow = k + p_.k_offset(b, j0 + j, g);
-      for (int c = 0; c < t.d; ++c) t.kt[std::size_t(c) * kBlockN + j] = E::load(krow[c]);
+      load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
       if (with_v) load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
     }
+    transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
       for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
   }
