@@ -211,6 +211,10 @@ template <class T>
 inline void gemm(int rows, int k, int ncols, const T* a, std::int64_t lda, const T* b,
                  std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
   int r = 0;
+  // 6 x 2 accumulator registers plus one B row and one A broadcast fit the 16 AVX2
+  // registers; each output element is summed over k in the same order in every strip.
+  for (; r + 6 <= rows; r += 6)
+    gemm_strip<T, 6>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, k, ncols, accumulate);
   for (; r + 4 <= rows; r += 4)
     gemm_strip<T, 4>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, k, ncols, accumulate);
   for (; r < rows; ++r)
