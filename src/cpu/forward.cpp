@@ -237,9 +237,17 @@ class Forward {
   static void online_softmax(ForwardTile<E>& t, int rows, bool dropout) {
     for (int r = 0; r < rows; ++r) {
       T* sr = &t.s[std::size_t(r) * kBlockN];
+      // Max over kW lanes, then over the lanes (GCC leaves the 'omp simd reduction(max)'
+      // form scalar: a 4-cycle dependent max per key). The max does not depend on order.
+      constexpr int kW = kVecCols<T>;
+      T lane[kW];
+      for (int l = 0; l < kW; ++l) lane[l] = -static_cast<T>(INFINITY);
+      for (int j0 = 0; j0 < kBlockN; j0 += kW) {
+#pragma omp simd
+        for (int l = 0; l < kW; ++l) lane[l] = std::max(lane[l], sr[j0 + l]);
+      }
       T block_max = -static_cast<T>(INFINITY);
-#pragma omp simd reduction(max : block_max)
-      for (int j = 0; j < kBlockN; ++j) block_max = std::max(block_max, sr[j]);
+      for (int l = 0; l < kW; ++l) block_max = std::max(block_max, lane[l]);
       const T m_old = t.row_max[r];
       const T m_new = std::max(m_old, block_max);
       if (m_new == -static_cast<T>(INFINITY)) {
