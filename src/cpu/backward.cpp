@@ -37,6 +37,7 @@ struct BackwardTile {
   std::vector<T> kt;      // [d][kBlockN]       key block, transposed
   std::vector<T> vt;      // [d][kBlockN]       value block, transposed
   std::vector<T> k;       // [kBlockN][dp]      key block (pass 2: dQ += dS K)
+  std::vector<T> v;       // [kBlockN][dp]      value block (before the transpose into vt)
   std::vector<T> s;       // [kBlockM][kBlockN] scores, then P
   std::vector<T> capped;  // [kBlockM][kBlockN] softcapped scores before ALiBi
   std::vector<T> keep;    // [kBlockM][kBlockN] dropout keep mask, 1 or 0
@@ -56,6 +57,7 @@ struct BackwardTile {
         kt(std::size_t(head_dim) * kBlockN),
         vt(std::size_t(head_dim) * kBlockN),
         k(std::size_t(kBlockN) * dp),
+        v(std::size_t(kBlockN) * dp),
         s(std::size_t(kBlockM) * kBlockN),
         capped(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
@@ -99,19 +101,17 @@ class Backward {
     }
   }
 
-  // Keys j0 .. j0 + n of (b, g): kt and vt (zero beyond n) and, when with_k, k.
-  void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_k) const {
+  // Keys j0 .. j0 + n of (b, g): k (row-major), kt and vt (zero beyond n). Rows are
+  // converted with unit stride, then transposed blockwise.
+  void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n) const {
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
     for (int j = 0; j < n; ++j) {
-      const S* krow = k + p_.k_offset(b, j0 + j, g);
-      const S* vrow = v + p_.v_offset(b, j0 + j, g);
-      for (int c = 0; c < t.d; ++c) {
-        t.kt[std::size_t(c) * kBlockN + j] = E::load(krow[c]);
-        t.vt[std::size_t(c) * kBlockN + j] = E::load(vrow[c]);
-      }
-      if (with_k) load_row<E>(&t.k[std::size_t(j) * t.dp], krow, t.d, t.dp);
+      load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+      load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
     }
+    transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
+    transpose<T>(t.v.data(), t.dp, n, t.d, t.vt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
       for (int j = n; j < kBlockN; ++j) {
         t.kt[std::size_t(c) * kBlockN + j] = 0;
@@ -184,7 +184,7 @@ class Backward {
     std::fill(dk, dk + std::size_t(kBlockN) * t.dp, T(0));
     std::fill(dv, dv + std::size_t(kBlockN) * t.dp, T(0));
     if (n > 0) {
-      load_kv(t, b, g, j0, n, false);
+      load_kv(t, b, g, j0, n);
       for (int hr = 0; hr < p_.h_ratio; ++hr) {
         const int h = g * p_.h_ratio + hr;
         for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
@@ -225,7 +225,7 @@ class Backward {
       const int g = h / p_.h_ratio;
       for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
         const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
-        load_kv(t, b, g, j0, n, true);
+        load_kv(t, b, g, j0, n);
         probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
         // dQ[rows][dp] += dX[rows][n] K[n][dp]
         gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);

@@ -30,13 +30,25 @@ int probs_width(const FwdParams& p) {
 
 int query_blocks(const FwdParams& p) { return (p.seqlen_q + kBlockM - 1) / kBlockM; }
 
+// Query heads per task. Decode (one query row per sequence) with GQA packs the h_ratio
+// query heads of a KV head as the rows of one task, so that each K / V block is loaded
+// and converted once per KV head rather than once per query head, and the GEMMs run on
+// h_ratio rows. Every row still computes exactly what it computes alone (the GEMM rows
+// are independent and the softmax is per row). Not with dropout, debug probs or a tree
+// mask (their per-row inputs are written per query block).
+int heads_per_task(const FwdParams& p) {
+  const bool pack = p.seqlen_q == 1 && p.h_ratio > 1 && p.h_ratio <= kBlockM && !p.probs &&
+                    !p.tree_mask && p.rng.threshold == 0u;
+  return pack ? p.h_ratio : 1;
+}
+
 // num_splits with 0 resolved: split only when the (b, h, query block) tasks cannot
 // keep the team busy and the keys are long enough that each split gets >= 4 blocks.
 // It reads only scalars (seqlen_k is the upper bound of every sequence's key count),
 // so forward_workspace_size and forward agree even if cache_seqlens changes between.
 int resolve_num_splits(const FwdParams& p) {
   if (p.num_splits > 0) return p.num_splits;
-  const std::int64_t tasks = std::int64_t(p.batch) * p.h_q * query_blocks(p);
+  const std::int64_t tasks = std::int64_t(p.batch) * (p.h_q / heads_per_task(p)) * query_blocks(p);
   const int threads = team_size(p.num_threads);
   const int key_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN;
   if (tasks == 0 || tasks >= threads || key_blocks < 8) return 1;
@@ -52,6 +64,16 @@ std::size_t split_workspace_bytes(const FwdParams& p, int splits) {
   return rows * (std::size_t(p.d) + 1) * sizeof(T);
 }
 
+// The rows of one task: query rows i0 .. i0 + rows of head h0, or (packed decode) row i0
+// of heads h0 .. h0 + rows.
+struct TaskRows {
+  int h0, i0, rows;
+  bool packed;
+  int h(int r) const { return packed ? h0 + r : h0; }
+  int i(int r) const { return packed ? i0 : i0 + r; }
+  int i_end() const { return packed ? i0 + 1 : i0 + rows; }  // one past the last query index
+};
+
 // Per-thread tiles of one forward task, in the compute type T.
 template <class E>
 struct ForwardTile {
@@ -59,6 +81,7 @@ struct ForwardTile {
   int d, dp;                    // head dim and its padded width
   std::vector<T> q;             // [kBlockM][dp]      query rows (unscaled)
   std::vector<T> kt;            // [d][kBlockN]       key block, transposed
+  std::vector<T> k;             // [kBlockN][dp]      key block (converted, before the transpose)
   std::vector<T> v;             // [kBlockN][dp]      value block
   std::vector<T> s;             // [kBlockM][kBlockN] scores, then probabilities
   std::vector<T> keep;          // [kBlockM][kBlockN] dropout keep mask, 1 or 0
@@ -72,6 +95,7 @@ struct ForwardTile {
         dp(padded_dim<T>(head_dim)),
         q(std::size_t(kBlockM) * dp),
         kt(std::size_t(head_dim) * kBlockN),
+        k(std::size_t(kBlockN) * padded_dim<T>(head_dim)),
         v(std::size_t(kBlockN) * dp),
         s(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
@@ -89,11 +113,13 @@ class Forward {
 
   explicit Forward(const FwdParams& p) : p_(p) {}
 
-  // Query rows i0 .. i0 + rows of (b, h) into tile.q.
-  void load_q(ForwardTile<E>& t, int b, int h, int i0, int rows) const {
-    const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b) + std::int64_t(h) * p_.q_head_stride;
-    for (int r = 0; r < rows; ++r)
-      load_row<E>(&t.q[std::size_t(r) * t.dp], q + std::int64_t(i0 + r) * p_.q_row_stride, t.d, t.dp);
+  // The query rows of a task into tile.q.
+  void load_q(ForwardTile<E>& t, int b, const TaskRows& rs) const {
+    const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b);
+    for (int r = 0; r < rs.rows; ++r)
+      load_row<E>(&t.q[std::size_t(r) * t.dp],
+                  q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride,
+                  t.d, t.dp);
   }
 
   // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
@@ -105,11 +131,12 @@ class Forward {
     }
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
+    // Rows converted with unit stride, then one blocked transpose into kt.
     for (int j = 0; j < n; ++j) {
-      const S* krow = k + p_.k_offset(b, j0 + j, g);
-      for (int c = 0; c < t.d; ++c) t.kt[std::size_t(c) * kBlockN + j] = E::load(krow[c]);
+      load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
       if (with_v) load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
     }
+    transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
       for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
   }
@@ -157,46 +184,49 @@ class Forward {
 
   // Scores of the loaded query rows against the loaded key block j0 into tile.s
   // (-inf where not visible).
-  void scores(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+  void scores(ForwardTile<E>& t, int b, const TaskRows& rs, int s_q, int s_k,
               std::int64_t j0) const {
+    const int rows = rs.rows;
     gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
     // Ranges are monotone in i, so the block is inside every row's range when it is
     // inside the first row's end and the last row's begin.
-    const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
-    const semantics::KeyRange last = semantics::visible_keys(i0 + rows - 1, s_q, s_k, p_.mask);
+    const semantics::KeyRange first = semantics::visible_keys(rs.i0, s_q, s_k, p_.mask);
+    const semantics::KeyRange last = semantics::visible_keys(rs.i_end() - 1, s_q, s_k, p_.mask);
     const bool interior = last.begin <= j0 && j0 + kBlockN <= first.end;
-    const T slope = static_cast<T>(p_.alibi_slope(b, h));
     for (int r = 0; r < rows; ++r) {
-      const std::int64_t i = i0 + r;
+      const std::int64_t i = rs.i(r);
+      const T slope = static_cast<T>(p_.alibi_slope(b, rs.h(r)));
       const semantics::KeyRange range =
           interior ? semantics::KeyRange{0, 0} : semantics::visible_keys(i, s_q, s_k, p_.mask);
       make_scores<T>(&t.s[std::size_t(r) * kBlockN], nullptr, static_cast<T>(p_.scale),
                      static_cast<T>(p_.softcap), slope, i, j0, s_q, s_k, !interior, range.begin,
                      range.end);
     }
-    if (p_.tree_mask) tree_mask_scores(t, b, i0, rows, s_q, s_k, j0);
+    if (p_.tree_mask) tree_mask_scores(t, b, rs.i0, rows, s_q, s_k, j0);  // never packed
   }
 
   // Streams key blocks [block_begin, block_end) (block indices within the sequence)
   // that rows i0 .. i0 + rows can see, leaving acc, row_max and row_sum in the tile.
-  void attend(ForwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
+  void attend(ForwardTile<E>& t, int b, const TaskRows& rs, int s_q, int s_k,
               int block_begin, int block_end) const {
+    const int rows = rs.rows;
     std::fill(t.acc.begin(), t.acc.begin() + std::size_t(rows) * t.dp, T(0));
     std::fill(t.row_max.begin(), t.row_max.end(), -static_cast<T>(INFINITY));
     std::fill(t.row_sum.begin(), t.row_sum.end(), T(0));
-    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    const semantics::KeyRange keys =
+        semantics::visible_keys_of_rows(rs.i0, rs.i_end(), s_q, s_k, p_.mask);
     if (keys.empty()) return;
     block_begin = std::max(block_begin, static_cast<int>(keys.begin / kBlockN));
     block_end = std::min(block_end, static_cast<int>((keys.end + kBlockN - 1) / kBlockN));
-    const int g = h / p_.h_ratio;
-    const std::uint32_t bh = p_.dropout_bh(b, h);
+    const int g = rs.h0 / p_.h_ratio;
+    const std::uint32_t bh = p_.dropout_bh(b, rs.h0);  // dropout is never packed
     const bool dropout = p_.rng.threshold != 0u;
     for (int kb = block_begin; kb < block_end; ++kb) {
       const std::int64_t j0 = std::int64_t(kb) * kBlockN;
       const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
       load_kv(t, b, g, j0, n, true);
-      scores(t, b, h, i0, rows, s_q, s_k, j0);
-      if (dropout) dropout_keep_tile<T>(p_.rng, bh, i0, rows, j0, n, t.keep.data(), kBlockN);
+      scores(t, b, rs, s_q, s_k, j0);
+      if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
       online_softmax(t, rows, dropout);
       gemm<T>(rows, n, t.dp, t.s.data(), kBlockN, t.v.data(), t.dp, t.acc.data(), t.dp, true);
     }
@@ -207,9 +237,17 @@ class Forward {
   static void online_softmax(ForwardTile<E>& t, int rows, bool dropout) {
     for (int r = 0; r < rows; ++r) {
       T* sr = &t.s[std::size_t(r) * kBlockN];
+      // Max over kW lanes, then over the lanes (GCC leaves the 'omp simd reduction(max)'
+      // form scalar: a 4-cycle dependent max per key). The max does not depend on order.
+      constexpr int kW = kVecCols<T>;
+      T lane[kW];
+      for (int l = 0; l < kW; ++l) lane[l] = -static_cast<T>(INFINITY);
+      for (int j0 = 0; j0 < kBlockN; j0 += kW) {
+#pragma omp simd
+        for (int l = 0; l < kW; ++l) lane[l] = std::max(lane[l], sr[j0 + l]);
+      }
       T block_max = -static_cast<T>(INFINITY);
-#pragma omp simd reduction(max : block_max)
-      for (int j = 0; j < kBlockN; ++j) block_max = std::max(block_max, sr[j]);
+      for (int l = 0; l < kW; ++l) block_max = std::max(block_max, lane[l]);
       const T m_old = t.row_max[r];
       const T m_new = std::max(m_old, block_max);
       if (m_new == -static_cast<T>(INFINITY)) {
@@ -272,7 +310,7 @@ class Forward {
       const int n = static_cast<int>(std::min<std::int64_t>({kBlockN, s_k - j0, width - j0}));
       if (n <= 0) break;
       load_kv(t, b, g, j0, n, false);
-      scores(t, b, h, i0, rows, s_q, s_k, j0);
+      scores(t, b, TaskRows{h, i0, rows, false}, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, i0, rows, j0, n, t.keep.data(), kBlockN);
       for (int r = 0; r < rows; ++r) {
         if (t.lse[r] == -static_cast<T>(INFINITY)) continue;
@@ -291,6 +329,9 @@ class Forward {
     const int qblocks = query_blocks(p_);
     const std::int64_t row_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
     if (row_tasks == 0) return;
+    const int nh = heads_per_task(p_);  // query heads per attend task (> 1: packed decode)
+    const int head_groups = p_.h_q / nh;
+    const std::int64_t attend_tasks = std::int64_t(p_.batch) * head_groups * qblocks;
     const int width = p_.probs ? probs_width(p_) : 0;
 
     // Partials: o [splits][batch * seqlen_q][h_q][d], lse [splits][batch * seqlen_q][h_q].
@@ -317,22 +358,24 @@ class Forward {
     {
       ForwardTile<E> t(p_.d);
 #pragma omp for schedule(dynamic)
-      for (std::int64_t task = 0; task < row_tasks * splits; ++task) {
+      for (std::int64_t task = 0; task < attend_tasks * splits; ++task) {
         const int split = static_cast<int>(task % splits);
         const std::int64_t row_task = task / splits;
         const int qb = static_cast<int>(row_task % qblocks);
-        const int h = static_cast<int>(row_task / qblocks % p_.h_q);
-        const int b = static_cast<int>(row_task / qblocks / p_.h_q);
+        const int hg = static_cast<int>(row_task / qblocks % head_groups);
+        const int b = static_cast<int>(row_task / qblocks / head_groups);
         const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
         const int i0 = qb * kBlockM;
         if (i0 >= s_q) continue;
-        const int rows = std::min(kBlockM, s_q - i0);
+        const TaskRows rs = nh > 1 ? TaskRows{hg * nh, i0, nh, true}
+                                   : TaskRows{hg, i0, std::min(kBlockM, s_q - i0), false};
+        const int rows = rs.rows;
         const int key_blocks = (s_k + kBlockN - 1) / kBlockN;
         const int per_split = (key_blocks + splits - 1) / splits;
         const int kb0 = std::min(key_blocks, split * per_split);
         const int kb1 = std::min(key_blocks, kb0 + per_split);
-        load_q(t, b, h, i0, rows);
-        attend(t, b, h, i0, rows, s_q, s_k, kb0, kb1);
+        load_q(t, b, rs);
+        attend(t, b, rs, s_q, s_k, kb0, kb1);
         for (int r = 0; r < rows; ++r) {
           const T lse = row_lse(t, r);
           const T factor = lse == -static_cast<T>(INFINITY)
@@ -340,17 +383,17 @@ class Forward {
                                : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
           const T* o = &t.acc[std::size_t(r) * t.dp];
           if (splits == 1) {
-            store_out_row(b, h, i0 + r, o, factor);
-            store_lse(b, h, i0 + r, lse);
+            store_out_row(b, rs.h(r), rs.i(r), o, factor);
+            store_lse(b, rs.h(r), rs.i(r), lse);
             t.lse[r] = lse;
           } else {
-            const std::int64_t pr = part_row(split, b, h, i0 + r);
+            const std::int64_t pr = part_row(split, b, rs.h(r), rs.i(r));
             T* dst = o_part + pr * p_.d;
             for (int c = 0; c < p_.d; ++c) dst[c] = o[c] * factor;
             lse_part[pr] = lse;
           }
         }
-        if (splits == 1 && p_.probs) write_probs(t, b, h, i0, rows, s_q, s_k, width);
+        if (splits == 1 && p_.probs) write_probs(t, b, rs.h0, i0, rows, s_q, s_k, width);  // never packed
       }
 
       if (splits > 1) {
@@ -383,7 +426,7 @@ class Forward {
             t.lse[r] = lse;
           }
           if (p_.probs) {
-            load_q(t, b, h, i0, rows);
+            load_q(t, b, TaskRows{h, i0, rows, false});
             write_probs(t, b, h, i0, rows, s_q, s_k, width);
           }
         }

@@ -8,6 +8,9 @@
 #pragma once
 
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -208,18 +211,72 @@ template <class T>
 inline void gemm(int rows, int k, int ncols, const T* a, std::int64_t lda, const T* b,
                  std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
   int r = 0;
+  // 6 x 2 accumulator registers plus one B row and one A broadcast fit the 16 AVX2
+  // registers; each output element is summed over k in the same order in every strip.
+  for (; r + 6 <= rows; r += 6)
+    gemm_strip<T, 6>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, k, ncols, accumulate);
   for (; r + 4 <= rows; r += 4)
     gemm_strip<T, 4>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, k, ncols, accumulate);
   for (; r < rows; ++r)
     gemm_strip<T, 1>(a + r * lda, lda, b, ldb, c + r * ldc, ldc, k, ncols, accumulate);
 }
 
-// Transpose src[rows][cols] (leading dim lds) into dst[cols][rows] (leading dim ldd).
+// One kW x kW block of the transpose below in AVX2 registers (8 x 8 floats or 4 x 4
+// doubles); false when there is no such kernel for T (then the scalar loop runs).
+template <class T>
+inline bool transpose_block(const T* src, std::int64_t lds, T* dst, std::int64_t ldd) {
+#if defined(__AVX2__)
+  if constexpr (std::is_same_v<T, double>) {
+    const __m256d r0 = _mm256_loadu_pd(src), r1 = _mm256_loadu_pd(src + lds);
+    const __m256d r2 = _mm256_loadu_pd(src + 2 * lds), r3 = _mm256_loadu_pd(src + 3 * lds);
+    const __m256d t0 = _mm256_unpacklo_pd(r0, r1), t1 = _mm256_unpackhi_pd(r0, r1);
+    const __m256d t2 = _mm256_unpacklo_pd(r2, r3), t3 = _mm256_unpackhi_pd(r2, r3);
+    _mm256_storeu_pd(dst, _mm256_permute2f128_pd(t0, t2, 0x20));
+    _mm256_storeu_pd(dst + ldd, _mm256_permute2f128_pd(t1, t3, 0x20));
+    _mm256_storeu_pd(dst + 2 * ldd, _mm256_permute2f128_pd(t0, t2, 0x31));
+    _mm256_storeu_pd(dst + 3 * ldd, _mm256_permute2f128_pd(t1, t3, 0x31));
+    return true;
+  } else if constexpr (std::is_same_v<T, float>) {
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+      _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+    return true;
+  }
+#endif
+  (void)src, (void)lds, (void)dst, (void)ldd;
+  return false;
+}
+
+// Transpose src[rows][cols] (leading dim lds) into dst[cols][rows] (leading dim ldd):
+// whole 32-byte blocks through transpose_block, the edges element by element. A copy,
+// so the result does not depend on the path.
 template <class T>
 inline void transpose(const T* src, std::int64_t lds, int rows, int cols, T* dst,
                       std::int64_t ldd) {
+  constexpr int kW = 32 / static_cast<int>(sizeof(T));
+  int r0 = 0, c0 = 0;
+  if (rows >= kW && cols >= kW && transpose_block<T>(src, lds, dst, ldd)) {
+    r0 = rows / kW * kW;
+    c0 = cols / kW * kW;
+    for (int r = 0; r < r0; r += kW)
+      for (int c = (r == 0 ? kW : 0); c < c0; c += kW)
+        transpose_block<T>(src + r * lds + c, lds, dst + c * ldd + r, ldd);
+  }
   for (int r = 0; r < rows; ++r)
-    for (int c = 0; c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
+    for (int c = (r < r0 ? c0 : 0); c < cols; ++c) dst[c * ldd + r] = src[r * lds + c];
 }
 
 // ------------------------------------------------------------------ dropout
