@@ -1,7 +1,7 @@
 // Thin wrappers over the sm80 warp-level instructions the kernels are built from:
 // ldmatrix (plain and transposed), mma.sync m16n8k16 (fp16 / bf16 in, fp32 accumulate)
-// and cp.async (16-byte global -> shared copies with zero fill), plus fp32 -> 16-bit
-// packing. They compile for every arch >= sm80 (sm90 runs them too).
+// and cp.async (16-byte global -> shared copies with zero fill); fp32 -> 16-bit packing
+// is arch/pack.cuh's. They compile for every arch >= sm80 (sm90 runs them too).
 //
 // Fragment layouts of m16n8k16 (g = lane / 4, t = lane % 4), each register two 16-bit values:
 //   A 16x16 (row-major):  a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
@@ -13,6 +13,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+
+#include "cuda/arch/pack.cuh"  // pack2, used with these MMAs
 
 namespace flashattn::detail::cuda::sm80 {
 
@@ -66,18 +68,6 @@ __device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const std::uint32_t 
   }
 }
 
-// Two fp32 values rounded (nearest even) into one register of two 16-bit values, the
-// first in the low half: the layout mma and 32-bit stores expect.
-template <typename Element>
-__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
-  if constexpr (__is_same(Element, __half)) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-}
 
 // 16-byte asynchronous copy global -> shared, bypassing L1. With valid == false nothing is
 // read and the 16 shared bytes are zero-filled (the source must still be a mapped address;

@@ -3,7 +3,7 @@
 // values to / from float with the dtype (fp16 or bf16) chosen at run time. Used by the sm80
 // decode kernel (decode_kernel.cuh: fp8 K / V fragments converted in registers before the
 // f16 MMAs; the output store) and by the split-KV merge (split_kv_merge.cuh). Built on
-// arch/sm80.cuh's pack2, so in the sm80 namespace like it.
+// arch/sm80.cuh (and arch/pack.cuh's pack2), in the sm80 namespace.
 #pragma once
 
 #include <cuda_bf16.h>

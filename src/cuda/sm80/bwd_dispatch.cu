@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "core/backend.hpp"  // alloc_async, free_async
+#include "cuda/arch/pack.cuh"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/sm80/bwd_launch.hpp"
 #include "cuda/sm80/family.hpp"
@@ -36,17 +37,6 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
       f[2 * k] = v.x;
       f[2 * k + 1] = v.y;
     }
-  }
-}
-
-template <typename Element>
-__device__ __forceinline__ std::uint32_t pack2_rn(float lo, float hi) {
-  if constexpr (__is_same(Element, __half)) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
   }
 }
 
@@ -101,7 +91,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const float2 v = *reinterpret_cast<const float2*>(slab + 4 * k);
-      w[k] = pack2_rn<Element>(v.x * p.scale, v.y * p.scale);
+      w[k] = pack2<Element>(v.x * p.scale, v.y * p.scale);
     }
     *reinterpret_cast<uint4*>(dq + c) = make_uint4(w[0], w[1], w[2], w[3]);
   }

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "core/params.hpp"
+#include "cuda/arch/pack.cuh"
 #include "cuda/arch/sm90_tma.cuh"
 #include "cuda/arch/sm90_wgmma.cuh"
 #include "cuda/collective/mask.cuh"
@@ -83,17 +84,6 @@ struct FwdArgs {
   int m_blocks;     // query tiles per (sequence, head)
   int n_units;      // units of work (work_tile): one or two query tiles each
 };
-
-template <typename Element>
-__device__ __forceinline__ std::uint32_t pack2(float a, float b) {
-  if constexpr (std::is_same_v<Element, __nv_bfloat16>) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const std::uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const std::uint32_t*>(&v);
-  }
-}
 
 // The lazy softmax's threshold (log2 units): see the consumers' softmax.
 inline constexpr float kRescaleLog2 = 8.0f;
