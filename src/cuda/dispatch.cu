@@ -7,7 +7,11 @@
 //              KV-cache calls it suits, else      calls it suits, else the fused forward)
 //              sm90 where sm90::fwd_unsupported
 //              is null, else sm80 (logged)
-//   backward   sm80                               sm80
+//   backward   sm90's main kernel inside the      sm80
+//              shared pipeline (workspace, D, dQ
+//              conversion) where
+//              sm90::bwd_unsupported is null,
+//              else sm80 (logged)
 //
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
@@ -25,6 +29,7 @@
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/family.hpp"
+#include "cuda/sm90/bwd.hpp"
 #include "cuda/sm90/fwd.hpp"
 #include "flashattn/error.hpp"
 
@@ -36,6 +41,8 @@ namespace sm90 {
 bool fwd_built() noexcept { return false; }
 const char* fwd_unsupported(const FwdParams&) noexcept { return "not built"; }
 void run_fwd(const FwdParams&) {}
+const char* bwd_unsupported(const BwdParams&) noexcept { return "not built"; }
+void run_bwd_main(const BwdParams&, const BwdWorkspace&, void*) {}
 }  // namespace sm90
 #endif
 
@@ -106,10 +113,15 @@ void backward(const BwdParams& in) {
   BwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;
-  if (choice.family == KernelFamily::kSm90 && debug_log()) {
-    std::fprintf(stderr, "flashattn: backward: no sm90 family yet, running sm80\n");
-  }
   DeviceGuard guard(p.device_index);
+  if (choice.family == KernelFamily::kSm90) {
+    const char* why = sm90::bwd_unsupported(p);
+    if (why == nullptr) {
+      sm80::backward(p, &sm90::run_bwd_main);
+      return;
+    }
+    if (debug_log()) std::fprintf(stderr, "flashattn: backward: sm90 family declined (%s), running sm80\n", why);
+  }
   sm80::backward(p);
 }
 

@@ -1,4 +1,6 @@
-// CUDA backward (sm80 path) against the fp64 oracle under the suite's tolerance rule.
+// CUDA backward (the family the call resolves to: FLASHATTN_KERNEL_FAMILY=auto runs the sm90
+// main kernel on Hopper where it applies, sm80 runs the sm80 one) against the fp64 oracle
+// under the suite's tolerance rule.
 // The forward outputs it differentiates (out, lse) come from the CPU backend on the same
 // inputs, so these tests exercise the backward alone: every mask, softcap, ALiBi, dropout
 // (same seed as the CPU, so the same kept set), GQA, odd and unequal lengths, every

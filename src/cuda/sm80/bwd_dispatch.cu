@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
 }
 
 template <typename Element>
-void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, BwdMainKernel main) {
   // With no query rows (seqlen_q == 0) only the main kernel runs: it writes dk = dv = 0.
   const dim3 row_grid((p.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h_q, p.batch);
   if (row_grid.x > 0) {
@@ -106,6 +106,10 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
     FLASHATTN_CUDA_CHECK(cudaGetLastError());
   }
   bool launched = p.seqlen_k == 0;
+  if (!launched && main != nullptr) {
+    main(p, ws, stream);
+    launched = true;
+  }
   // 192 < d <= 224 runs in the d = 256 bucket where that bucket runs its tall tile (sm90):
   // measured on the H200 1.20-1.25x the d = 224 bucket's own kernel at d = 224, despite
   // the 14% more MMA work of the padding (docs/performance.md).
@@ -135,7 +139,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
 
 std::size_t backward_workspace_size(const BwdParams& p) { return bwd_workspace_layout(p).total(); }
 
-void backward(const BwdParams& p) {
+void backward(const BwdParams& p, BwdMainKernel main) {
   if (p.batch == 0 || p.h_q == 0) return;
   const auto stream = static_cast<cudaStream_t>(p.stream);
   const BwdWorkspaceLayout layout = bwd_workspace_layout(p);
@@ -162,9 +166,9 @@ void backward(const BwdParams& p) {
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(ws.dq_sem, 0, layout.sem_bytes, stream));
   }
   if (p.dtype == DType::kBFloat16) {
-    run_bwd<__nv_bfloat16>(p, ws, stream);
+    run_bwd<__nv_bfloat16>(p, ws, stream, main);
   } else {
-    run_bwd<__half>(p, ws, stream);
+    run_bwd<__half>(p, ws, stream, main);
   }
   if (owned) free_async(scratch, p.stream);
 }

@@ -7,12 +7,17 @@
 #include <cstddef>
 
 #include "core/params.hpp"
+#include "cuda/collective/bwd_workspace.hpp"
 
 namespace flashattn::detail::cuda::sm80 {
 
 void forward(const FwdParams& p);
 std::size_t forward_workspace_size(const FwdParams& p);
-void backward(const BwdParams& p);
+// The backward: workspace, preprocess (D), the main kernel, postprocess (dQ). `main`, when
+// given, replaces this family's main kernel (the sm90 backward runs inside this pipeline:
+// the workspace and the pre- and postprocess are the same for both families).
+using BwdMainKernel = void (*)(const BwdParams& p, const BwdWorkspace& ws, void* stream);
+void backward(const BwdParams& p, BwdMainKernel main = nullptr);
 std::size_t backward_workspace_size(const BwdParams& p);
 
 }  // namespace flashattn::detail::cuda::sm80

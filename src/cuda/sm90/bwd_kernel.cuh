@@ -1,0 +1,431 @@
+// The sm90a backward main kernel: warp-specialized, TMA-fed, wgmma-computed.
+//
+// One thread block per (key tile n, KV head g, sequence b): K_n and V_n stay in shared
+// memory while the block walks every (query head of g's group, query tile m) pair that
+// can see the key tile, so dK_n and dV_n are summed over the GQA group in registers and
+// written once. kConsumers + 1 warpgroups:
+//   warpgroup 0, the producer: one warp copies K_n and V_n once, then Q_m and dO_m of each
+//     pair by TMA into a kStages-deep ring, with lse_m and D_m (rowsum(dO * O), from the
+//     preprocess) written by its lanes; each slot guarded by a "full" mbarrier (the TMA
+//     bytes and the lanes' arrival) and an "empty" one (the consumers' release).
+//   warpgroups 1..kConsumers, the consumers: warpgroup w owns keys 64 w .. 64 w + 63 of the
+//     tile and computes, transposed so that every product's A operand is its own:
+//       S^T  = K_w Q^T,  dP^T = V_w dO^T                 (wgmma, both operands in smem)
+//       P^T  = exp2(S^T * scale * log2 e - lse * log2 e) (lse per column, from smem)
+//       dV_w += P^T dO                                   (A = P^T from registers)
+//       dS^T = P^T * (dP^T - D)                          (D per column)
+//       dK_w += dS^T Q                                   (A = dS^T from registers)
+//     dS^T also goes to shared memory (16-bit, the 128-byte swizzle, double-buffered);
+//     after a named barrier of the consumers, warpgroup w computes one 64 x 64 block of
+//       dQ_m = dS K_n                                    (A = dS read MN-major from smem)
+//     and adds it to the fp32 workspace (collective/bwd_workspace.hpp: the accumulator
+//     fragment order, one 16-byte vector reduction per lane and 8 columns).
+// The softmax scale is applied to dK here and to dQ by the postprocess.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "cuda/arch/pack.cuh"
+#include "cuda/arch/sm90_tma.cuh"
+#include "cuda/arch/sm90_wgmma.cuh"
+#include "cuda/collective/bwd_workspace.hpp"
+#include "cuda/collective/mask.cuh"
+
+namespace flashattn::detail::cuda::sm90 {
+
+// The compile-time shape of one backward kernel: kBlockM query rows per pair, 64 keys per
+// consumer warpgroup; each consumer computes one 64 x 64 block of the pair's dQ.
+template <int kHeadDim_, int kBlockM_, int kStages_>
+struct BwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockN = 64 * kConsumers;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kColBlocks = kHeadDim / 64;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q (or dO) tile
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K (or V)
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
+  static constexpr int kBarriers = 1 + 2 * kStages;
+  static constexpr int kSmemBytes =
+      1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
+  // dV's product is issued before dS is computed (overlapping it) where the registers
+  // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
+  // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
+  static constexpr bool kEarlyDv = kBlockM + kHeadDim + kBlockM / 4 <= 208;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0);
+  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one 64 x 64 dQ block per consumer");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+struct BwdArgs {
+  CUtensorMap tmap_q;   // {d, rows, h_q, batch}, box rows kBlockM
+  CUtensorMap tmap_do;  // like q
+  CUtensorMap tmap_k;   // {d, rows, h_k, batch}, box rows kBlockN
+  CUtensorMap tmap_v;
+  BwdParams p;
+  BwdWorkspace ws;
+  float scale_log2;  // scale * log2(e)
+};
+
+__device__ __forceinline__ float bwd_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+}
+
+template <class Cfg, typename Element>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
+  constexpr int kStages = Cfg::kStages;
+  constexpr int kSN = kBlockM / 2;   // S^T (and dP^T) accumulator floats per thread
+  constexpr int kKN = kHeadDim / 2;  // dK (and dV) accumulator floats per thread
+  constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
+  constexpr float kLog2e = 1.4426950408889634f;
+  const BwdParams& p = args.p;
+  const BwdWorkspace& ws = args.ws;
+
+  const int n_block = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  const int s_q = p.seq_len_q(b), s_k = p.seq_len_k(b);
+  // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
+  const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
+  const int n0 = n_block * kBlockN;
+  if (n0 >= len_k) return;
+  const int shift = s_k - s_q;  // query i's diagonal key is i + shift
+  // Query tiles [m_begin, m_end) holding a row that sees a key of this tile.
+  int m_begin = 0, m_end = 0;
+  if (n0 < s_k && s_q > 0) {
+    const int n1 = min(n0 + kBlockN, s_k);
+    const int row_lo = max(p.mask.right >= 0 ? n0 - p.mask.right - shift : 0, 0);
+    const int row_hi = min(p.mask.left >= 0 ? n1 + p.mask.left - shift : s_q, s_q);
+    if (row_lo < row_hi) {
+      m_begin = row_lo / kBlockM;
+      m_end = (row_hi + kBlockM - 1) / kBlockM;
+    }
+  }
+  const int num_m = m_end - m_begin;
+  const int n_iter = num_m * p.h_ratio;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  unsigned char* sK = smem;
+  unsigned char* sV = sK + Cfg::kKVBytes;
+  unsigned char* sQ = sV + Cfg::kKVBytes;
+  unsigned char* sdO = sQ + kStages * Cfg::kQBytes;
+  unsigned char* sdS = sdO + kStages * Cfg::kQBytes;
+  float* sLse = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);  // [kStages][kBlockM], log2 units
+  float* sDsum = sLse + kStages * kBlockM;                           // [kStages][kBlockM]
+  auto* bars = reinterpret_cast<std::uint64_t*>(sDsum + kStages * kBlockM);
+  std::uint64_t* full_kv = bars;
+  std::uint64_t* full = bars + 1;
+  std::uint64_t* empty = full + kStages;
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  if (tid == 0) {
+    mbar_init(full_kv, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&full[s], 2);  // the TMA bytes' arrival, then the lanes' lse / D
+      mbar_init(&empty[s], 4 * Cfg::kConsumers);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0 && n_iter > 0) {
+      const bool leader = lane == 0;
+      const int q_row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
+      const int q_b = p.cu_seqlens_q ? 0 : b;
+      const int k_row0 = p.cu_seqlens_k ? p.cu_seqlens_k[b] : 0;
+      const int k_b = p.cu_seqlens_k ? 0 : b;
+      if (leader) {
+        prefetch_tensor_map(&args.tmap_q);
+        prefetch_tensor_map(&args.tmap_do);
+        mbar_arrive_expect_tx(full_kv, 2 * Cfg::kKVBytes);
+#pragma unroll
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          tma_load_4d(sK + c * kBlockN * 128, &args.tmap_k, c * 64, k_row0 + n0, g, k_b, full_kv);
+          tma_load_4d(sV + c * kBlockN * 128, &args.tmap_v, c * 64, k_row0 + n0, g, k_b, full_kv);
+        }
+      }
+      const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+      int h = g * p.h_ratio, m_block = m_begin;
+      for (int it = 0; it < n_iter; ++it) {
+        const int stage = it % kStages;
+        const std::uint32_t phase = (it / kStages) & 1;
+        const int m0 = m_block * kBlockM;
+        mbar_wait(&empty[stage], phase ^ 1);
+        if (leader) {
+          mbar_arrive_expect_tx(&full[stage], 2 * Cfg::kQBytes);
+#pragma unroll
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            tma_load_4d(sQ + stage * Cfg::kQBytes + c * kBlockM * 128, &args.tmap_q, c * 64, q_row0 + m0, h, q_b,
+                        &full[stage]);
+            tma_load_4d(sdO + stage * Cfg::kQBytes + c * kBlockM * 128, &args.tmap_do, c * 64, q_row0 + m0, h,
+                        q_b, &full[stage]);
+          }
+        }
+        // lse in log2 units, +inf for rows past s_q or that see no key (P = 0 there); D.
+        const float* lse_row = p.lse + p.lse_offset(b, h) + m0;
+        const float* dsum_row = ws.dpsum + h * ws.rows_total + row0_ws + m0;
+        for (int r = lane; r < kBlockM; r += 32) {
+          const bool valid = m0 + r < s_q;
+          const float l = valid ? lse_row[r] : -INFINITY;
+          sLse[stage * kBlockM + r] = l == -INFINITY ? INFINITY : l * kLog2e;
+          sDsum[stage * kBlockM + r] = valid ? dsum_row[r] : 0.0f;
+        }
+        __syncwarp();
+        if (leader) mbar_arrive(&full[stage]);
+        if (++m_block == m_end) {
+          m_block = m_begin;
+          ++h;
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int cw = wg - 1;  // keys 64 cw .. 64 cw + 63 of the tile
+  const int warp_in = warp % 4;
+  const int key_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
+  // The dQ block of this warpgroup: query rows 64 mb.., columns 64 cb..
+  constexpr int kDqColBlocks = kHeadDim / 64;
+  const int mb = cw / kDqColBlocks, cb = cw % kDqColBlocks;
+
+  // The queries that see key j, as [lo, hi] (empty past s_k): the mask's column view.
+  int vis_lo[2], vis_hi[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = n0 + key_in_tile + 8 * half;
+    vis_lo[half] = p.mask.right >= 0 ? j - shift - p.mask.right : 0;
+    vis_hi[half] = j >= s_k ? -1 : p.mask.left >= 0 ? min(s_q - 1, j - shift + p.mask.left) : s_q - 1;
+  }
+  const TileMask tile_mask(s_q, s_k, p.mask);
+
+  float dk[kKN], dv[kKN];
+#pragma unroll
+  for (int i = 0; i < kKN; ++i) dk[i] = dv[i] = 0.0f;
+
+  if (n_iter > 0) {
+    float s[kSN], dp[kSN], dq[32];
+    std::uint32_t pa[kMK][4], da[kMK][4];
+    const std::uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+    const std::uint32_t kw_addr0 = k_addr + cw * 64 * 128, vw_addr0 = v_addr + cw * 64 * 128;
+    const float scale_log2 = args.scale_log2;
+    mbar_wait(full_kv, 0);
+    int h = g * p.h_ratio, m_block = m_begin;
+    for (int it = 0; it < n_iter; ++it) {
+      const int stage = it % kStages;
+      const std::uint32_t phase = (it / kStages) & 1;
+      const int m0 = m_block * kBlockM;
+      const std::uint32_t q_addr = smem_addr(sQ) + stage * Cfg::kQBytes;
+      const std::uint32_t do_addr = smem_addr(sdO) + stage * Cfg::kQBytes;
+      unsigned char* const ds_buf = sdS + (it & 1) * Cfg::kDsBytes;
+      mbar_wait(&full[stage], phase);
+      // The warpgroup's K and V rows, opaque to the compiler: hoisted out of the loop, the
+      // descriptors of every k-step were kept in registers and spilled.
+      std::uint32_t kw_addr = kw_addr0, vw_addr = vw_addr0;
+      asm volatile("" : "+r"(kw_addr), "+r"(vw_addr));
+
+      // S^T = K_w Q^T and dP^T = V_w dO^T: both operands K-major, 16 columns per k-step.
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const std::uint32_t off = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
+        const std::uint32_t offq = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
+        Wgmma<kBlockM>::template ss<Element, 0>(s, smem_desc_sw128(kw_addr + off, 0),
+                                                smem_desc_sw128(q_addr + offq, 0), ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+        const std::uint32_t off = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
+        const std::uint32_t offq = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
+        Wgmma<kBlockM>::template ss<Element, 0>(dp, smem_desc_sw128(vw_addr + off, 0),
+                                                smem_desc_sw128(do_addr + offq, 0), ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+
+      // Element (key row 16 warp_in + lane / 4 + 8 half, query column 8 c + 2 (lane % 4) + e)
+      // of the warpgroup's 64 x kBlockM tile is register 4 c + 2 half + e.
+      const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
+      const float* const lse_s = sLse + stage * kBlockM + 2 * (lane % 4);
+      const float* const dsum_s = sDsum + stage * kBlockM + 2 * (lane % 4);
+      wgmma_wait<1>();
+#pragma unroll
+      for (int c = 0; c < kBlockM / 8; ++c) {
+        const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
+          s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
+        }
+      }
+      if (masked) {
+#pragma unroll
+        for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+              const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+              s[4 * c + 2 * half + e] = visible ? s[4 * c + 2 * half + e] : 0.0f;
+            }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kMK; ++kk) {
+        pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
+      // dV_w += P^T dO (dO read MN-major: 16 query rows per k-step).
+      auto issue_dv = [&] {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kMK; ++kk) {
+          Wgmma<kHeadDim>::template rs<Element, 1>(dv, pa[kk],
+                                                   smem_desc_sw128(do_addr + kk * 16 * 128, kBlockM * 128), 1);
+        }
+        wgmma_commit();
+      };
+      if constexpr (Cfg::kEarlyDv) {
+        issue_dv();       // runs while dS is computed
+        wgmma_wait<1>();  // dP^T
+      } else {
+        wgmma_wait<0>();  // dP^T
+      }
+
+      // dS^T = P^T (dP^T - D); masked elements are 0 whatever dP holds.
+#pragma unroll
+      for (int c = 0; c < kBlockM / 8; ++c) {
+        const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = 4 * c + 2 * half;
+          dp[r] = s[r] * (dp[r] - dd.x);
+          dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
+          if (masked) {
+            dp[r] = s[r] == 0.0f ? 0.0f : dp[r];
+            dp[r + 1] = s[r + 1] == 0.0f ? 0.0f : dp[r + 1];
+          }
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kMK; ++kk) {
+        da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
+        da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
+        da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
+        da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
+      }
+      // dS^T to shared memory: 64-query column blocks of [kBlockN keys x 128 bytes], the
+      // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). Registers (c, half) hold
+      // the pair of columns 8 c + 2 (lane % 4) of row key_in_tile + 8 half: as 8-column
+      // chunks, the eight rows of a warp's store hit eight different chunks.
+      // (The row's swizzle term is made opaque here: hoisted out of the loop, the sixteen
+      // store addresses were spilled.)
+      std::uint32_t swz = 16u * (lane / 4 % 8);
+      asm volatile("" : "+r"(swz));
+      unsigned char* const ds_row = ds_buf + key_in_tile * 128 + 4 * (lane % 4);
+#pragma unroll
+      for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          *reinterpret_cast<std::uint32_t*>(ds_row + (c / 8) * kBlockN * 128 + half * 8 * 128 +
+                                            ((16u * (c % 8)) ^ swz)) =
+              half == 0 ? da[c / 2][(c % 2) * 2] : da[c / 2][(c % 2) * 2 + 1];
+        }
+      fence_proxy_async_smem();
+      if constexpr (!Cfg::kEarlyDv) issue_dv();
+      // dK_w += dS^T Q.
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kMK; ++kk) {
+        Wgmma<kHeadDim>::template rs<Element, 1>(dk, da[kk], smem_desc_sw128(q_addr + kk * 16 * 128, kBlockM * 128),
+                                                 1);
+      }
+      wgmma_commit();
+      // Both halves of dS^T are in shared memory.
+      named_barrier_sync(1, 128 * Cfg::kConsumers);
+      // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
+      // MN-major, B = K's column block cb read MN-major; 16 keys per k-step.
+      const std::uint32_t ds_addr = smem_addr(ds_buf) + mb * kBlockN * 128;
+      const std::uint32_t kq_addr = k_addr + cb * kBlockN * 128;
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_sw128(ds_addr + ks * 16 * 128, 0),
+                                              smem_desc_sw128(kq_addr + ks * 16 * 128, kBlockN * 128), ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
+
+      // dQ into the workspace tile of rows m0 + 64 mb.. (absent when they lie past s_q).
+      if (m0 + 64 * mb < s_q) {
+        float* const tile = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb, h, p.h_q, p.d) +
+                            dq_accum_index(16 * warp_in, 64 * cb) + lane * 4;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          if (64 * cb + 8 * c < p.d) {
+            red_add_v4(tile + c * (kBwdBlockM / 16) * 128, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          }
+        }
+      }
+      if (++m_block == m_end) {
+        m_block = m_begin;
+        ++h;
+      }
+    }
+  }
+
+  // Epilogue: dK (times scale) and dV in the output type; rows past s_k are zero.
+  Element* const dk_ptr = static_cast<Element*>(p.dk);
+  Element* const dv_ptr = static_cast<Element*>(p.dv);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = n0 + key_in_tile + 8 * half;
+    if (j < len_k) {
+      Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
+      Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
+#pragma unroll
+      for (int c = 0; c < kHeadDim / 8; ++c) {
+        if (8 * c + 2 * (lane % 4) < p.d) {
+          *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) =
+              pack2<Element>(dk[4 * c + 2 * half] * p.scale, dk[4 * c + 2 * half + 1] * p.scale);
+          *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
+              pack2<Element>(dv[4 * c + 2 * half], dv[4 * c + 2 * half + 1]);
+        }
+      }
+    }
+  }
+#endif
+}
+
+}  // namespace flashattn::detail::cuda::sm90
