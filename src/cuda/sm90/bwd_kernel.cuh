@@ -362,6 +362,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
               half == 0 ? da[c / 2][(c % 2) * 2] : da[c / 2][(c % 2) * 2 + 1];
         }
       fence_proxy_async_smem();
+      // Both halves of dS^T are in shared memory.
+      named_barrier_sync(1, 128 * Cfg::kConsumers);
+      // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
+      // MN-major, B = K's column block cb read MN-major; 16 keys per k-step. Issued before
+      // dK, so its reductions below overlap dK's product.
+      const std::uint32_t ds_addr = smem_addr(ds_buf) + mb * kBlockN * 128;
+      const std::uint32_t kq_addr = k_addr + cb * kBlockN * 128;
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kBlockN / 16; ++ks) {
+        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_sw128(ds_addr + ks * 16 * 128, 0),
+                                              smem_desc_sw128(kq_addr + ks * 16 * 128, kBlockN * 128), ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
       if constexpr (!Cfg::kEarlyDv) issue_dv();
       // dK_w += dS^T Q.
       wgmma_fence();
@@ -371,33 +385,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                                                  1);
       }
       wgmma_commit();
-      // Both halves of dS^T are in shared memory.
-      named_barrier_sync(1, 128 * Cfg::kConsumers);
-      // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
-      // MN-major, B = K's column block cb read MN-major; 16 keys per k-step.
-      const std::uint32_t ds_addr = smem_addr(ds_buf) + mb * kBlockN * 128;
-      const std::uint32_t kq_addr = k_addr + cb * kBlockN * 128;
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_sw128(ds_addr + ks * 16 * 128, 0),
-                                              smem_desc_sw128(kq_addr + ks * 16 * 128, kBlockN * 128), ks > 0 ? 1 : 0);
+      // Pending: [dV,] dQ[, dV], dK.
+      if constexpr (Cfg::kEarlyDv) {
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<2>();
       }
-      wgmma_commit();
-      wgmma_wait<0>();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
 
-      // dQ into the workspace tile of rows m0 + 64 mb.. (absent when they lie past s_q).
+      // dQ into the workspace tile of rows m0 + 64 mb.. (absent when they lie past s_q):
+      // eight 16-byte reductions per lane off one base (a per-slab branch re-derived the
+      // address after each, which waited for the previous reduction to read it).
       if (m0 + 64 * mb < s_q) {
         float* const tile = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb, h, p.h_q, p.d) +
                             dq_accum_index(16 * warp_in, 64 * cb) + lane * 4;
+        constexpr int kSlab = (kBwdBlockM / 16) * 128;  // floats between 8-column slabs
+        if (64 * cb + 64 <= p.d) {
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          if (64 * cb + 8 * c < p.d) {
-            red_add_v4(tile + c * (kBwdBlockM / 16) * 128, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          for (int c = 0; c < 8; ++c) {
+            red_add_v4(tile + c * kSlab, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) {
+            if (64 * cb + 8 * c < p.d) {
+              red_add_v4(tile + c * kSlab, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+            }
           }
         }
       }
+      wgmma_wait<0>();  // dV, dK: Q and dO are free
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[stage]);
       if (++m_block == m_end) {
         m_block = m_begin;
         ++h;
