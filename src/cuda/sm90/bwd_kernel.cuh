@@ -18,8 +18,13 @@
 //     dS^T also goes to shared memory (16-bit, the 128-byte swizzle, double-buffered);
 //     after a named barrier of the consumers, warpgroup w computes one 64 x 64 block of
 //       dQ_m = dS K_n                                    (A = dS read MN-major from smem)
-//     and adds it to the fp32 workspace (collective/bwd_workspace.hpp: the accumulator
-//     fragment order, one 16-byte vector reduction per lane and 8 columns).
+//     and writes it to shared memory in the order of the fp32 workspace
+//     (collective/bwd_workspace.hpp: the accumulator fragment order, so a block is one
+//     contiguous 16 KB run there), while its dK product runs.
+//   The producer's second warp, the dQ writer, adds each block to the workspace with one
+//   bulk reduction (cp.reduce.async.bulk .add.f32), so the consumers never wait on global
+//   reductions. Named barriers pair each consumer with it: kDqFull + w (block written),
+//   kDqEmpty + w (buffer read, may be overwritten).
 // The softmax scale is applied to dK here and to dQ by the postprocess.
 #pragma once
 
@@ -54,9 +59,10 @@ struct BwdConfig {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q (or dO) tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K (or V)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
+  static constexpr int kDqBytes = 64 * 64 * 4;            // one consumer's fp32 dQ block
   static constexpr int kBarriers = 1 + 2 * kStages;
-  static constexpr int kSmemBytes =
-      1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
+  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
+                                    kConsumers * kDqBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
   // dV's product is issued before dS is computed (overlapping it) where the registers
   // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
   // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
@@ -87,11 +93,6 @@ __device__ __forceinline__ float bwd_exp2(float x) {
   return y;
 }
 
-__device__ __forceinline__ void red_add_v4(float* dst, float a, float b, float c, float d) {
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-}
-
 template <class Cfg, typename Element>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -101,6 +102,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kKN = kHeadDim / 2;  // dK (and dV) accumulator floats per thread
   constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kDqColBlocks = kHeadDim / 64;  // consumer w's dQ block: rows 64 (w / this), columns 64 (w % this)
+  constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
   const BwdParams& p = args.p;
   const BwdWorkspace& ws = args.ws;
 
@@ -133,7 +136,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   unsigned char* sQ = sV + Cfg::kKVBytes;
   unsigned char* sdO = sQ + kStages * Cfg::kQBytes;
   unsigned char* sdS = sdO + kStages * Cfg::kQBytes;
-  float* sLse = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);  // [kStages][kBlockM], log2 units
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);    // [kConsumers][64 * 64]
+  float* sLse = sdQ + Cfg::kConsumers * 64 * 64;                      // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;                           // [kStages][kBlockM]
   auto* bars = reinterpret_cast<std::uint64_t*>(sDsum + kStages * kBlockM);
   std::uint64_t* full_kv = bars;
@@ -205,6 +209,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
       }
     }
+    if (warp == 1 && n_iter > 0) {
+      // The dQ writer: the consumers' pairs in their order; a block whose rows all lie
+      // past s_q is neither written nor added (its workspace tile may not exist).
+#pragma unroll
+      for (int w = 0; w < Cfg::kConsumers; ++w) named_barrier_arrive(kDqEmpty + w, 128 + 32);
+      int h = g * p.h_ratio, m_block = m_begin;
+      for (int it = 0; it < n_iter; ++it) {
+        const int m0 = m_block * kBlockM;
+#pragma unroll
+        for (int w = 0; w < Cfg::kConsumers; ++w) {
+          const int mb_w = w / kDqColBlocks, cb_w = w % kDqColBlocks;
+          if (m0 + 64 * mb_w < s_q) {
+            named_barrier_sync(kDqFull + w, 128 + 32);
+            if (lane == 0) {
+              // The block's 8-column slabs inside d: 2 KB each, contiguous from the first.
+              const int slabs = min(8, (p.d - 64 * cb_w) / 8);
+              float* const dst = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb_w, h, p.h_q, p.d) +
+                                 dq_accum_index(0, 64 * cb_w);
+              bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
+              bulk_commit();
+              bulk_wait_read<0>();
+            }
+            __syncwarp();
+            named_barrier_arrive(kDqEmpty + w, 128 + 32);
+          }
+        }
+        if (++m_block == m_end) {
+          m_block = m_begin;
+          ++h;
+        }
+      }
+      if (lane == 0) bulk_wait<0>();
+    }
     return;
   }
 
@@ -214,7 +251,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   const int warp_in = warp % 4;
   const int key_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
   // The dQ block of this warpgroup: query rows 64 mb.., columns 64 cb..
-  constexpr int kDqColBlocks = kHeadDim / 64;
   const int mb = cw / kDqColBlocks, cb = cw % kDqColBlocks;
 
   // The queries that see key j, as [lo, hi] (empty past s_k): the mask's column view.
@@ -363,7 +399,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
       fence_proxy_async_smem();
       // Both halves of dS^T are in shared memory.
-      named_barrier_sync(1, 128 * Cfg::kConsumers);
+      named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
       // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
       // MN-major, B = K's column block cb read MN-major; 16 keys per k-step. Issued before
       // dK, so its reductions below overlap dK's product.
@@ -392,26 +428,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         wgmma_wait<2>();
       }
 
-      // dQ into the workspace tile of rows m0 + 64 mb.. (absent when they lie past s_q):
-      // eight 16-byte reductions per lane off one base (a per-slab branch re-derived the
-      // address after each, which waited for the previous reduction to read it).
+      // dQ to this warpgroup's buffer once the writer has read the previous block: lane's
+      // four floats of 8-column slab c at (4 c + warp_in) * 128 + 4 lane, the workspace order.
       if (m0 + 64 * mb < s_q) {
-        float* const tile = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb, h, p.h_q, p.d) +
-                            dq_accum_index(16 * warp_in, 64 * cb) + lane * 4;
-        constexpr int kSlab = (kBwdBlockM / 16) * 128;  // floats between 8-column slabs
-        if (64 * cb + 64 <= p.d) {
+        named_barrier_sync(kDqEmpty + cw, 128 + 32);
+        float* const dst = sdQ + cw * 64 * 64 + warp_in * 128 + lane * 4;
 #pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            red_add_v4(tile + c * kSlab, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
-          }
-        } else {
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            if (64 * cb + 8 * c < p.d) {
-              red_add_v4(tile + c * kSlab, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
-            }
-          }
+        for (int c = 0; c < 8; ++c) {
+          *reinterpret_cast<float4*>(dst + c * 4 * 128) = make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
         }
+        fence_proxy_async_smem();
+        named_barrier_arrive(kDqFull + cw, 128 + 32);
       }
       wgmma_wait<0>();  // dV, dK: Q and dO are free
       __syncwarp();
@@ -422,6 +449,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       }
     }
   }
+
+  // The writer's last arrival on this consumer's empty barrier (one more than the blocks).
+  if (n_iter > 0) named_barrier_sync(kDqEmpty + cw, 128 + 32);
 
   // Epilogue: dK (times scale) and dV in the output type; rows past s_k are zero.
   Element* const dk_ptr = static_cast<Element*>(p.dk);
