@@ -7,6 +7,7 @@
 //
 //   flashattn_cuda_bwd_bench            the grid, one line per cell: "bwd d causal s ms tflops"
 //   flashattn_cuda_bwd_bench --one D C S one cell (hdim D, causal C, seqlen S)
+//   ... --deterministic                 (last argument) the same in deterministic mode
 //   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
 //                                       the device memory the calls add beyond their tensors
 #include <cuda_runtime.h>
@@ -167,6 +168,9 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// --deterministic: the grid in deterministic mode (dQ added in key-tile order).
+bool g_deterministic = false;
+
 void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
               const std::vector<int>& lens) {
   std::printf("# ours: flashattn CUDA backward, bf16, 16k tokens, model dim 2048\n");
@@ -178,6 +182,7 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
         Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
         flashattn::Options opts;
         opts.causal = causal != 0;
+        opts.deterministic = g_deterministic;
         const std::size_t ws_bytes =
             flashattn::backward_workspace_size(sets[0].q, sets[0].k, sets[0].v, opts);
         void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
@@ -260,6 +265,10 @@ void run_memory() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[argc - 1], "--deterministic") == 0) {
+    g_deterministic = true;
+    --argc;
+  }
   if (argc > 1 && std::strcmp(argv[1], "--memory") == 0) {
     run_memory();
   } else if (argc == 5 && std::strcmp(argv[1], "--one") == 0) {

@@ -18,9 +18,6 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
   const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : BwdHdim128::kSmemBytes;
   if (p.smem_limit > 0 && p.smem_limit < smem) return "shared memory limit below the sm90 tiles";
   if (p.dropout_p > 0.0f) return "dropout";
-  if (p.softcap > 0.0f) return "softcap";
-  if (p.alibi_slopes != nullptr) return "ALiBi";
-  if (p.deterministic) return "deterministic";
   if (p.is_varlen() && (p.total_q <= 0 || p.total_k <= 0)) return "varlen without packed totals";
   if (p.is_varlen() != (p.cu_seqlens_k != nullptr)) return "mixed varlen layout";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "no queries or keys";
@@ -76,6 +73,7 @@ void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, void* stream) {
   args.p = p;
   args.ws = ws;
   args.scale_log2 = p.scale * 1.4426950408889634f;
+  args.raw_scores = p.softcap <= 0.0f && p.alibi_slopes == nullptr;
   if (p.dtype == DType::kBFloat16) {
     run_bucket<__nv_bfloat16>(p, args, stream);
   } else {

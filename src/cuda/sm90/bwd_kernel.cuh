@@ -85,7 +85,14 @@ struct BwdArgs {
   BwdParams p;
   BwdWorkspace ws;
   float scale_log2;  // scale * log2(e)
+  bool raw_scores;   // no softcap, no ALiBi: the kRaw kernel
 };
+
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ float bwd_exp2(float x) {
   float y;
@@ -93,7 +100,9 @@ __device__ __forceinline__ float bwd_exp2(float x) {
   return y;
 }
 
-template <class Cfg, typename Element>
+// kRaw: scores are raw dot products (no softcap, no ALiBi); the other instantiation applies
+// the score modifiers of semantics::score and the softcap's derivative.
+template <class Cfg, typename Element, bool kRaw>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_constant__ BwdArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
@@ -102,6 +111,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kKN = kHeadDim / 2;  // dK (and dV) accumulator floats per thread
   constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr bool kEarlyDv = Cfg::kEarlyDv && kRaw;
   constexpr int kDqColBlocks = kHeadDim / 64;  // consumer w's dQ block: rows 64 (w / this), columns 64 (w % this)
   constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
   const BwdParams& p = args.p;
@@ -221,15 +231,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         for (int w = 0; w < Cfg::kConsumers; ++w) {
           const int mb_w = w / kDqColBlocks, cb_w = w % kDqColBlocks;
           if (m0 + 64 * mb_w < s_q) {
+            const int tile = m0 / 64 + mb_w;
+            // Deterministic: the key tiles that visit a query tile add to its workspace
+            // tile in descending order (the last visiting one first), counted by
+            // ws.dq_sem; the blocks of one tile (consumers w with the same rows) are added
+            // between one wait and one release. Descending: a key tile walks its query
+            // tiles upwards from the first that sees it, so with a causal mask the higher
+            // key tiles reach a query tile first (ascending order chained them: hdim 128
+            // causal 16k 297 TFLOP/s against 526 not deterministic, H200).
+            const bool first_of_tile = w == 0 || (w - 1) / kDqColBlocks != mb_w;
+            const bool last_of_tile = w == Cfg::kConsumers - 1 || (w + 1) / kDqColBlocks != mb_w;
+            unsigned* const sem = ws.dq_sem != nullptr
+                                      ? ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + tile
+                                      : nullptr;
             named_barrier_sync(kDqFull + w, 128 + 32);
             if (lane == 0) {
+              if (sem != nullptr && first_of_tile) {
+                int last_key = s_k - 1;  // the last key any row of the pair's query tile sees
+                if (p.mask.right >= 0) last_key = min(last_key, min(m0 + kBlockM, s_q) - 1 + shift + p.mask.right);
+                const unsigned turn = unsigned(last_key / kBlockN - n_block);
+                while (ld_acquire_gpu(sem) != turn) __nanosleep(32);
+              }
               // The block's 8-column slabs inside d: 2 KB each, contiguous from the first.
               const int slabs = min(8, (p.d - 64 * cb_w) / 8);
-              float* const dst = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb_w, h, p.h_q, p.d) +
+              float* const dst = ws.dq_accum + dq_accum_tile(ws, b, tile, h, p.h_q, p.d) +
                                  dq_accum_index(0, 64 * cb_w);
               bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
               bulk_commit();
-              bulk_wait_read<0>();
+              if (sem != nullptr && last_of_tile) {
+                bulk_wait<0>();  // the additions are done, not only their reads
+                __threadfence();
+                atomicAdd(sem, 1u);
+              } else {
+                bulk_wait_read<0>();
+              }
             }
             __syncwarp();
             named_barrier_arrive(kDqEmpty + w, 128 + 32);
@@ -312,35 +347,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
       const float* const lse_s = sLse + stage * kBlockM + 2 * (lane % 4);
       const float* const dsum_s = sDsum + stage * kBlockM + 2 * (lane % 4);
-      wgmma_wait<1>();
+      auto pack_p = [&] {
 #pragma unroll
-      for (int c = 0; c < kBlockM / 8; ++c) {
-        const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
-          s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
+        for (int kk = 0; kk < kMK; ++kk) {
+          pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+          pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+          pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+          pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
         }
-      }
-      if (masked) {
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
-              const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
-              s[4 * c + 2 * half + e] = visible ? s[4 * c + 2 * half + e] : 0.0f;
-            }
-      }
-#pragma unroll
-      for (int kk = 0; kk < kMK; ++kk) {
-        pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-      }
+      };
       // dV_w += P^T dO (dO read MN-major: 16 query rows per k-step).
       auto issue_dv = [&] {
         wgmma_fence();
@@ -351,27 +366,88 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
         wgmma_commit();
       };
-      if constexpr (Cfg::kEarlyDv) {
-        issue_dv();       // runs while dS is computed
-        wgmma_wait<1>();  // dP^T
-      } else {
-        wgmma_wait<0>();  // dP^T
-      }
-
-      // dS^T = P^T (dP^T - D); masked elements are 0 whatever dP holds.
+      if constexpr (kRaw) {
+        // P^T = exp2(S^T * scale log2 e - lse log2 e) while dP^T is computed.
+        wgmma_wait<1>();
 #pragma unroll
-      for (int c = 0; c < kBlockM / 8; ++c) {
-        const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+        for (int c = 0; c < kBlockM / 8; ++c) {
+          const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = 4 * c + 2 * half;
-          dp[r] = s[r] * (dp[r] - dd.x);
-          dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
-          if (masked) {
-            dp[r] = s[r] == 0.0f ? 0.0f : dp[r];
-            dp[r + 1] = s[r + 1] == 0.0f ? 0.0f : dp[r + 1];
+          for (int half = 0; half < 2; ++half) {
+            s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
+            s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
           }
         }
+        if (masked) {
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+                s[4 * c + 2 * half + e] = visible ? s[4 * c + 2 * half + e] : 0.0f;
+              }
+        }
+        pack_p();
+        if constexpr (kEarlyDv) {
+          issue_dv();       // runs while dS is computed
+          wgmma_wait<1>();  // dP^T
+        } else {
+          wgmma_wait<0>();  // dP^T
+        }
+        // dS^T = P^T (dP^T - D); masked elements are 0 whatever dP holds.
+#pragma unroll
+        for (int c = 0; c < kBlockM / 8; ++c) {
+          const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int r = 4 * c + 2 * half;
+            dp[r] = s[r] * (dp[r] - dd.x);
+            dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
+            if (masked) {
+              dp[r] = s[r] == 0.0f ? 0.0f : dp[r];
+              dp[r + 1] = s[r + 1] == 0.0f ? 0.0f : dp[r + 1];
+            }
+          }
+        }
+      } else {
+        // Softcap / ALiBi (semantics::score): P^T and dS^T in one pass once both products
+        // are done, so the softcap's derivative needs no registers of its own.
+        wgmma_wait<0>();
+        const float slope = p.alibi_slope(b, h);
+        const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+#pragma unroll
+        for (int c = 0; c < kBlockM / 8; ++c) {
+          const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
+          const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 4 * c + 2 * half + e;
+              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+              const int j = n0 + key_in_tile + 8 * half;
+              float x = s[r] * p.scale;
+              float cap_grad = 1.0f;
+              if (p.softcap > 0.0f) {
+                x = p.softcap * tanhf(x * inv_softcap);
+                cap_grad = semantics::softcap_grad(x, p.softcap);
+              }
+              if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
+              float prob = bwd_exp2(x * kLog2e - (e == 0 ? l.x : l.y));
+              float ds = prob * (dp[r] - (e == 0 ? dd.x : dd.y)) * cap_grad;
+              if (masked) {
+                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+                prob = visible ? prob : 0.0f;
+                ds = visible ? ds : 0.0f;
+              }
+              s[r] = prob;
+              dp[r] = ds;
+            }
+        }
+        pack_p();
       }
 #pragma unroll
       for (int kk = 0; kk < kMK; ++kk) {
@@ -412,7 +488,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                                               smem_desc_sw128(kq_addr + ks * 16 * 128, kBlockN * 128), ks > 0 ? 1 : 0);
       }
       wgmma_commit();
-      if constexpr (!Cfg::kEarlyDv) issue_dv();
+      if constexpr (!kEarlyDv) issue_dv();
       // dK_w += dS^T Q.
       wgmma_fence();
 #pragma unroll
@@ -422,7 +498,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       }
       wgmma_commit();
       // Pending: [dV,] dQ[, dV], dK.
-      if constexpr (Cfg::kEarlyDv) {
+      if constexpr (kEarlyDv) {
         wgmma_wait<1>();
       } else {
         wgmma_wait<2>();

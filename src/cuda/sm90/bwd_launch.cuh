@@ -11,7 +11,7 @@ namespace flashattn::detail::cuda::sm90 {
 
 template <class Cfg, typename Element>
 void launch_bwd(const BwdArgs& args, void* stream) {
-  auto kernel = bwd_kernel<Cfg, Element>;
+  auto kernel = args.raw_scores ? bwd_kernel<Cfg, Element, true> : bwd_kernel<Cfg, Element, false>;
   FLASHATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   const BwdParams& p = args.p;
