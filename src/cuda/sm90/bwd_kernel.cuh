@@ -233,12 +233,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           if (m0 + 64 * mb_w < s_q) {
             const int tile = m0 / 64 + mb_w;
             // Deterministic: the key tiles that visit a query tile add to its workspace
-            // tile in descending order (the last visiting one first), counted by
-            // ws.dq_sem; the blocks of one tile (consumers w with the same rows) are added
-            // between one wait and one release. Descending: a key tile walks its query
-            // tiles upwards from the first that sees it, so with a causal mask the higher
-            // key tiles reach a query tile first (ascending order chained them: hdim 128
-            // causal 16k 297 TFLOP/s against 526 not deterministic, H200).
+            // tile in a fixed order, counted by ws.dq_sem; the blocks of one tile
+            // (consumers w with the same rows) go between one wait and one release. The
+            // order is the one in which the blocks arrive on their own: a key tile walks its
+            // query tiles upwards from the first that sees it, so with a right edge (causal)
+            // the higher key tiles reach a query tile first (descending; ascending chained
+            // them: hdim 128 causal 16k 297 against 526 TFLOP/s, H200), and without one
+            // every key tile starts at the first query tile in launch order (ascending;
+            // descending: non-causal 317 against 507).
             const bool first_of_tile = w == 0 || (w - 1) / kDqColBlocks != mb_w;
             const bool last_of_tile = w == Cfg::kConsumers - 1 || (w + 1) / kDqColBlocks != mb_w;
             unsigned* const sem = ws.dq_sem != nullptr
@@ -247,9 +249,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
             named_barrier_sync(kDqFull + w, 128 + 32);
             if (lane == 0) {
               if (sem != nullptr && first_of_tile) {
-                int last_key = s_k - 1;  // the last key any row of the pair's query tile sees
-                if (p.mask.right >= 0) last_key = min(last_key, min(m0 + kBlockM, s_q) - 1 + shift + p.mask.right);
-                const unsigned turn = unsigned(last_key / kBlockN - n_block);
+                unsigned turn;
+                if (p.mask.right >= 0) {  // after the last key tile any row of the query tile sees
+                  const int last_key = min(s_k - 1, min(m0 + kBlockM, s_q) - 1 + shift + p.mask.right);
+                  turn = unsigned(last_key / kBlockN - n_block);
+                } else {  // after the first
+                  const int first_key = p.mask.left >= 0 ? max(0, m0 + shift - p.mask.left) : 0;
+                  turn = unsigned(n_block - first_key / kBlockN);
+                }
                 while (ld_acquire_gpu(sem) != turn) __nanosleep(32);
               }
               // The block's 8-column slabs inside d: 2 KB each, contiguous from the first.
