@@ -117,7 +117,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   const BwdParams& p = args.p;
   const BwdWorkspace& ws = args.ws;
 
-  const int n_block = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
+  // Deterministic with a right mask edge: key tiles in reverse launch order, so that the
+  // order in which they reach a query tile (last visiting one first, see the dQ writer)
+  // is also the order they start in.
+  const int n_block = ws.dq_sem != nullptr && p.mask.right >= 0 ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+  const int g = blockIdx.y, b = blockIdx.z;
   const int s_q = p.seq_len_q(b), s_k = p.seq_len_k(b);
   // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
   const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
@@ -138,9 +142,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   const int num_m = m_end - m_begin;
   const int n_iter = num_m * p.h_ratio;
 
+  // 1024-aligned for the 128-byte swizzle; offset from the __shared__ array itself (not
+  // through an integer) so that the compiler knows every pointer below is shared memory
+  // (a generic pointer made the lse / D loads and the dS / dQ stores generic LD / ST: ncu
+  // showed them and the proxy fence waiting on them, ~10% of the stall samples).
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* sK = smem;
   unsigned char* sV = sK + Cfg::kKVBytes;
   unsigned char* sQ = sV + Cfg::kKVBytes;
@@ -225,30 +232,72 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 #pragma unroll
       for (int w = 0; w < Cfg::kConsumers; ++w) named_barrier_arrive(kDqEmpty + w, 128 + 32);
       int h = g * p.h_ratio, m_block = m_begin;
+      static_assert(Cfg::kConsumers == 2, "the writer's release order is written for two consumers");
       for (int it = 0; it < n_iter; ++it) {
         const int m0 = m_block * kBlockM;
+        if (ws.dq_sem == nullptr) {
+          // Both blocks of the pair issued, then each buffer released once its read is done
+          // (bulk groups complete in order). One block at a time, the second consumer
+          // waited for the first one's read: 3.6% of the stall samples on its empty barrier.
+          bool issued[2];
+#pragma unroll
+          for (int w = 0; w < 2; ++w) {
+            const int mb_w = w / kDqColBlocks, cb_w = w % kDqColBlocks;
+            issued[w] = m0 + 64 * mb_w < s_q;
+            if (issued[w]) {
+              named_barrier_sync(kDqFull + w, 128 + 32);
+              if (lane == 0) {
+                const int slabs = min(8, (p.d - 64 * cb_w) / 8);  // 8-column slabs inside d, 2 KB each
+                float* const dst = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb_w, h, p.h_q, p.d) +
+                                   dq_accum_index(0, 64 * cb_w);
+                bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
+                bulk_commit();
+              }
+            }
+          }
+          if (issued[0]) {
+            if (lane == 0) {
+              if (issued[1]) {
+                bulk_wait_read<1>();
+              } else {
+                bulk_wait_read<0>();
+              }
+            }
+            __syncwarp();
+            named_barrier_arrive(kDqEmpty, 128 + 32);
+          }
+          if (issued[1]) {
+            if (lane == 0) bulk_wait_read<0>();
+            __syncwarp();
+            named_barrier_arrive(kDqEmpty + 1, 128 + 32);
+          }
+          if (++m_block == m_end) {
+            m_block = m_begin;
+            ++h;
+          }
+          continue;
+        }
 #pragma unroll
         for (int w = 0; w < Cfg::kConsumers; ++w) {
           const int mb_w = w / kDqColBlocks, cb_w = w % kDqColBlocks;
           if (m0 + 64 * mb_w < s_q) {
             const int tile = m0 / 64 + mb_w;
-            // Deterministic: the key tiles that visit a query tile add to its workspace
+            // Deterministic mode: the key tiles that visit a query tile add to its workspace
             // tile in a fixed order, counted by ws.dq_sem; the blocks of one tile
             // (consumers w with the same rows) go between one wait and one release. The
             // order is the one in which the blocks arrive on their own: a key tile walks its
             // query tiles upwards from the first that sees it, so with a right edge (causal)
             // the higher key tiles reach a query tile first (descending; ascending chained
-            // them: hdim 128 causal 16k 297 against 526 TFLOP/s, H200), and without one
+            // them: hdim 128 causal 16k 297 against 526 TFLOP/s, H200; the grid launches
+            // them in reverse there, see n_block), and without one
             // every key tile starts at the first query tile in launch order (ascending;
             // descending: non-causal 317 against 507).
             const bool first_of_tile = w == 0 || (w - 1) / kDqColBlocks != mb_w;
             const bool last_of_tile = w == Cfg::kConsumers - 1 || (w + 1) / kDqColBlocks != mb_w;
-            unsigned* const sem = ws.dq_sem != nullptr
-                                      ? ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + tile
-                                      : nullptr;
+            unsigned* const sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + tile;
             named_barrier_sync(kDqFull + w, 128 + 32);
             if (lane == 0) {
-              if (sem != nullptr && first_of_tile) {
+              if (first_of_tile) {
                 unsigned turn;
                 if (p.mask.right >= 0) {  // after the last key tile any row of the query tile sees
                   const int last_key = min(s_k - 1, min(m0 + kBlockM, s_q) - 1 + shift + p.mask.right);
@@ -265,7 +314,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                                  dq_accum_index(0, 64 * cb_w);
               bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
               bulk_commit();
-              if (sem != nullptr && last_of_tile) {
+              if (last_of_tile) {
                 bulk_wait<0>();  // the additions are done, not only their reads
                 __threadfence();
                 atomicAdd(sem, 1u);
