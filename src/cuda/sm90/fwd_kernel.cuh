@@ -472,7 +472,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const bool empty = sum == 0.0f || row_max[half] == -INFINITY;
+      // sum 0 only: an all-NaN row keeps max -inf but has a NaN sum, hence NaN out and lse
+      // (online_softmax.cuh, docs/semantics.md).
+      const bool empty = sum == 0.0f;
       inv[half] = empty ? 0.0f : 1.0f / sum;
       lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
     }
