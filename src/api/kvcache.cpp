@@ -325,6 +325,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   if (dims.paged) {
     p.block_table = static_cast<const int*>(a.block_table.data);
     p.block_table_batch_stride = a.block_table.stride[0];
+    p.block_table_max_blocks = static_cast<int>(a.block_table.shape[1]);
     p.block_size = dims.block_size;
   }
   if (dims.fp8) {

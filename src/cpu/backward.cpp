@@ -77,7 +77,7 @@ class Backward {
 
   // Keys stored for sequence b (dk/dv rows to write); s_k(b) of them take part.
   int stored_keys(int b) const {
-    return p_.cu_seqlens_k ? p_.cu_seqlens_k[b + 1] - p_.cu_seqlens_k[b] : p_.seqlen_k;
+    return p_.stored_len_k(b);
   }
 
   // Rows i0 .. i0 + rows of (b, h): q, dO, lse and D = rowsum(dO * O).

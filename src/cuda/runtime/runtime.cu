@@ -90,7 +90,21 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p) {
   const int chunk = static_cast<int>(idx % chunks_per_row);
   const int head = static_cast<int>((idx / chunks_per_row) % p.h_k);
   const int r = static_cast<int>(idx / (std::int64_t(chunks_per_row) * p.h_k));
-  const std::int64_t j = std::int64_t(p.cache.cache_seqlens[b]) + r;
+  // Index guards (params.hpp; the host checks them except under graph capture): a
+  // destination outside the cache (cache_seqlens[b] < 0 or past capacity - s_new, a
+  // cache_batch_idx or block id out of range) is not written; the attention then reads
+  // the clamped positions (docs/semantics.md).
+  const std::int64_t len = p.cache.cache_seqlens[b];
+  if (len < 0 || len > p.cache.cache_capacity() - p.seqlen_new) return;
+  const std::int64_t j = len + r;
+  if (p.cache.cache_batch_idx != nullptr) {
+    const int row = p.cache.cache_batch_idx[b];
+    if (row < 0 || row >= p.cache.kv_cache_rows) return;
+  }
+  if (p.cache.block_table != nullptr) {
+    const int blk = p.cache.block_table[std::int64_t(b) * p.cache.block_table_batch_stride + j / p.cache.block_size];
+    if (blk < 0 || blk >= p.cache.kv_cache_rows) return;
+  }
   const int col = chunk * 8;
   const auto* kn = static_cast<const std::uint16_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
                    std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;

@@ -96,7 +96,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   const int s_q = p.seq_len_q(b);
   const int s_k = p.seq_len_k(b);
   // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
-  const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
+  const int len_k = p.stored_len_k(b);
   const int n0 = n_block * kBlockN;
   if (n0 >= len_k) return;
   const int diag_off = s_k - s_q;  // query i's diagonal key is i + diag_off
@@ -127,7 +127,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
 
   const Element* const q_ptr = static_cast<const Element*>(p.q);
   const Element* const do_ptr = static_cast<const Element*>(p.dout);
-  const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+  const std::int64_t row0_ws = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
 
   // Per-sequence bases, read once (varlen offsets come from global memory).
   const Element* const q_seq = q_ptr + p.q_offset(b);
