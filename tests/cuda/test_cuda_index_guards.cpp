@@ -5,9 +5,11 @@
 // under compute-sanitizer memcheck for the out-of-bounds proof), and the documented result:
 // the clamped indices compute exactly what an eager call with the clamped values computes
 // (bit for bit), an append whose destination is out of range writes nothing, and nothing
-// outside the valid sequences' outputs and append slots changes.
+// outside the valid sequences' outputs and append slots changes; and the device check of
+// the indices (flashattn::check_errors, core/backend.hpp) reports the bad value afterwards.
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,25 @@ void replay_captured(Fn&& fn) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
+}
+
+// The bad index a device check recorded, raised by check_errors() as an InvalidArgument of
+// `function` naming one of `arguments`; afterwards nothing is pending. Returns the error text.
+std::string expect_recorded_index_error(std::initializer_list<const char*> arguments, const std::string& function) {
+  std::string what;
+  try {
+    check_errors(0);
+  } catch (const InvalidArgument& e) {
+    what = e.what();
+    EXPECT_EQ(e.function(), function) << what;
+    bool known = false;
+    for (const char* a : arguments) known = known || e.argument() == a;
+    EXPECT_TRUE(known) << what;
+    EXPECT_NE(what.find("device check of an earlier " + function), std::string::npos) << what;
+  }
+  EXPECT_FALSE(what.empty()) << "check_errors() raised nothing: no bad index recorded";
+  EXPECT_NO_THROW(check_errors(0)) << "a raised error is cleared";
+  return what;
 }
 
 // Varlen with cu_seqlens entries below 0 and past the packed totals and seqused_k below 0
@@ -82,6 +103,8 @@ TEST(CudaIndexGuards, VarlenOutOfRangeUnderCapture) {
         opts.stream = s;
         EXPECT_NO_THROW(varlen_forward(dev.args, out.view(), lse.view(), opts));
       });
+      expect_recorded_index_error({"cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k"},
+                                  "varlen_forward");
       out.download(got.out);
       lse.download(got.lse);
       EXPECT_TRUE(got.out.bitwise_equal(eager.out)) << "out: captured with bad indices vs eager with clamped ones";
@@ -95,6 +118,8 @@ TEST(CudaIndexGuards, VarlenOutOfRangeUnderCapture) {
         EXPECT_NO_THROW(varlen_backward(dev.args, dout.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
                                         opts));
       });
+      expect_recorded_index_error({"cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k"},
+                                  "varlen_backward");
       dq.download(got.dq);
       dk.download(got.dk);
       dv.download(got.dv);
@@ -185,6 +210,7 @@ TEST(CudaIndexGuards, KVCacheOutOfRangeUnderCapture) {
         opts.stream = s;
         EXPECT_NO_THROW(kvcache_forward(a, out.view(), lse.view(), opts));
       });
+      expect_recorded_index_error({"cache_seqlens", "block_table", "cache_batch_idx"}, "kvcache_forward");
       out.download(got.out);
       lse.download(got.lse);
       HostTensor k_got = c.k_cache, v_got = c.v_cache;
@@ -220,6 +246,85 @@ TEST(CudaIndexGuards, KVCacheOutOfRangeUnderCapture) {
         }
     }
   }
+}
+
+// One bad value, checked on the device: the error names the tensor, the entry, the range
+// and the value; it is raised by check_errors() or, if nobody asked, by the next call on
+// the device (before that call runs), once; each replay of the graph checks again.
+TEST(CudaIndexGuards, DeviceCheckNamesTheBadEntry) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  const int d = built_head_dims({64, 128, 256}).front();
+  VarlenCase c = VarlenCase::make(rng, {0, 70, 70, 273, 285}, {0, 90, 130, 330, 346}, 4, 2, d, DType::kBFloat16);
+  {
+    VarlenCase first = c;  // an eager call: a captured one cannot allocate the error record
+    cuda_varlen_forward(first, KernelFamily::kAuto);
+  }
+  DeviceVarlen dev(c);
+  dev.args.max_seqlen_k = 300;  // so that only cu_seqlens_k[2] is wrong below
+  dev.cu_k.upload(int_tensor({0, 90, 80, 330, 346}));
+  DeviceCopy out(c.out), lse(c.lse);
+  Options opts = c.call_options();
+  cudaStream_t s;
+  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  opts.stream = s;
+  EXPECT_NO_THROW(varlen_forward(dev.args, out.view(), lse.view(), opts));
+  FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FA_CUDA_OK(cudaGraphLaunch(exec, s));
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  const std::string what = expect_recorded_index_error({"cu_seqlens_k"}, "varlen_forward");
+  EXPECT_NE(what.find("expected cu_seqlens_k[2] in [90, 346]"), std::string::npos) << what;
+  EXPECT_NE(what.find("got cu_seqlens_k[2] = 80 (found on cuda:0"), std::string::npos) << what;
+
+  // Replayed: checked again; nobody calls check_errors, so the next call raises it.
+  FA_CUDA_OK(cudaGraphLaunch(exec, s));
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  VarlenCase valid = c;
+  {
+    DeviceVarlen ok(valid);
+    DeviceCopy out2(valid.out), lse2(valid.lse);
+    try {
+      varlen_forward(ok.args, out2.view(), lse2.view(), valid.call_options());
+      ADD_FAILURE() << "the call after a replay with a bad cu_seqlens_k raised nothing";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.argument(), "cu_seqlens_k") << e.what();
+    }
+  }
+  // Raised once: the same call now runs.
+  cuda_varlen_forward(valid, KernelFamily::kAuto);
+  expect_forward_matches(valid.problem(), valid.dtype, forward_results(valid));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// FLASHATTN_DEVICE_INDEX_CHECKS=1 (run the suite once with it): eager calls do not copy the
+// indices to the host nor synchronise; a bad value is not an error of the call itself but
+// of check_errors() after the stream's work, and the kernels clamp it meanwhile.
+TEST(CudaIndexGuards, EagerDeviceChecksWithTheEnvironmentSwitch) {
+  FA_REQUIRE_GPU();
+  if (!detail::cuda::device_index_checks_only()) GTEST_SKIP() << "FLASHATTN_DEVICE_INDEX_CHECKS is not 1";
+  FA_SEEDED_RNG(rng);
+  const int d = built_head_dims({64, 128, 256}).front();
+  KVCacheConfig cfg;
+  cfg.batch = 3;
+  cfg.h_q = 4;
+  cfg.h_k = 2;
+  cfg.d = d;
+  cfg.s_new = 1;
+  cfg.dtype = DType::kFloat16;
+  cfg.cache_lens = {10, 20, 30};
+  cfg.block_size = 16;
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.block_table[std::size_t(c.max_blocks)] = c.num_blocks + 3;  // block_table[1][0], read by sequence 1
+  c.block_table_t = int_tensor(c.block_table, {cfg.batch, c.max_blocks});
+  EXPECT_NO_THROW(cuda_kvcache(c, KernelFamily::kAuto));  // synchronises after the call
+  const std::string what = expect_recorded_index_error({"block_table"}, "kvcache_forward");
+  EXPECT_NE(what.find("block_table[1][0] = " + std::to_string(c.num_blocks + 3)), std::string::npos) << what;
 }
 
 }  // namespace
