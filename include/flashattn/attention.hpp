@@ -184,6 +184,18 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts 
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available() noexcept;
 
+// CUDA index tensors checked on the device. A varlen or KV-cache call checks cu_seqlens_q /
+// _k, seqused_k, cache_seqlens, cache_batch_idx and block_table on the host (a copy and a
+// stream synchronisation) unless its stream is being captured into a CUDA graph, or the
+// environment sets FLASHATTN_DEVICE_INDEX_CHECKS=1: then a small kernel checks them in
+// stream order, the kernels clamp bad values (docs/semantics.md, "Index tensors the host
+// could not check"), and the first bad value found on a device is raised as an
+// InvalidArgumentError, naming the tensor, entry, expected range and value, by the next
+// CUDA call on that device or by check_errors(). check_errors raises it for `device` (-1:
+// any device) and clears it; it does not synchronise, so synchronise the stream first to
+// see the checks of the calls on it.
+void check_errors(int device = -1);
+
 // Library version, e.g. "0.1.0".
 const char* version() noexcept;
 

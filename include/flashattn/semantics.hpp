@@ -9,7 +9,8 @@
 //   - what a row that sees no key produces (out 0, lse -inf, gradients 0),
 //   - how partial results over key splits merge (by log-sum-exp),
 //   - the fp8 (e4m3) KV-cache format: decode, and the encode of the append,
-//   - the draft-tree rule of speculative decoding (tree_mask bits).
+//   - the draft-tree rule of speculative decoding (tree_mask bits),
+//   - how NaN and inf propagate (comment only: the rule lives in the backends' softmax).
 // docs/semantics.md states the same in prose. Nothing here allocates or throws.
 #pragma once
 
@@ -204,6 +205,16 @@ FA_HD T softcap_grad(T capped_without_bias, T softcap) {
 // A row that sees no key: output 0, lse -inf, and zero gradients. Never NaN.
 FA_HD float empty_row_lse() { return -INFINITY; }
 
+// ------------------------------------------------------------------ non-finite values
+
+// docs/semantics.md, "Non-finite values": a NaN or +inf score at a visible key makes the
+// row NaN (out in every column, lse); a -inf score is probability 0 (all -inf: an empty
+// row); NaN in v reaches the columns of the rows that see the key; a masked score is
+// replaced by -inf with a select, and a masked element's P and dS are 0 by a select. The
+// backends implement it as: the running max skips NaN (fmax / std::max), the exponent
+// base of a row with no finite score yet is 0 (exp(NaN - 0) = NaN keeps the NaN in the
+// sum), and a row is empty when its sum is exactly 0 (a NaN sum is not 0).
+
 // ------------------------------------------------------------------ dropout
 
 // Philox4x32-10 (Salmon et al., SC'11).
@@ -285,14 +296,15 @@ struct DropoutRng {
 // over its own keys, merge exactly:
 //   lse = log(sum_s exp(lse_s)),   o = sum_s exp(lse_s - lse) * o_s.
 // A split that saw no key has lse_s = -inf and weight 0; if all did, lse = -inf, o = 0.
+// A NaN lse_s (a NaN row within that split) makes lse NaN and every weight NaN.
 template <typename T>
 FA_HD T merged_lse(const T* lse, int n, std::int64_t stride) {
   T m = -INFINITY;
-  for (int s = 0; s < n; ++s) m = lse[s * stride] > m ? lse[s * stride] : m;
-  if (m == -INFINITY) return -INFINITY;
+  for (int s = 0; s < n; ++s) m = lse[s * stride] > m ? lse[s * stride] : m;  // skips NaN
+  const T base = m == -INFINITY ? T(0) : m;  // exp(-inf - 0) = 0; a NaN lse_s stays NaN
   T sum = 0;
-  for (int s = 0; s < n; ++s) sum += std::exp(lse[s * stride] - m);
-  return m + std::log(sum);
+  for (int s = 0; s < n; ++s) sum += std::exp(lse[s * stride] - base);
+  return sum == T(0) ? T(-INFINITY) : m + std::log(sum);
 }
 
 template <typename T>

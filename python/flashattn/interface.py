@@ -16,10 +16,39 @@ import torch
 from torch import Tensor
 
 from . import ops
-from ._C import UnsupportedError
+from ._C import InvalidArgumentError, UnsupportedError
 from ._checks import INT32_MAX, check_int, check_rank, invalid, shape_text
 from ._checks import window as _checked_window
 from .rotary import rotate
+
+
+# The library names an option by its C++ name (flashattn::Options, "opts.softmax_scale");
+# a caller of these functions passed it as a keyword. An error about one names the keyword,
+# as flash_attn's own checks do, and keeps the C++ name at the end of the message.
+_KEYWORD_OF_OPTION = {
+    "opts.softmax_scale": "softmax_scale",
+    "opts.softcap": "softcap",
+    "opts.dropout_p": "dropout_p",
+    "opts.alibi_slopes": "alibi_slopes",
+    "opts.window_left": "window_size[0]",
+    "opts.window_right": "window_size[1]",
+}
+
+
+def _call(op, *args):
+    """ops.call(op, *args), with an argument error about an option renamed to the keyword
+    of the flash_attn-compatible functions (same class, function, expected and actual)."""
+    try:
+        return ops.call(op, *args)
+    except InvalidArgumentError as e:
+        keyword = _KEYWORD_OF_OPTION.get(getattr(e, "argument", None))
+        if keyword is None:
+            raise
+        renamed = type(e)(f"flashattn::{e.function}: argument '{keyword}': expected {e.expected}, got "
+                          f"{e.actual} (flashattn::Options::{e.argument[len('opts.'):]} in C++)")
+        renamed.function, renamed.argument = e.function, keyword
+        renamed.expected, renamed.actual = e.expected, e.actual
+        raise renamed.with_traceback(e.__traceback__) from None
 
 
 def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
@@ -42,7 +71,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func"):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = ops.call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
+    out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
                                _scale(q, softmax_scale), bool(causal), left, right,
                                float(softcap), float(dropout_p), bool(deterministic), want_probs)
     if return_attn_probs:
@@ -58,7 +87,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = ops.call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+    out, lse, probs = _call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
                                int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
                                left, right, float(softcap), float(dropout_p),
@@ -227,7 +256,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
-    out, lse = ops.call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
+    out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
                         cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
                         v_scale, tree_mask)

@@ -141,6 +141,8 @@ bool cuda_available() noexcept {
   return detail::cuda::built() && detail::cuda::device_count() > 0;
 }
 
+void check_errors(int device) { detail::cuda::raise_index_error(device); }
+
 const char* version() noexcept { return FLASHATTN_VERSION; }
 
 }  // namespace flashattn

@@ -57,6 +57,10 @@ Target resolve_target(const Check& check, const Options& opts, Device device) {
     check.unsupported("q", "a GPU of compute capability >= 8.0 (the sm80 kernel family)",
                       compute_capability_string(cc) + " on " + to_string(device));
   }
+  // A bad index that an earlier call's device check found is this call's error (before
+  // anything of this call runs); flashattn::check_errors() raises it without a call.
+  cuda::prepare_index_checks(device.index, opts.stream);
+  cuda::raise_index_error(device.index);
   return Target::kCUDA;
 }
 
@@ -158,6 +162,9 @@ std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target targ
   const std::int32_t* src = static_cast<const std::int32_t*>(t.data);
   std::vector<std::int32_t> staged;
   if (target == Target::kCUDA) {
+    // FLASHATTN_DEVICE_INDEX_CHECKS=1: no host copy, no synchronisation; the call checks
+    // its indices on the device (cuda::check_indices_on_device), as under graph capture.
+    if (cuda::device_index_checks_only()) return std::nullopt;
     // One copy of the span from the first to the last element, then gather on the host.
     staged.resize(static_cast<std::size_t>((rows - 1) * row_stride + cols));
     if (!cuda::copy_to_host_for_validation(staged.data(), t.data,

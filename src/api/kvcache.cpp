@@ -8,6 +8,7 @@
 
 #include "api/check.hpp"
 #include "api/dispatch.hpp"
+#include "core/backend.hpp"
 #include "flashattn/attention.hpp"
 
 namespace flashattn {
@@ -294,8 +295,10 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 }
 
 // Everything after the shapes; fills p for the forward over the cache.
+// contents_read: false when the index contents could not be read (a captured CUDA stream,
+// or device checks only): the call then checks them on the device.
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
-                      const Options& opts, FwdParams& p) {
+                      const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
   if (opts.dropout_p > 0.0f) {
     c.unsupported("opts.dropout_p", "0 (kvcache_forward is inference only)",
@@ -307,6 +310,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
   const std::int64_t longest = check_kvcache_contents(c, a, dims, target, opts.stream);
+  if (contents_read) *contents_read = longest >= 0;
   detail::api::fill_probs(c, opts, target == Target::kCPU, a.q.device,
                           {dims.b, dims.h_q, dims.s_q, longest}, p);
 
@@ -325,6 +329,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   if (dims.paged) {
     p.block_table = static_cast<const int*>(a.block_table.data);
     p.block_table_batch_stride = a.block_table.stride[0];
+    p.block_table_max_blocks = static_cast<int>(a.block_table.shape[1]);
     p.block_size = dims.block_size;
   }
   if (dims.fp8) {
@@ -353,7 +358,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
              args.q.device);
   }
   FwdParams p;
-  const Target target = check_and_fill(c, args, dims, opts, p);
+  bool contents_read = true;
+  const Target target = check_and_fill(c, args, dims, opts, p, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", args.q}, {"k_cache", args.k_cache}, {"v_cache", args.v_cache},
@@ -388,6 +394,10 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   Scratch scratch;
   detail::api::attach_workspace(c, target, workspace,
                                 detail::api::forward_workspace_size(target, p), p, scratch);
+  if (target == Target::kCUDA && !contents_read) {
+    // Before the append, in stream order (the append and the kernels clamp regardless).
+    detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward);
+  }
 
   if (args.k_new.defined()) {
     AppendParams ap;

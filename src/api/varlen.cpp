@@ -6,6 +6,7 @@
 
 #include "api/check.hpp"
 #include "api/dispatch.hpp"
+#include "core/backend.hpp"
 #include "flashattn/attention.hpp"
 
 namespace flashattn {
@@ -92,19 +93,21 @@ void check_cu_seqlens(const Check& c, std::string_view name, const std::vector<s
   }
 }
 
-void check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
+// Returns false when the contents could not be read (a captured CUDA stream, or device
+// checks only): the call then checks them on the device.
+bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                            Target target, void* stream) {
-  if (const auto cu_q = detail::api::read_int32(a.cu_seqlens_q, target, stream)) {
-    check_cu_seqlens(c, "cu_seqlens_q", *cu_q, dims.total_q, "q.shape[0]", "max_seqlen_q",
-                     a.max_seqlen_q);
-  }
+  const auto cu_q = detail::api::read_int32(a.cu_seqlens_q, target, stream);
+  if (!cu_q) return false;
+  check_cu_seqlens(c, "cu_seqlens_q", *cu_q, dims.total_q, "q.shape[0]", "max_seqlen_q",
+                   a.max_seqlen_q);
   const auto cu_k = detail::api::read_int32(a.cu_seqlens_k, target, stream);
-  if (!cu_k) return;
+  if (!cu_k) return false;
   check_cu_seqlens(c, "cu_seqlens_k", *cu_k, dims.total_k, "k.shape[0]", "max_seqlen_k",
                    a.max_seqlen_k);
-  if (!a.seqused_k.defined()) return;
+  if (!a.seqused_k.defined()) return true;
   const auto used = detail::api::read_int32(a.seqused_k, target, stream);
-  if (!used) return;
+  if (!used) return false;
   for (std::size_t i = 0; i < used->size(); ++i) {
     const std::int32_t len = (*cu_k)[i + 1] - (*cu_k)[i];
     if ((*used)[i] < 0 || (*used)[i] > len) {
@@ -115,17 +118,19 @@ void check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
              at + " = " + std::to_string((*used)[i]));
     }
   }
+  return true;
 }
 
 // Options, backend, backend support, CUDA layouts and index contents: what every
 // varlen entry point checks after the shapes.
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
-                         const Options& opts, FwdParams& p) {
+                         const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
-  check_varlen_contents(c, a, dims, target, opts.stream);
+  const bool read = check_varlen_contents(c, a, dims, target, opts.stream);
+  if (contents_read) *contents_read = read;
   return target;
 }
 
@@ -163,7 +168,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
              args.q.device);
   }
   FwdParams p;
-  const Target target = check_varlen_rest(c, args, dims, opts, p);
+  bool contents_read = true;
+  const Target target = check_varlen_rest(c, args, dims, opts, p, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   detail::api::fill_probs(c, opts, target == Target::kCPU, args.q.device,
                           {dims.h_q, dims.total_q, args.max_seqlen_k}, p);
@@ -177,6 +183,9 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
                                 scratch);
+  if (target == Target::kCUDA && !contents_read) {
+    detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kVarlenForward);
+  }
   detail::api::run_forward(target, p);
 }
 
@@ -193,7 +202,8 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   c.like("dk", dk, "k", args.k);
   c.like("dv", dv, "v", args.v);
   BwdParams p;
-  const Target target = check_varlen_rest(c, args, dims, opts, p);
+  bool contents_read = true;
+  const Target target = check_varlen_rest(c, args, dims, opts, p, &contents_read);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
   c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv}},
@@ -208,6 +218,9 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   Scratch scratch;
   detail::api::attach_workspace(c, target, workspace,
                                 detail::api::backward_workspace_size(target, p), p, scratch);
+  if (target == Target::kCUDA && !contents_read) {
+    detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kVarlenBackward);
+  }
   detail::api::run_backward(target, p);
 }
 

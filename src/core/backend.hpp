@@ -39,6 +39,27 @@ void append_kv(const AppendParams& p);
 // nothing, when the stream is being captured into a CUDA graph: validation of index
 // contents is then skipped and the kernels must stay in bounds on their own.
 bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, void* stream);
+// Device-side index checks, for the calls whose index tensors the host did not read (a
+// captured stream, or FLASHATTN_DEVICE_INDEX_CHECKS=1 for every call): a small kernel, in
+// stream order before the call's kernels, checks cu_seqlens_q / _k (and max_seqlen_q / _k),
+// seqused_k, cache_seqlens, cache_batch_idx and the used block_table entries as the host
+// would, and records the first bad value per device in mapped host memory. The kernels
+// clamp the values meanwhile (params.hpp). Not checked there: KV-cache append targets
+// written twice (the host's check_append_targets).
+enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2 };
+// Enqueues the check of p's index tensors on p.stream; false when it could not (no record
+// memory: the kernels' clamps still apply).
+bool check_indices_on_device(const FwdParams& p, IndexCall call);
+// Raises, as InvalidArgument naming the tensor, entry, expected range and value, the bad
+// index a device check recorded on `device` (-1: every device) and clears it. Does not
+// synchronise: it sees the checks that have run by now.
+void raise_index_error(int device);
+// Allocates the device's error record if it is missing and `stream` is not being captured
+// (every CUDA call does this first; a captured call cannot allocate).
+void prepare_index_checks(int device, void* stream);
+// FLASHATTN_DEVICE_INDEX_CHECKS=1 (read once): eager calls skip the host copy and
+// synchronisation too, and check on the device.
+bool device_index_checks_only();
 // Stream-ordered scratch allocation for calls given no workspace.
 void* alloc_async(std::size_t bytes, void* stream);
 void free_async(void* ptr, void* stream);

@@ -58,6 +58,7 @@ struct FwdParams {
   const int* cache_batch_idx = nullptr;  // [batch] or null: cache row of sequence b
   const int* block_table = nullptr;      // [batch, max_blocks] or null (dense)
   std::int64_t block_table_batch_stride = 0;
+  int block_table_max_blocks = 0;        // block_table's second extent (paged only)
   int block_size = 0;  // rows per block (paged only)
   // The cache tensors' first two extents: kv_cache_rows = b_cache (dense) or num_blocks
   // (paged), kv_cache_len = s_cache or block_size (bounds of the sm90 tensor copies).
@@ -118,30 +119,59 @@ struct FwdParams {
   FA_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FA_HD bool is_paged() const { return block_table != nullptr; }
 
-  FA_HD int seq_len_q(int b) const {
-    return cu_seqlens_q ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : seqlen_q;
+  // ---- index guards ----
+  // The index tensors (cu_seqlens_q / _k, seqused_k, cache_seqlens, cache_batch_idx,
+  // block_table) are checked on the host before a call runs, except while its CUDA stream
+  // is captured into a graph (nothing can be read back then, and a graph's replays may
+  // see other contents). Every read of them, on the host and in the kernels, goes through
+  // the helpers below, which clamp each value into what the tensors hold, so that no
+  // contents address memory outside q, k, v, out, lse and the caches. Checked values pass
+  // unchanged; docs/semantics.md ("Index tensors the host could not check") states what
+  // clamped ones compute. A few integer operations per read, none per element.
+  FA_HD static int clamp_index(std::int64_t v, std::int64_t lo, std::int64_t hi) {
+    if (hi < lo) hi = lo;
+    return static_cast<int>(v < lo ? lo : v > hi ? hi : v);
   }
+  // cu_seqlens_q[b] in [0, total_q]; the end cu_seqlens_q[b + 1] in [start, total_q].
+  FA_HD int q_start(int b) const { return clamp_index(cu_seqlens_q[b], 0, total_q); }
+  FA_HD int q_end(int b) const { return clamp_index(cu_seqlens_q[b + 1], q_start(b), total_q); }
+  FA_HD int k_start(int b) const { return clamp_index(cu_seqlens_k[b], 0, total_k); }
+  FA_HD int k_end(int b) const { return clamp_index(cu_seqlens_k[b + 1], k_start(b), total_k); }
+  // Keys a KV-cache row can hold: s_cache (dense) or max_blocks * block_size (paged).
+  FA_HD std::int64_t cache_capacity() const {
+    return block_table ? std::int64_t(block_table_max_blocks) * block_size : std::int64_t(kv_cache_len);
+  }
+  // Keys stored for sequence b (varlen: its cu_seqlens_k range), the bound of seqused_k.
+  FA_HD int stored_len_k(int b) const { return cu_seqlens_k ? k_end(b) - k_start(b) : seqlen_k; }
+
+  FA_HD int seq_len_q(int b) const { return cu_seqlens_q ? q_end(b) - q_start(b) : seqlen_q; }
   FA_HD int seq_len_k(int b) const {
-    if (seqused_k) return seqused_k[b];
-    if (cache_seqlens) return cache_seqlens[b] + seqlen_k_new;
-    if (cu_seqlens_k) return cu_seqlens_k[b + 1] - cu_seqlens_k[b];
-    return seqlen_k;
+    if (seqused_k) return clamp_index(seqused_k[b], 0, stored_len_k(b));
+    if (cache_seqlens) {
+      return clamp_index(cache_seqlens[b], 0, cache_capacity() - seqlen_k_new) + seqlen_k_new;
+    }
+    return stored_len_k(b);
   }
   FA_HD std::int64_t q_offset(int b) const {
-    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * q_row_stride
-                        : std::int64_t(b) * q_batch_stride;
+    return cu_seqlens_q ? std::int64_t(q_start(b)) * q_row_stride : std::int64_t(b) * q_batch_stride;
   }
   FA_HD std::int64_t o_offset(int b) const {
-    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * o_row_stride
-                        : std::int64_t(b) * o_batch_stride;
+    return cu_seqlens_q ? std::int64_t(q_start(b)) * o_row_stride : std::int64_t(b) * o_batch_stride;
   }
   FA_HD std::int64_t lse_offset(int b, int h) const {
-    return cu_seqlens_q ? std::int64_t(h) * lse_head_stride + cu_seqlens_q[b]
+    return cu_seqlens_q ? std::int64_t(h) * lse_head_stride + q_start(b)
                         : std::int64_t(b) * lse_batch_stride + std::int64_t(h) * lse_head_stride;
   }
   // Packed row index of query 0 of sequence b (varlen), else 0.
-  FA_HD std::int64_t q_row0(int b) const { return cu_seqlens_q ? cu_seqlens_q[b] : 0; }
-  FA_HD int cache_row(int b) const { return cache_batch_idx ? cache_batch_idx[b] : b; }
+  FA_HD std::int64_t q_row0(int b) const { return cu_seqlens_q ? q_start(b) : 0; }
+  // cache_batch_idx[b] in [0, kv_cache_rows).
+  FA_HD int cache_row(int b) const {
+    return cache_batch_idx ? clamp_index(cache_batch_idx[b], 0, kv_cache_rows - 1) : b;
+  }
+  // block_table[b][t] in [0, num_blocks) (kv_cache_rows is the cache's block count).
+  FA_HD int block_id(int b, std::int64_t t) const {
+    return clamp_index(block_table[std::int64_t(b) * block_table_batch_stride + t], 0, kv_cache_rows - 1);
+  }
   // Element offset of key j of sequence b, KV head g (for k; v uses its own strides).
   FA_HD std::int64_t k_offset(int b, std::int64_t j, int g) const {
     return kv_row_offset(b, j, k_batch_stride, k_row_stride) + std::int64_t(g) * k_head_stride;
@@ -152,16 +182,16 @@ struct FwdParams {
   FA_HD std::int64_t kv_row_offset(int b, std::int64_t j, std::int64_t batch_stride,
                                    std::int64_t row_stride) const {
     if (block_table) {
-      const int blk = block_table[std::int64_t(b) * block_table_batch_stride + j / block_size];
+      const int blk = block_id(b, j / block_size);
       return std::int64_t(blk) * batch_stride + (j % block_size) * row_stride;
     }
-    if (cu_seqlens_k) return (std::int64_t(cu_seqlens_k[b]) + j) * row_stride;
+    if (cu_seqlens_k) return (std::int64_t(k_start(b)) + j) * row_stride;
     return std::int64_t(cache_row(b)) * batch_stride + j * row_stride;
   }
   // The block (paged) or cache row (dense) holding key j of sequence b: the first
   // index of per-(block, head) fp8 scales.
   FA_HD std::int64_t kv_block(int b, std::int64_t j) const {
-    if (block_table) return block_table[std::int64_t(b) * block_table_batch_stride + j / block_size];
+    if (block_table) return block_id(b, j / block_size);
     return cache_row(b);
   }
   FA_HD float alibi_slope(int b, int h) const {
@@ -186,20 +216,18 @@ struct BwdParams : FwdParams {
   std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
 
   FA_HD std::int64_t do_offset(int b) const {
-    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * do_row_stride
-                        : std::int64_t(b) * do_batch_stride;
+    return cu_seqlens_q ? std::int64_t(q_start(b)) * do_row_stride : std::int64_t(b) * do_batch_stride;
   }
   FA_HD std::int64_t dq_offset(int b) const {
-    return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * dq_row_stride
-                        : std::int64_t(b) * dq_batch_stride;
+    return cu_seqlens_q ? std::int64_t(q_start(b)) * dq_row_stride : std::int64_t(b) * dq_batch_stride;
   }
   FA_HD std::int64_t dk_offset(int b, std::int64_t j, int g) const {
-    return (cu_seqlens_k ? (std::int64_t(cu_seqlens_k[b]) + j) * dk_row_stride
+    return (cu_seqlens_k ? (std::int64_t(k_start(b)) + j) * dk_row_stride
                          : std::int64_t(b) * dk_batch_stride + j * dk_row_stride) +
            std::int64_t(g) * dk_head_stride;
   }
   FA_HD std::int64_t dv_offset(int b, std::int64_t j, int g) const {
-    return (cu_seqlens_k ? (std::int64_t(cu_seqlens_k[b]) + j) * dv_row_stride
+    return (cu_seqlens_k ? (std::int64_t(k_start(b)) + j) * dv_row_stride
                          : std::int64_t(b) * dv_batch_stride + j * dv_row_stride) +
            std::int64_t(g) * dv_head_stride;
   }

@@ -77,7 +77,7 @@ class Backward {
 
   // Keys stored for sequence b (dk/dv rows to write); s_k(b) of them take part.
   int stored_keys(int b) const {
-    return p_.cu_seqlens_k ? p_.cu_seqlens_k[b + 1] - p_.cu_seqlens_k[b] : p_.seqlen_k;
+    return p_.stored_len_k(b);
   }
 
   // Rows i0 .. i0 + rows of (b, h): q, dO, lse and D = rowsum(dO * O).
@@ -151,23 +151,19 @@ class Backward {
         continue;
       }
       const T delta = t.delta[r];
+      const T* kr = dropout ? &t.keep[std::size_t(r) * kBlockN] : nullptr;
+      // A masked key (score -inf) gets P = 0 and dS = 0 by a select, not by 0 * x: a NaN
+      // row (NaN lse, dO, D) or a NaN dP (a NaN value row) must not reach the keys and
+      // rows the mask separates (docs/semantics.md, non-finite values).
 #pragma omp simd
-      for (int j = 0; j < kBlockN; ++j) sr[j] = E::exp(std::min(sr[j] - lse, T(0)));
-      if (dropout) {
-        const T* kr = &t.keep[std::size_t(r) * kBlockN];
-#pragma omp simd
-        for (int j = 0; j < kBlockN; ++j) {
-          const T kept = kr[j] * rp;
-          dsr[j] = sr[j] * (dsr[j] * kept - delta);
-          sr[j] *= kept;
-        }
-      } else {
-#pragma omp simd
-        for (int j = 0; j < kBlockN; ++j) dsr[j] = sr[j] * (dsr[j] - delta);
-      }
-      if (cr) {
-#pragma omp simd
-        for (int j = 0; j < kBlockN; ++j) dsr[j] *= semantics::softcap_grad<T>(cr[j], softcap);
+      for (int j = 0; j < kBlockN; ++j) {
+        const bool visible = sr[j] != -static_cast<T>(INFINITY);
+        const T pr = E::exp(std::min(sr[j] - lse, T(0)));
+        const T kept = dropout ? kr[j] * rp : T(1);
+        T ds = pr * (dsr[j] * kept - delta);
+        if (cr) ds *= semantics::softcap_grad<T>(cr[j], softcap);
+        dsr[j] = visible ? ds : T(0);
+        sr[j] = visible ? pr * kept : T(0);
       }
     }
   }

@@ -250,19 +250,19 @@ class Forward {
       for (int l = 0; l < kW; ++l) block_max = std::max(block_max, lane[l]);
       const T m_old = t.row_max[r];
       const T m_new = std::max(m_old, block_max);
-      if (m_new == -static_cast<T>(INFINITY)) {
-        // Nothing visible to this row yet: no probability mass, nothing to rescale.
-        std::fill(sr, sr + kBlockN, T(0));
-        continue;
-      }
+      // The max skips NaN scores (std::max keeps its first argument); they reach the sum
+      // below instead, which makes the row's sum, lse and output NaN (docs/semantics.md,
+      // non-finite values). A row with no finite score yet (all -inf or NaN) takes 0 as
+      // its exponent base: exp(-inf - 0) = 0, exp(NaN) = NaN, never -inf - -inf.
+      const T base = m_new == -static_cast<T>(INFINITY) ? T(0) : m_new;
       T sum = 0;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < kBlockN; ++j) {
-        const T e = E::exp(sr[j] - m_new);
+        const T e = E::exp(sr[j] - base);
         sr[j] = e;
         sum += e;
       }
-      const T alpha = E::exp(m_old - m_new);
+      const T alpha = E::exp(m_old - base);
       t.row_sum[r] = t.row_sum[r] * alpha + sum;
       t.row_max[r] = m_new;
       if (alpha != T(1)) {
@@ -278,9 +278,10 @@ class Forward {
     }
   }
 
-  // lse of each row from the running max / sum (-inf for rows that saw nothing).
+  // lse of each row from the running max / sum: -inf for rows that saw nothing (sum 0),
+  // NaN for rows whose sum is NaN (a NaN or +inf score: max + log(NaN)).
   static T row_lse(const ForwardTile<E>& t, int r) {
-    return t.row_sum[r] > T(0) ? t.row_max[r] + std::log(t.row_sum[r]) : -static_cast<T>(INFINITY);
+    return t.row_sum[r] == T(0) ? -static_cast<T>(INFINITY) : t.row_max[r] + std::log(t.row_sum[r]);
   }
 
   void store_out_row(int b, int h, int i, const T* o, T factor) const {
@@ -317,7 +318,8 @@ class Forward {
         const T* sr = &t.s[std::size_t(r) * kBlockN];
         float* dst = row_ptr(r) + j0;
         for (int j = 0; j < n; ++j) {
-          const T pr = E::exp(std::min(sr[j] - t.lse[r], T(0)));
+          // Masked keys (-inf) are 0 also in a NaN row (exp(-inf - NaN) would be NaN).
+          const T pr = sr[j] == -static_cast<T>(INFINITY) ? T(0) : E::exp(std::min(sr[j] - t.lse[r], T(0)));
           dst[j] = static_cast<float>(dropout ? pr * t.keep[std::size_t(r) * kBlockN + j] : pr);
         }
       }

@@ -23,6 +23,10 @@ void backward(const BwdParams&) { not_built(); }
 std::size_t backward_workspace_size(const BwdParams&) { return 0; }
 void append_kv(const AppendParams&) { not_built(); }
 bool copy_to_host_for_validation(void*, const void*, std::size_t, void*) { return false; }
+bool check_indices_on_device(const FwdParams&, IndexCall) { return false; }
+void raise_index_error(int) {}
+void prepare_index_checks(int, void*) {}
+bool device_index_checks_only() { return false; }
 void* alloc_async(std::size_t, void*) { not_built(); }
 void free_async(void*, void*) {}
 

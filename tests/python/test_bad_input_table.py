@@ -111,7 +111,7 @@ ROWS = [
     ("q_k_v_int32", "func", all_to(torch.int32, "q", "k", "v"), E, "q", "a floating-point dtype", "int32"),
     ("mixed_k_float32", "func", all_to(torch.float32, "k"), E, "k", "dtype float64 (same as q)", "float32"),
     ("mixed_v_bfloat16", "func", all_to(torch.bfloat16, "v"), E, "v", "dtype float64 (same as k)", "bfloat16"),
-    ("alibi_float64", "func", setter(alibi_slopes=torch.ones(H_Q, dtype=F64)), E, "opts.alibi_slopes", "dtype float32", "float64"),
+    ("alibi_float64", "func", setter(alibi_slopes=torch.ones(H_Q, dtype=F64)), E, "alibi_slopes", "dtype float32", "float64"),
     ("varlen_mixed_k_float16", "varlen", all_to(torch.float16, "k", "v"), E, "k", "dtype float64 (same as q)", "float16"),
     ("kv_mixed_k_new_float32", "kvcache", all_to(torch.float32, "k", "v"), E, "k_new", "dtype float64 (same as q)", "float32"),
     ("kv_mixed_cache_float32", "kvcache", all_to(torch.float32, "k_cache", "v_cache"), E, "k_cache", "float64", "float32"),
@@ -132,23 +132,23 @@ ROWS = [
     ("window_int_min", "varlen", setter(window_size=(-2**31, 0)), E, "window_size", "(-1 = unbounded)", "-2147483648"),
     ("kv_window_-3", "kvcache", setter(window_size=(-3, -3)), E, "window_size", "ints in [-1", "(-3, -3)"),
     # -------------------------------------------------------------- softmax_scale, softcap
-    ("softmax_scale_nan", "func", setter(softmax_scale=float("nan")), E, "opts.softmax_scale", "a finite value", "nan"),
-    ("softmax_scale_inf", "func", setter(softmax_scale=float("inf")), E, "opts.softmax_scale", "a finite value", "inf"),
-    ("varlen_softmax_scale_-inf", "varlen", setter(softmax_scale=float("-inf")), E, "opts.softmax_scale", "a finite value", "-inf"),
-    ("softcap_nan", "func", setter(softcap=float("nan")), E, "opts.softcap", "a finite value >= 0", "nan"),
-    ("softcap_inf", "func", setter(softcap=float("inf")), E, "opts.softcap", "a finite value >= 0", "inf"),
-    ("kv_softcap_nan", "kvcache", setter(softcap=float("nan")), E, "opts.softcap", "a finite value >= 0", "nan"),
-    ("kv_softmax_scale_inf", "kvcache", setter(softmax_scale=float("inf")), E, "opts.softmax_scale", "a finite value", "inf"),
+    ("softmax_scale_nan", "func", setter(softmax_scale=float("nan")), E, "softmax_scale", "a finite value", "nan"),
+    ("softmax_scale_inf", "func", setter(softmax_scale=float("inf")), E, "softmax_scale", "a finite value", "inf"),
+    ("varlen_softmax_scale_-inf", "varlen", setter(softmax_scale=float("-inf")), E, "softmax_scale", "a finite value", "-inf"),
+    ("softcap_nan", "func", setter(softcap=float("nan")), E, "softcap", "a finite value >= 0", "nan"),
+    ("softcap_inf", "func", setter(softcap=float("inf")), E, "softcap", "a finite value >= 0", "inf"),
+    ("kv_softcap_nan", "kvcache", setter(softcap=float("nan")), E, "softcap", "a finite value >= 0", "nan"),
+    ("kv_softmax_scale_inf", "kvcache", setter(softmax_scale=float("inf")), E, "softmax_scale", "a finite value", "inf"),
     # -------------------------------------------------------------- dropout
-    ("dropout_1", "func", setter(dropout_p=1.0), E, "opts.dropout_p", "a value in [0, 1)", "1"),
-    ("dropout_negative", "func", setter(dropout_p=-0.25), E, "opts.dropout_p", "a value in [0, 1)", "-0.25"),
-    ("dropout_nan", "func", setter(dropout_p=float("nan")), E, "opts.dropout_p", "a value in [0, 1)", "nan"),
-    ("varlen_dropout_1.5", "varlen", setter(dropout_p=1.5), E, "opts.dropout_p", "a value in [0, 1)", "1.5"),
+    ("dropout_1", "func", setter(dropout_p=1.0), E, "dropout_p", "a value in [0, 1)", "1"),
+    ("dropout_negative", "func", setter(dropout_p=-0.25), E, "dropout_p", "a value in [0, 1)", "-0.25"),
+    ("dropout_nan", "func", setter(dropout_p=float("nan")), E, "dropout_p", "a value in [0, 1)", "nan"),
+    ("varlen_dropout_1.5", "varlen", setter(dropout_p=1.5), E, "dropout_p", "a value in [0, 1)", "1.5"),
     # -------------------------------------------------------------- alibi shapes
-    ("alibi_shape_h_k", "func", setter(alibi_slopes=torch.ones(H_K)), E, "opts.alibi_slopes", "shape [4] or [2, 4]", "[2]"),
-    ("alibi_shape_transposed", "func", setter(alibi_slopes=torch.ones(H_Q, B)), E, "opts.alibi_slopes", "shape [4] or [2, 4]", "[4, 2]"),
-    ("varlen_alibi_shape", "varlen", setter(alibi_slopes=torch.ones(2, H_Q)), E, "opts.alibi_slopes", "shape [4] or [3, 4]", "[2, 4]"),
-    ("kv_alibi_shape", "kvcache", setter(alibi_slopes=torch.ones(H_Q + 1)), E, "opts.alibi_slopes", "shape [4] or [2, 4]", "[5]"),
+    ("alibi_shape_h_k", "func", setter(alibi_slopes=torch.ones(H_K)), E, "alibi_slopes", "shape [4] or [2, 4]", "[2]"),
+    ("alibi_shape_transposed", "func", setter(alibi_slopes=torch.ones(H_Q, B)), E, "alibi_slopes", "shape [4] or [2, 4]", "[4, 2]"),
+    ("varlen_alibi_shape", "varlen", setter(alibi_slopes=torch.ones(2, H_Q)), E, "alibi_slopes", "shape [4] or [3, 4]", "[2, 4]"),
+    ("kv_alibi_shape", "kvcache", setter(alibi_slopes=torch.ones(H_Q + 1)), E, "alibi_slopes", "shape [4] or [2, 4]", "[5]"),
     # -------------------------------------------------------------- devices
     ("mixed_devices_k_meta", "func", setter(k=lambda kw: kw["k"].to(META)), E, "k", "a tensor on cpu", "a tensor on meta"),
     ("mixed_devices_alibi_meta", "func", setter(alibi_slopes=torch.ones(H_Q, device=META)), E, "alibi_slopes", "a tensor on cpu", "meta"),
@@ -213,6 +213,22 @@ def test_bad_input(name, entry, mutate, cls, argument, expected, actual):
     after = snapshot(kw)
     for n, t in before.items():
         assert torch.equal(t, after[n]), f"a rejected call wrote '{n}'"
+
+
+def test_option_errors_name_the_keyword_and_keep_the_cxx_name():
+    # The library calls the option opts.softcap; the caller passed softcap=.
+    fn, kw = baseline("kvcache")
+    kw["softcap"] = float("nan")
+    with pytest.raises(InvalidArgumentError) as info:
+        fn(**kw)
+    e = info.value
+    assert (e.function, e.argument, e.actual) == ("kvcache_forward", "softcap", "nan"), str(e)
+    assert str(e).startswith("flashattn::kvcache_forward: argument 'softcap': expected "), str(e)
+    assert str(e).endswith(" (flashattn::Options::softcap in C++)"), str(e)
+    # The op (the binding's names) keeps the C++ name.
+    with pytest.raises(InvalidArgumentError, match=r"argument 'opts\.softmax_scale'"):
+        ops.fwd(rand(B, S_Q, H_Q, D), rand(B, S_K, H_K, D), rand(B, S_K, H_K, D), None, None,
+                float("nan"), False, -1, -1, 0.0, 0.0, False, False)
 
 
 # ------------------------------------------------------------------ valid edge cases

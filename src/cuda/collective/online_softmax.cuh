@@ -7,7 +7,9 @@
 // the raw dot products come in, log2(e) when they are already scaled), so each
 // probability is one FFMA and one ex2; to_log2 must be > 0. A row whose scores so far are
 // all -inf keeps max -inf; its exponent base is taken as 0 so that exp2(-inf - base) = 0,
-// never NaN.
+// never NaN. Non-finite scores (docs/semantics.md): fmaxf skips a NaN score, whose
+// exp2 then makes the row's sum NaN; a +inf score makes exp2(inf - inf) = NaN; either way
+// finalize gives NaN out and lse. The sum, once NaN, stays NaN (NaN * correction).
 #pragma once
 
 #include <cmath>
@@ -156,7 +158,9 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
-      const bool empty = sum == 0.0f || row_max[r] == -INFINITY;
+      // Empty means sum 0 only: a row whose scores were all NaN keeps max -inf (fmaxf skips
+      // NaN) but has a NaN sum, and must give NaN out and lse, not the empty row's 0 / -inf.
+      const bool empty = sum == 0.0f;
       inv[r] = empty ? 0.0f : out_scale / sum;
       // lse = max (natural) + ln(sum) with max (natural) = max * to_log2 * ln 2
       lse[r] = empty ? -INFINITY : (row_max[r] * to_log2 + log2f(sum)) * 0.6931471805599453f;

@@ -81,14 +81,15 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
   for (int s = lane + 32; s < n; s += 32) m = fmaxf(m, __ldcg(lse_s + s * rows));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    sum = expf(my_ls - m);
-    for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - m);
-  }
+  // semantics::merged_lse: fmaxf skips a NaN lse_s, whose exp then makes the sum and lse
+  // NaN (and every weight, so the merged row is NaN); base 0 when no split saw a key
+  // (exp(-inf) = 0, sum 0, lse -inf).
+  const float mb = m == -INFINITY ? 0.0f : m;
+  float sum = expf(my_ls - mb);
+  for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - mb);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = m == -INFINITY ? -INFINITY : m + logf(sum);
+  const float lse = sum == 0.0f ? -INFINITY : m + logf(sum);
   if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
   const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
   auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +

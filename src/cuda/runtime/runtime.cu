@@ -5,7 +5,10 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "core/backend.hpp"
@@ -65,6 +68,240 @@ bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, 
   return true;
 }
 
+// ------------------------------------------------------------------ device index checks
+
+namespace {
+
+// The first bad index a device check found on a device, in mapped (zero-copy) host memory:
+// a check kernel (one block) lets one of its threads report (a shared-memory claim), which
+// writes the fields of a record in state 0 and then publishes state 2; the host reads a
+// record in state 2 and resets it to 0. No atomics on the mapped memory (they would not be
+// atomic for the host); two check kernels racing on two streams could mix their fields.
+struct IndexErrorRecord {
+  int state;
+  int call;      // IndexCall
+  int argument;  // IndexArg
+  int entry, entry2;
+  long long value, lo, hi;
+};
+
+enum IndexArg : int { kCuQ, kCuK, kMaxQ, kMaxK, kSequsedK, kCacheSeqlens, kCacheBatchIdx, kBlockTable };
+
+constexpr int kMaxDevices = 64;
+IndexErrorRecord* g_records[kMaxDevices] = {};
+std::mutex g_records_mutex;
+
+// The record of a device; with `allocate`, allocated if missing (nullptr if that fails).
+// Allocation happens only outside stream capture (prepare_index_checks): under a global-mode
+// capture the allocation would invalidate the capture. A captured call on a device that
+// never ran an eager call goes unchecked (its kernels still clamp).
+IndexErrorRecord* record_of(int device, bool allocate) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  std::lock_guard<std::mutex> lock(g_records_mutex);
+  if (g_records[device] == nullptr && allocate) {
+    void* host = nullptr;
+    if (cudaHostAlloc(&host, sizeof(IndexErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable) !=
+        cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    *static_cast<IndexErrorRecord*>(host) = IndexErrorRecord{};
+    g_records[device] = static_cast<IndexErrorRecord*>(host);
+  }
+  return g_records[device];
+}
+
+struct IndexCheckArgs {
+  IndexErrorRecord* record;  // device pointer of the mapped record
+  int call, batch;
+  const int* cu_q;
+  const int* cu_k;
+  const int* seqused_k;
+  long long total_q, total_k;
+  int max_q, max_k;
+  const int* cache_seqlens;
+  int s_new;
+  long long capacity;
+  const int* cache_batch_idx;
+  int cache_rows;
+  const int* block_table;
+  long long table_stride;
+  int max_blocks, block_size;
+};
+
+__device__ void report(const IndexCheckArgs& a, int* claim, int argument, int entry, int entry2,
+                       long long value, long long lo, long long hi) {
+  if (atomicCAS(claim, 0, 1) != 0) return;  // one report per check kernel
+  volatile IndexErrorRecord* r = a.record;
+  if (r->state != 0) return;  // an earlier error is still pending
+  r->call = a.call;
+  r->argument = argument;
+  r->entry = entry;
+  r->entry2 = entry2;
+  r->value = value;
+  r->lo = lo;
+  r->hi = hi;
+  __threadfence_system();
+  r->state = 2;
+}
+
+// cu_seqlens[b] for b in [0, batch]: [0] == 0, non-decreasing, the last <= total, and no
+// sequence longer than max_seqlen (the host's check_cu_seqlens).
+__device__ void check_cu(const IndexCheckArgs& a, int* claim, const int* cu, long long total, int max_len,
+                         int arg, int max_arg, int b) {
+  const long long v = cu[b];
+  if (b == 0) {
+    if (v != 0) report(a, claim, arg, 0, -1, v, 0, 0);
+    return;
+  }
+  const long long prev = cu[b - 1];
+  if (v < prev || v > total) {
+    report(a, claim, arg, b, -1, v, prev, total);
+  } else if (v - prev > max_len) {
+    report(a, claim, max_arg, b - 1, -1, max_len, v - prev, INT_MAX);
+  }
+}
+
+__global__ void index_check_kernel(const __grid_constant__ IndexCheckArgs a) {
+  __shared__ int claim;
+  if (threadIdx.x == 0) claim = 0;
+  __syncthreads();
+  for (int b = threadIdx.x; b <= a.batch; b += blockDim.x) {
+    if (a.cu_q) check_cu(a, &claim, a.cu_q, a.total_q, a.max_q, kCuQ, kMaxQ, b);
+    if (a.cu_k) check_cu(a, &claim, a.cu_k, a.total_k, a.max_k, kCuK, kMaxK, b);
+    if (b == a.batch) continue;
+    if (a.seqused_k) {
+      const long long len = a.cu_k ? (long long)a.cu_k[b + 1] - a.cu_k[b] : 0;
+      const long long u = a.seqused_k[b];
+      if (u < 0 || u > len) report(a, &claim, kSequsedK, b, -1, u, 0, len);
+    }
+    if (a.cache_seqlens) {
+      const long long len = a.cache_seqlens[b];
+      if (len < 0 || len > a.capacity - a.s_new) report(a, &claim, kCacheSeqlens, b, -1, len, 0, a.capacity - a.s_new);
+    }
+    if (a.cache_batch_idx) {
+      const long long r = a.cache_batch_idx[b];
+      if (r < 0 || r >= a.cache_rows) report(a, &claim, kCacheBatchIdx, b, -1, r, 0, a.cache_rows - 1);
+    }
+  }
+  if (a.block_table) {
+    const long long entries = (long long)a.batch * a.max_blocks;
+    for (long long e = threadIdx.x; e < entries; e += blockDim.x) {
+      const int b = static_cast<int>(e / a.max_blocks), t = static_cast<int>(e % a.max_blocks);
+      long long keys = (long long)a.cache_seqlens[b];
+      keys = (keys < 0 ? 0 : keys > a.capacity - a.s_new ? a.capacity - a.s_new : keys) + a.s_new;
+      if ((long long)t * a.block_size >= keys) continue;  // an entry no key uses
+      const long long id = a.block_table[b * a.table_stride + t];
+      if (id < 0 || id >= a.cache_rows) report(a, &claim, kBlockTable, b, t, id, 0, a.cache_rows - 1);
+    }
+  }
+}
+
+const char* call_name(int call) {
+  switch (call) {
+    case 0: return "varlen_forward";
+    case 1: return "varlen_backward";
+    default: return "kvcache_forward";
+  }
+}
+
+}  // namespace
+
+bool device_index_checks_only() {
+  static const bool only = [] {
+    const char* v = std::getenv("FLASHATTN_DEVICE_INDEX_CHECKS");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return only;
+}
+
+void prepare_index_checks(int device, void* stream) {
+  if (record_of(device, false) != nullptr) return;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) != cudaSuccess) {
+    cudaGetLastError();  // the legacy stream under a global-mode capture elsewhere
+    return;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return;
+  DeviceGuard guard(device);
+  record_of(device, true);
+}
+
+bool check_indices_on_device(const FwdParams& p, IndexCall call) {
+  DeviceGuard guard(p.device_index);
+  IndexErrorRecord* host = record_of(p.device_index, false);
+  if (host == nullptr) return false;
+  IndexCheckArgs a{};
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  a.record = static_cast<IndexErrorRecord*>(dev);
+  a.call = static_cast<int>(call);
+  a.batch = p.batch;
+  a.cu_q = p.cu_seqlens_q;
+  a.cu_k = p.cu_seqlens_k;
+  a.seqused_k = p.seqused_k;
+  a.total_q = p.total_q;
+  a.total_k = p.total_k;
+  a.max_q = p.seqlen_q;  // varlen: max_seqlen_q / _k
+  a.max_k = p.seqlen_k;
+  a.cache_seqlens = p.cache_seqlens;
+  a.s_new = p.seqlen_k_new;
+  a.capacity = p.cache_capacity();
+  a.cache_batch_idx = p.cache_batch_idx;
+  a.cache_rows = p.kv_cache_rows;
+  a.block_table = p.block_table;
+  a.table_stride = p.block_table_batch_stride;
+  a.max_blocks = p.block_table_max_blocks;
+  a.block_size = p.block_size;
+  index_check_kernel<<<1, 256, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  return true;
+}
+
+void raise_index_error(int device) {
+  for (int d = device < 0 ? 0 : device; d < (device < 0 ? kMaxDevices : device + 1) && d < kMaxDevices; ++d) {
+    IndexErrorRecord* r = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(g_records_mutex);
+      r = g_records[d];
+    }
+    if (r == nullptr) continue;
+    volatile IndexErrorRecord* v = r;
+    if (v->state != 2) continue;
+    const IndexErrorRecord e{2, v->call, v->argument, v->entry, v->entry2, v->value, v->lo, v->hi};
+    v->state = 0;
+    static const char* const names[] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                        "seqused_k",    "cache_seqlens", "cache_batch_idx", "block_table"};
+    const std::string name = names[e.argument];
+    std::string where = " (found on cuda:";
+    where += std::to_string(d);
+    where += " by the device check of an earlier ";
+    where += call_name(e.call);
+    where += " call)";
+    std::string at = name;
+    at += '[';
+    at += std::to_string(e.entry);
+    at += ']';
+    if (e.argument == kBlockTable) {
+      at += '[';
+      at += std::to_string(e.entry2);
+      at += ']';
+    }
+    if (e.argument == kMaxQ || e.argument == kMaxK) {
+      throw InvalidArgument(call_name(e.call), name,
+                            ">= " + std::to_string(e.lo) + " (the length of sequence " + std::to_string(e.entry) +
+                                " in cu_seqlens_" + (e.argument == kMaxQ ? "q" : "k") + ")",
+                            std::to_string(e.value) + where);
+    }
+    throw InvalidArgument(call_name(e.call), name,
+                          at + " in [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) + "]",
+                          at + " = " + std::to_string(e.value) + where);
+  }
+}
+
 void* alloc_async(std::size_t bytes, void* stream) {
   if (bytes == 0) return nullptr;
   void* ptr = nullptr;
@@ -90,7 +327,21 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p) {
   const int chunk = static_cast<int>(idx % chunks_per_row);
   const int head = static_cast<int>((idx / chunks_per_row) % p.h_k);
   const int r = static_cast<int>(idx / (std::int64_t(chunks_per_row) * p.h_k));
-  const std::int64_t j = std::int64_t(p.cache.cache_seqlens[b]) + r;
+  // Index guards (params.hpp; the host checks them except under graph capture): a
+  // destination outside the cache (cache_seqlens[b] < 0 or past capacity - s_new, a
+  // cache_batch_idx or block id out of range) is not written; the attention then reads
+  // the clamped positions (docs/semantics.md).
+  const std::int64_t len = p.cache.cache_seqlens[b];
+  if (len < 0 || len > p.cache.cache_capacity() - p.seqlen_new) return;
+  const std::int64_t j = len + r;
+  if (p.cache.cache_batch_idx != nullptr) {
+    const int row = p.cache.cache_batch_idx[b];
+    if (row < 0 || row >= p.cache.kv_cache_rows) return;
+  }
+  if (p.cache.block_table != nullptr) {
+    const int blk = p.cache.block_table[std::int64_t(b) * p.cache.block_table_batch_stride + j / p.cache.block_size];
+    if (blk < 0 || blk >= p.cache.kv_cache_rows) return;
+  }
   const int col = chunk * 8;
   const auto* kn = static_cast<const std::uint16_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
                    std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
 #pragma unroll
   for (int off = kRowThreads / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
   if (active && sub == 0) {
-    const std::int64_t row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+    const std::int64_t row0 = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
     ws.dpsum[h * ws.rows_total + row0 + i] = sum;
   }
 }

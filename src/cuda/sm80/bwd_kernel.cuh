@@ -96,7 +96,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   const int s_q = p.seq_len_q(b);
   const int s_k = p.seq_len_k(b);
   // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
-  const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
+  const int len_k = p.stored_len_k(b);
   const int n0 = n_block * kBlockN;
   if (n0 >= len_k) return;
   const int diag_off = s_k - s_q;  // query i's diagonal key is i + diag_off
@@ -127,7 +127,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
 
   const Element* const q_ptr = static_cast<const Element*>(p.q);
   const Element* const do_ptr = static_cast<const Element*>(p.dout);
-  const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+  const std::int64_t row0_ws = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
 
   // Per-sequence bases, read once (varlen offsets come from global memory).
   const Element* const q_seq = q_ptr + p.q_offset(b);
@@ -291,12 +291,19 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
               if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
               prob = fast_exp2(x * kLog2e - lse2[mt][hf]);
             }
+            float dp = acc_dp[mt][nt][e];
+            float row_d = dsum[mt][hf];
             if (kMasked) {
-              // semantics::key_visible for a row i < s_q, else nothing
+              // semantics::key_visible for a row i < s_q, else nothing. A masked element
+              // gets P = 0 and dS = 0 * (0 - 0) by selects, not 0 * (dP - D): a NaN dO row
+              // (dP, D) or a NaN value row (dP) must not reach dQ / dK across the mask, nor
+              // the keys past s_k (docs/semantics.md, non-finite values).
               const bool visible = (j >= vis_lo[hf]) & (j <= vis_hi[hf]);
               prob = visible ? prob : 0.0f;
+              dp = visible ? dp : 0.0f;
+              row_d = visible ? row_d : 0.0f;
+              if (kGeneral) cap_grad = visible ? cap_grad : 1.0f;  // a NaN score's tanh'
             }
-            float dp = acc_dp[mt][nt][e];
             float prob_dropped = prob;
             if (kGeneral && has_dropout) {
               const bool keep = rnd.x[e] >= p.rng.threshold;
@@ -304,9 +311,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
               prob_dropped = keep ? prob * p.rp_dropout : 0.0f;
             }
             if (kGeneral) {
-              acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]) * cap_grad;  // dS
+              acc_dp[mt][nt][e] = prob * (dp - row_d) * cap_grad;  // dS
             } else {
-              acc_dp[mt][nt][e] = prob * (dp - dsum[mt][hf]);
+              acc_dp[mt][nt][e] = prob * (dp - row_d);
             }
             acc_s[mt][nt][e] = prob_dropped;
           }

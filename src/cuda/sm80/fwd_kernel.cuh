@@ -178,8 +178,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       const Element* k_src = k_base;
       const Element* v_src = v_base;
       if (valid) {
-        const std::int64_t blk =
-            p.block_table[std::int64_t(b) * p.block_table_batch_stride + j / p.block_size];
+        const std::int64_t blk = p.block_id(b, j / p.block_size);  // clamped (params.hpp)
         const int in_block = j % p.block_size;
         k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
         v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;

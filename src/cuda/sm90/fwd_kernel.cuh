@@ -196,9 +196,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         const WorkTile w = work_tile<kBlockM, kBlockN>(p, u, part, args.m_blocks);
         if (!w.valid) continue;
         const int g = w.h / p.h_ratio;
-        const int q_row = p.is_varlen() ? p.cu_seqlens_q[w.b] + w.m0 : w.m0;
+        const int q_row = p.is_varlen() ? p.q_start(w.b) + w.m0 : w.m0;
         const int q_b = p.is_varlen() ? 0 : w.b;
-        const int k_row0 = p.cu_seqlens_k != nullptr ? p.cu_seqlens_k[w.b] : 0;
+        const int k_row0 = p.cu_seqlens_k != nullptr ? p.k_start(w.b) : 0;
         const int k_b = p.cu_seqlens_k != nullptr || p.is_paged() ? 0 : p.cache_row(w.b);
         // The consumers free Q once their last S = Q K^T of the previous tile is done.
         mbar_wait(empty_q, (q_it & 1) ^ 1);
@@ -228,7 +228,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           const int* table = p.block_table + std::int64_t(w.b) * p.block_table_batch_stride;
           for (int ch = 0; ch < chunks; ++ch) {
             const int j = j0 + ch * rows;
-            const int page = table[j / p.block_size];
+            // block_id's clamp (params.hpp), on the hoisted row of the table
+            const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
               tma_load_4d(dst + c * kBlockN * 128 + ch * rows * 128, map, c * 64, j % p.block_size, g, page, bar);
@@ -472,7 +473,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const bool empty = sum == 0.0f || row_max[half] == -INFINITY;
+      // sum 0 only: an all-NaN row keeps max -inf but has a NaN sum, hence NaN out and lse
+      // (online_softmax.cuh, docs/semantics.md).
+      const bool empty = sum == 0.0f;
       inv[half] = empty ? 0.0f : 1.0f / sum;
       lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
     }

@@ -1,0 +1,152 @@
+// Device runs of the host test cases (support/cases.hpp) for the CUDA suites that need a
+// kernel family chosen per call: each copies the case's tensors to cuda:0, poisons the
+// outputs, calls the public API with opts.kernel_family = `family`, and downloads the
+// results into the case, so the host-side checks apply unchanged.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "core/backend.hpp"
+#include "cuda/device_copy.hpp"
+#include "flashattn/attention.hpp"
+#include "support/cases.hpp"
+
+namespace flashattn::test {
+
+// The families this GPU runs: sm80 everywhere, sm90 on compute capability 9.0.
+inline std::vector<KernelFamily> gpu_families() {
+  std::vector<KernelFamily> f{KernelFamily::kSm80};
+  if (detail::cuda::compute_capability(0) == 90) f.push_back(KernelFamily::kSm90);
+  return f;
+}
+
+inline const char* family_str(KernelFamily f) {
+  return f == KernelFamily::kSm90 ? "sm90" : f == KernelFamily::kSm80 ? "sm80" : "auto";
+}
+
+// The head dims of this build among `wanted` (at least one of 64, 128 is always built).
+inline std::vector<int> built_head_dims(std::initializer_list<int> wanted) {
+  std::vector<int> d;
+  for (int x : wanted)
+    if (detail::cuda::supports_head_dim(x)) d.push_back(x);
+  return d;
+}
+
+inline Options device_options(Options opts, const std::vector<float>& alibi, const HostTensor& alibi_t,
+                              KernelFamily family, std::unique_ptr<DeviceCopy>& holder) {
+  opts.kernel_family = family;
+  if (!alibi.empty()) {
+    holder = std::make_unique<DeviceCopy>(alibi_t);
+    opts.alibi_slopes = holder->view();
+  }
+  return opts;
+}
+
+inline void cuda_forward(DenseCase& c, KernelFamily family) {
+  c.poison_forward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse);
+  std::unique_ptr<DeviceCopy> alibi;
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
+  ASSERT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  out.download(c.out);
+  lse.download(c.lse);
+}
+
+// The backward of c's out / lse as they are (from whichever backend filled them).
+inline void cuda_backward(DenseCase& c) {
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+  std::unique_ptr<DeviceCopy> alibi;
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, KernelFamily::kAuto, alibi);
+  ASSERT_NO_THROW(flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(),
+                                      dq.view(), dk.view(), dv.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+}
+
+// Device copies of a varlen case's inputs and the VarlenArgs over them.
+struct DeviceVarlen {
+  DeviceCopy q, k, v, cu_q, cu_k;
+  std::unique_ptr<DeviceCopy> used;
+  VarlenArgs args;
+  explicit DeviceVarlen(const VarlenCase& c) : q(c.q), k(c.k), v(c.v), cu_q(c.cu_q_t), cu_k(c.cu_k_t) {
+    args = c.args();
+    args.q = q.view();
+    args.k = k.view();
+    args.v = v.view();
+    args.cu_seqlens_q = cu_q.view();
+    args.cu_seqlens_k = cu_k.view();
+    if (!c.seqused_k.empty()) {
+      used = std::make_unique<DeviceCopy>(c.seqused_t);
+      args.seqused_k = used->view();
+    }
+  }
+};
+
+inline void cuda_varlen_forward(VarlenCase& c, KernelFamily family) {
+  c.poison_forward();
+  DeviceVarlen d(c);
+  DeviceCopy out(c.out), lse(c.lse);
+  std::unique_ptr<DeviceCopy> alibi;
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
+  ASSERT_NO_THROW(flashattn::varlen_forward(d.args, out.view(), lse.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  out.download(c.out);
+  lse.download(c.lse);
+}
+
+inline void cuda_varlen_backward(VarlenCase& c) {
+  c.poison_backward();
+  DeviceVarlen d(c);
+  DeviceCopy out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+  std::unique_ptr<DeviceCopy> alibi;
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, KernelFamily::kAuto, alibi);
+  ASSERT_NO_THROW(flashattn::varlen_backward(d.args, dout.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                                             dv.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+}
+
+// A KV-cache call on the device (caches copied from c, so c's own caches stay as they
+// were before the append); out / lse downloaded into c.
+inline void cuda_kvcache(KVCacheCase& c, KernelFamily family) {
+  c.poison_outputs();
+  DeviceCopy q(c.q), kc(c.k_cache), vc(c.v_cache), lens(c.cache_lens_t), table(c.block_table_t),
+      idx(c.batch_idx_t), kn(c.k_new), vn(c.v_new), out(c.out), lse(c.lse);
+  KVCacheArgs a = c.args();
+  a.q = q.view();
+  a.k_cache = kc.view();
+  a.v_cache = vc.view();
+  a.cache_seqlens = lens.view();
+  if (a.block_table.defined()) a.block_table = table.view();
+  if (a.cache_batch_idx.defined()) a.cache_batch_idx = idx.view();
+  if (a.k_new.defined()) {
+    a.k_new = kn.view();
+    a.v_new = vn.view();
+  }
+  std::unique_ptr<DeviceCopy> ks, vs;
+  if (c.cfg.fp8) {
+    ks = std::make_unique<DeviceCopy>(c.k_scale);
+    vs = std::make_unique<DeviceCopy>(c.v_scale);
+    a.k_scale = ks->view();
+    a.v_scale = vs->view();
+  }
+  std::unique_ptr<DeviceCopy> alibi;
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
+  ASSERT_NO_THROW(flashattn::kvcache_forward(a, out.view(), lse.view(), opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  out.download(c.out);
+  lse.download(c.lse);
+}
+
+}  // namespace flashattn::test
