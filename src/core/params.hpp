@@ -132,11 +132,22 @@ struct FwdParams {
     if (hi < lo) hi = lo;
     return static_cast<int>(v < lo ? lo : v > hi ? hi : v);
   }
-  // cu_seqlens_q[b] in [0, total_q]; the end cu_seqlens_q[b + 1] in [start, total_q].
-  FA_HD int q_start(int b) const { return clamp_index(cu_seqlens_q[b], 0, total_q); }
-  FA_HD int q_end(int b) const { return clamp_index(cu_seqlens_q[b + 1], q_start(b), total_q); }
-  FA_HD int k_start(int b) const { return clamp_index(cu_seqlens_k[b], 0, total_k); }
-  FA_HD int k_end(int b) const { return clamp_index(cu_seqlens_k[b + 1], k_start(b), total_k); }
+  // cu_seqlens_q[b] in [0, min(total_q, b * max_seqlen_q)]; the end cu_seqlens_q[b + 1] in
+  // [start, min(total_q, start + max_seqlen_q)] (varlen: seqlen_q holds max_seqlen_q). The
+  // max_seqlen bounds keep every row inside the backward's workspace, whose query tiles
+  // and D rows are laid out per sequence by max_seqlen_q (bwd_workspace.hpp); valid
+  // cu_seqlens meet them already.
+  FA_HD int q_start(int b) const { return clamp_index(cu_seqlens_q[b], 0, min64(total_q, std::int64_t(b) * seqlen_q)); }
+  FA_HD int q_end(int b) const {
+    const int start = q_start(b);
+    return clamp_index(cu_seqlens_q[b + 1], start, min64(total_q, std::int64_t(start) + seqlen_q));
+  }
+  FA_HD int k_start(int b) const { return clamp_index(cu_seqlens_k[b], 0, min64(total_k, std::int64_t(b) * seqlen_k)); }
+  FA_HD int k_end(int b) const {
+    const int start = k_start(b);
+    return clamp_index(cu_seqlens_k[b + 1], start, min64(total_k, std::int64_t(start) + seqlen_k));
+  }
+  FA_HD static std::int64_t min64(std::int64_t a, std::int64_t b) { return a < b ? a : b; }
   // Keys a KV-cache row can hold: s_cache (dense) or max_blocks * block_size (paged).
   FA_HD std::int64_t cache_capacity() const {
     return block_table ? std::int64_t(block_table_max_blocks) * block_size : std::int64_t(kv_cache_len);

@@ -25,6 +25,8 @@ TEST(IndexGuards, VarlenRangesClampIntoThePackedTensors) {
   p.cu_seqlens_k = cu_k.data();
   p.total_q = 50;
   p.total_k = 60;
+  p.seqlen_q = 50;  // max_seqlen_q / _k: no bound below the totals here
+  p.seqlen_k = 60;
   p.q_row_stride = 8;
   p.o_row_stride = 16;
   p.lse_head_stride = 50;
@@ -99,6 +101,31 @@ TEST(IndexGuards, CacheIndicesClampIntoTheCache) {
   EXPECT_EQ(p.k_offset(1, 35, 0), 3 * 1000 + 3 * 10);  // block_table[1][2] = 3, row 3
 }
 
+// max_seqlen_q / _k bound each sequence (start <= b * max, length <= max), so that a captured
+// call's rows stay inside the backward workspace laid out by them.
+TEST(IndexGuards, VarlenRangesClampToMaxSeqlen) {
+  // total_q = 100, max_seqlen_q = 10: sequence 0 claims 40 rows, sequence 1 starts at 60.
+  const std::vector<int> cu = {0, 40, 70, 100};
+  FwdParams p;
+  p.batch = 3;
+  p.cu_seqlens_q = cu.data();
+  p.cu_seqlens_k = cu.data();
+  p.total_q = p.total_k = 100;
+  p.seqlen_q = 10;
+  p.seqlen_k = 35;
+  EXPECT_EQ(p.q_start(0), 0);
+  EXPECT_EQ(p.seq_len_q(0), 10);
+  EXPECT_EQ(p.q_start(1), 10);  // 40 > 1 * 10
+  EXPECT_EQ(p.seq_len_q(1), 10);
+  EXPECT_EQ(p.q_start(2), 20);
+  EXPECT_EQ(p.seq_len_q(2), 10);
+  for (int b = 0; b < 3; ++b) EXPECT_LE(p.q_start(b) + p.seq_len_q(b), (b + 1) * p.seqlen_q);
+  EXPECT_EQ(p.k_start(1), 35);  // 40 > 1 * 35
+  EXPECT_EQ(p.stored_len_k(1), 35);
+  EXPECT_EQ(p.k_start(2), 70);
+  EXPECT_EQ(p.stored_len_k(2), 30);
+}
+
 // Valid values pass unchanged: the eager (checked) calls compute what they did.
 TEST(IndexGuards, ValidValuesPassUnchanged) {
   const std::vector<int> cu = {0, 5, 5, 12}, used = {5, 0, 7};
@@ -107,6 +134,7 @@ TEST(IndexGuards, ValidValuesPassUnchanged) {
   p.cu_seqlens_q = cu.data();
   p.cu_seqlens_k = cu.data();
   p.total_q = p.total_k = 12;
+  p.seqlen_q = p.seqlen_k = 7;  // the longest sequence
   for (int b = 0; b < 3; ++b) {
     EXPECT_EQ(p.q_start(b), cu[b]);
     EXPECT_EQ(p.seq_len_q(b), cu[b + 1] - cu[b]);

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   const int g = blockIdx.y, b = blockIdx.z;
   const int s_q = p.seq_len_q(b), s_k = p.seq_len_k(b);
   // Rows of dk / dv this sequence owns; keys in [s_k, len_k) (seqused_k) get zeros.
-  const int len_k = p.cu_seqlens_k ? p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b] : p.seqlen_k;
+  const int len_k = p.stored_len_k(b);
   const int n0 = n_block * kBlockN;
   if (n0 >= len_k) return;
   const int shift = s_k - s_q;  // query i's diagonal key is i + shift
@@ -178,9 +178,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if (warp == 0 && n_iter > 0) {
       const bool leader = lane == 0;
-      const int q_row0 = p.cu_seqlens_q ? p.cu_seqlens_q[b] : 0;
+      const int q_row0 = p.cu_seqlens_q ? p.q_start(b) : 0;
       const int q_b = p.cu_seqlens_q ? 0 : b;
-      const int k_row0 = p.cu_seqlens_k ? p.cu_seqlens_k[b] : 0;
+      const int k_row0 = p.cu_seqlens_k ? p.k_start(b) : 0;
       const int k_b = p.cu_seqlens_k ? 0 : b;
       if (leader) {
         prefetch_tensor_map(&args.tmap_q);
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           tma_load_4d(sV + c * kBlockN * 128, &args.tmap_v, c * 64, k_row0 + n0, g, k_b, full_kv);
         }
       }
-      const std::int64_t row0_ws = p.cu_seqlens_q ? p.cu_seqlens_q[b] : std::int64_t(b) * p.seqlen_q;
+      const std::int64_t row0_ws = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
       int h = g * p.h_ratio, m_block = m_begin;
       for (int it = 0; it < n_iter; ++it) {
         const int stage = it % kStages;
@@ -453,7 +453,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         } else {
           wgmma_wait<0>();  // dP^T
         }
-        // dS^T = P^T (dP^T - D); masked elements are 0 whatever dP holds.
+        // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D hold
+        // (a visible probability that underflowed to 0 still carries a NaN dO row's NaN,
+        // docs/semantics.md rule 5).
 #pragma unroll
         for (int c = 0; c < kBlockM / 8; ++c) {
           const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
@@ -463,8 +465,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
             dp[r] = s[r] * (dp[r] - dd.x);
             dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
             if (masked) {
-              dp[r] = s[r] == 0.0f ? 0.0f : dp[r];
-              dp[r + 1] = s[r + 1] == 0.0f ? 0.0f : dp[r + 1];
+              const int i = m0 + 8 * c + 2 * (lane % 4);
+              dp[r] = i >= vis_lo[half] && i <= vis_hi[half] ? dp[r] : 0.0f;
+              dp[r + 1] = i + 1 >= vis_lo[half] && i + 1 <= vis_hi[half] ? dp[r + 1] : 0.0f;
             }
           }
         }
