@@ -170,7 +170,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_varlen_inputs(args, dims, p);
   set_varlen_outputs(out, lse, p);
@@ -194,13 +195,16 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   c.like("dv", dv, "v", args.v);
   BwdParams p;
   const Target target = check_varlen_rest(c, args, dims, opts, p);
+  detail::api::fill_sink_grad(c, opts, args.q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv},
+                {"opts.learnable_sink_grad", opts.learnable_sink_grad}},
                {{"dout", dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"out", out},
                 {"lse", lse}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_varlen_inputs(args, dims, p);
   set_varlen_outputs(out, lse, p);

@@ -85,6 +85,9 @@ struct FwdParams {
   const float* alibi_slopes = nullptr;  // [h_q] or [b, h_q]
   std::int64_t alibi_batch_stride = 0;  // 0 when [h_q]
 
+  // Learnable sink: fp32 [h_q] logits joining every row's softmax denominator, or null.
+  const float* sink = nullptr;
+
   // Dropout.
   float dropout_p = 0.0f;
   float rp_dropout = 1.0f;  // 1 / (1 - p)
@@ -164,6 +167,7 @@ struct FwdParams {
     if (block_table) return block_table[std::int64_t(b) * block_table_batch_stride + j / block_size];
     return cache_row(b);
   }
+  FA_HD float sink_logit(int h) const { return sink ? sink[h] : -INFINITY; }
   FA_HD float alibi_slope(int b, int h) const {
     return alibi_slopes ? alibi_slopes[std::int64_t(b) * alibi_batch_stride + h] : 0.0f;
   }
@@ -184,6 +188,8 @@ struct BwdParams : FwdParams {
   std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   void* dv = nullptr;
   std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  // fp32 [h_q] gradient of the learnable sink (overwritten), or null; needs sink.
+  float* dsink = nullptr;
 
   FA_HD std::int64_t do_offset(int b) const {
     return cu_seqlens_q ? std::int64_t(cu_seqlens_q[b]) * do_row_stride

@@ -283,6 +283,9 @@ class Forward {
     return t.row_sum[r] > T(0) ? t.row_max[r] + std::log(t.row_sum[r]) : -static_cast<T>(INFINITY);
   }
 
+  // The learnable sink of query head h in the compute type (-inf without one).
+  T sink_of(int h) const { return static_cast<T>(p_.sink_logit(h)); }
+
   void store_out_row(int b, int h, int i, const T* o, T factor) const {
     S* out = static_cast<S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride +
              std::int64_t(i) * p_.o_row_stride;
@@ -378,14 +381,18 @@ class Forward {
         attend(t, b, rs, s_q, s_k, kb0, kb1);
         for (int r = 0; r < rows; ++r) {
           const T lse = row_lse(t, r);
-          const T factor = lse == -static_cast<T>(INFINITY)
-                               ? T(0)
-                               : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
+          T factor = lse == -static_cast<T>(INFINITY)
+                         ? T(0)
+                         : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
           const T* o = &t.acc[std::size_t(r) * t.dp];
           if (splits == 1) {
+            // The sink joins the denominator once, after every key (split partials get it
+            // after their merge).
+            const T total = semantics::lse_with_sink<T>(lse, sink_of(rs.h(r)));
+            if (p_.sink) factor *= semantics::sink_rescale<T>(lse, total);
             store_out_row(b, rs.h(r), rs.i(r), o, factor);
-            store_lse(b, rs.h(r), rs.i(r), lse);
-            t.lse[r] = lse;
+            store_lse(b, rs.h(r), rs.i(r), total);
+            t.lse[r] = total;
           } else {
             const std::int64_t pr = part_row(split, b, rs.h(r), rs.i(r));
             T* dst = o_part + pr * p_.d;
@@ -410,9 +417,11 @@ class Forward {
           const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
           for (int r = 0; r < rows; ++r) {
             const std::int64_t pr0 = part_row(0, b, h, i0 + r);
-            const T lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+            const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+            // With a sink, the merge weights are taken against the lse that includes it.
+            const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
             std::fill(merged.begin(), merged.end(), T(0));
-            if (lse != -static_cast<T>(INFINITY)) {
+            if (keys_lse != -static_cast<T>(INFINITY)) {
               for (int s = 0; s < splits; ++s) {
                 const std::int64_t pr = pr0 + s * split_stride;
                 const T w = semantics::merge_weight<T>(lse_part[pr], lse);

@@ -78,6 +78,10 @@ void forward(const FwdParams& in) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
   }
+  if (in.sink != nullptr) {
+    throw Unsupported(kFn, "opts.learnable_sink", "no learnable sink on CUDA yet (CPU backend only)",
+                      "a learnable_sink tensor");
+  }
   FwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;
@@ -102,6 +106,10 @@ std::size_t forward_workspace_size(const FwdParams& p) { return sm80::forward_wo
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
   check_common(kFn, in);
+  if (in.sink != nullptr) {
+    throw Unsupported(kFn, "opts.learnable_sink", "no learnable sink on CUDA yet (CPU backend only)",
+                      "a learnable_sink tensor");
+  }
   if (in.batch == 0 || in.h_q == 0) return;
   BwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);

@@ -37,6 +37,35 @@ std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch) {
   return s;
 }
 
+std::vector<float> random_sink(Rng& rng, int h_q, double lo, double hi) {
+  std::vector<float> s(sz(h_q));
+  for (float& x : s) x = static_cast<float>(uniform_real(rng, lo, hi));
+  return s;
+}
+
+void SinkInputs::set(std::vector<float> values) {
+  logits = std::move(values);
+  const int h = static_cast<int>(logits.size());
+  tensor = float_tensor(logits, {h});
+  grad = HostTensor(DType::kFloat32, {h});
+  grad.fill_nan();
+}
+
+void SinkInputs::apply(Options& o) const {
+  if (logits.empty()) return;
+  o.learnable_sink = tensor.view();
+  if (want_grad) o.learnable_sink_grad = grad.view();
+}
+
+void SinkInputs::poison_grad() {
+  if (!logits.empty()) grad.fill_nan();
+}
+
+std::vector<double> SinkInputs::grad_values() const {
+  if (logits.empty() || !want_grad) return {};
+  return grad.to_double();
+}
+
 // ------------------------------------------------------------------ dense
 
 DenseCase DenseCase::random(Rng& rng, const Shape& shape, DType dtype, double stddev) {
@@ -69,6 +98,7 @@ void DenseCase::want_probs() {
 
 Options DenseCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -80,6 +110,7 @@ RefProblem DenseCase::problem() const {
   p.h_k = shape.h_k;
   p.d = shape.d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   for (int b = 0; b < shape.batch; ++b) {
     RefSeq s;
     s.s_q = shape.s_q;
@@ -100,6 +131,7 @@ void DenseCase::poison_forward() {
 }
 
 void DenseCase::poison_backward() {
+  sink.poison_grad();
   dq.fill_nan();
   dk.fill_nan();
   dv.fill_nan();
@@ -167,6 +199,7 @@ void VarlenCase::want_probs() { probs = HostTensor(DType::kFloat32, {h_q, total_
 
 Options VarlenCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -191,6 +224,7 @@ RefProblem VarlenCase::problem() const {
   p.h_k = h_k;
   p.d = d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   for (int b = 0; b < batch(); ++b) {
     RefSeq s;
     s.s_q = len_q(b);
@@ -211,6 +245,7 @@ void VarlenCase::poison_forward() {
 }
 
 void VarlenCase::poison_backward() {
+  sink.poison_grad();
   dq.fill_nan();
   dk.fill_nan();
   dv.fill_nan();
@@ -447,6 +482,7 @@ void KVCacheCase::set_alibi(std::vector<float> slopes, bool per_batch) {
 
 Options KVCacheCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   return o;
 }
@@ -482,6 +518,7 @@ RefProblem KVCacheCase::problem() const {
   p.h_k = cfg.h_k;
   p.d = cfg.d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   const std::int64_t rows_per = k_cache.size(1), width = std::int64_t(cfg.h_k) * cfg.d;
   for (int b = 0; b < cfg.batch; ++b) {
     RefSeq s;

@@ -18,6 +18,22 @@ namespace flashattn::test {
 // Random ALiBi slopes in (0, 1], [h_q] or [batch * h_q].
 std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch);
 
+// Random learnable sink logits [h_q] in [lo, hi] (gpt-oss's trained sinks sit around 0..3).
+std::vector<float> random_sink(Rng& rng, int h_q, double lo = -2.0, double hi = 3.0);
+
+// A learnable sink for a case: the host logits, their fp32 [h_q] tensor and, for the
+// backward, the fp32 [h_q] gradient output (learnable_sink_grad).
+struct SinkInputs {
+  std::vector<float> logits;  // empty = no sink
+  HostTensor tensor, grad;
+  bool want_grad = true;
+  void set(std::vector<float> values);
+  void apply(Options& o) const;  // learnable_sink (and learnable_sink_grad) when set
+  void poison_grad();
+  std::vector<double> grad_values() const;  // empty without a sink or a gradient
+  std::vector<double> as_double() const { return {logits.begin(), logits.end()}; }
+};
+
 // ------------------------------------------------------------------ dense
 struct DenseCase {
   Shape shape;
@@ -29,6 +45,7 @@ struct DenseCase {
   std::vector<float> alibi;   // host slopes; empty = off
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;            // learnable sink (and its gradient), filled in by call_options()
   Options opts;               // alibi_slopes / return_probs are filled in by call_options()
 
   static DenseCase random(Rng& rng, const Shape& shape, DType dtype, double stddev = 1.0);
@@ -55,6 +72,7 @@ struct VarlenCase {
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;
   Options opts;
 
   int batch() const { return static_cast<int>(cu_q.size()) - 1; }
@@ -136,6 +154,7 @@ struct KVCacheCase {
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;
   Options opts;
   int num_splits = 1;
 
