@@ -214,6 +214,8 @@ struct CommonOptions {
   OptOut return_probs;
   std::uintptr_t stream = 0;
   PyInt num_threads;
+  OptIn learnable_sink;
+  OptOut learnable_sink_grad;
 
   fa::Options build() const {
     fa::Options o;
@@ -230,6 +232,8 @@ struct CommonOptions {
     o.stream = reinterpret_cast<void*>(stream);
     o.num_threads = int32_in(num_threads, "num_threads");
     o.return_probs = to_tensor(return_probs, "return_probs");
+    o.learnable_sink = to_tensor(learnable_sink, "learnable_sink");
+    o.learnable_sink_grad = to_tensor(learnable_sink_grad, "learnable_sink_grad");
     return o;
   }
 };
@@ -307,12 +311,14 @@ void register_exceptions(nb::module_& m) {
 #define FA_COMMON_ARGS                                                                      \
   std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
       double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
-      bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads
+      bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
+      OptIn learnable_sink, OptOut learnable_sink_grad
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
-        seed, offset, deterministic, return_probs, stream, num_threads                  \
+        seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
+        learnable_sink_grad                                                             \
   }
 
 // The keyword arguments of CommonOptions, all optional.
@@ -322,7 +328,8 @@ void register_exceptions(nb::module_& m) {
       nb::arg("alibi_slopes") = nb::none(), nb::arg("dropout_p") = 0.0,                    \
       nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
       nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
-      nb::arg("num_threads") = 0
+      nb::arg("num_threads") = 0, nb::arg("learnable_sink") = nb::none(),                  \
+      nb::arg("learnable_sink_grad") = nb::none()
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
                            const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,
