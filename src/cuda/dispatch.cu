@@ -9,6 +9,10 @@
 //              is null, else sm80 (logged)
 //   backward   sm80                               sm80
 //
+// A learnable sink (FwdParams::sink) runs in every family: it joins the row max and sum in
+// the epilogues (sm80 forward and decode, sm90 forward) or the split merge; the sm80
+// backward adds a small kernel for its gradient (BwdParams::dsink).
+//
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"
@@ -21,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "core/backend.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
@@ -78,10 +83,6 @@ void forward(const FwdParams& in) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
   }
-  if (in.sink != nullptr) {
-    throw Unsupported(kFn, "opts.learnable_sink", "no learnable sink on CUDA yet (CPU backend only)",
-                      "a learnable_sink tensor");
-  }
   FwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;
@@ -106,11 +107,15 @@ std::size_t forward_workspace_size(const FwdParams& p) { return sm80::forward_wo
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
   check_common(kFn, in);
-  if (in.sink != nullptr) {
-    throw Unsupported(kFn, "opts.learnable_sink", "no learnable sink on CUDA yet (CPU backend only)",
-                      "a learnable_sink tensor");
+  if (in.batch == 0 || in.h_q == 0) {
+    // No rows: d sink (when asked for) is 0; nothing else to write.
+    if (in.dsink != nullptr && in.h_q > 0) {
+      DeviceGuard guard(in.device_index);
+      FLASHATTN_CUDA_CHECK(cudaMemsetAsync(in.dsink, 0, sizeof(float) * std::size_t(in.h_q),
+                                           static_cast<cudaStream_t>(in.stream)));
+    }
+    return;
   }
-  if (in.batch == 0 || in.h_q == 0) return;
   BwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;

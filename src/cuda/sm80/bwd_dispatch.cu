@@ -1,6 +1,6 @@
-// The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the main kernel
-// of the compiled head-dim bucket, and the postprocess (dQ = scale * dq_accum in the
-// output type).
+// The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the learnable
+// sink's gradient (when asked for), the main kernel of the compiled head-dim bucket, and
+// the postprocess (dQ = scale * dq_accum in the output type).
 #include <cstdint>
 #include <string>
 
@@ -70,6 +70,47 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
   }
 }
 
+// The learnable sink's gradient, d sink[h] = -sum over the rows i of every sequence of
+// exp(sink[h] - lse_i) * D_i (semantics::sink_prob; D from the preprocess), one block per
+// query head: a fixed assignment of rows to threads and a fixed reduction tree, so the
+// result is the same bits on every run (no atomics). The main kernel needs nothing for the
+// sink: lse includes it, so the P it recomputes are normalised with it, and D stays
+// rowsum(dO * O) (the sink carries no value). Rows are the packed rows of varlen
+// (cu_seqlens_q[batch] of them, in sequence order) or b * seqlen_q + i.
+constexpr int kSinkThreads = 256;
+__global__ void __launch_bounds__(kSinkThreads) bwd_sink_grad_kernel(const __grid_constant__ BwdParams p,
+                                                                     const BwdWorkspace ws) {
+  const int h = blockIdx.x;
+  const float sink = p.sink[h];
+  const std::int64_t rows =
+      p.cu_seqlens_q ? std::int64_t(p.cu_seqlens_q[p.batch]) : std::int64_t(p.batch) * p.seqlen_q;
+  const float* dpsum = ws.dpsum + std::int64_t(h) * ws.rows_total;
+  float acc = 0.0f;
+  if (sink != -INFINITY) {
+    for (std::int64_t row = threadIdx.x; row < rows; row += kSinkThreads) {
+      float lse;
+      if (p.cu_seqlens_q) {
+        lse = p.lse[std::int64_t(h) * p.lse_head_stride + row];
+      } else {
+        const std::int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
+        lse = p.lse[b * p.lse_batch_stride + std::int64_t(h) * p.lse_head_stride + i];
+      }
+      acc -= semantics::sink_prob(sink, lse) * dpsum[row];
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  __shared__ float warp_sums[kSinkThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSinkThreads / 32; ++w) total += warp_sums[w];
+    p.dsink[h] = total;
+  }
+}
+
 // dq[b, i, h, :] = scale * dq_accum[(b, i / kBwdBlockM, h), (i % kBwdBlockM, :)] in the
 // output type, every row of every sequence (rows no key tile reached hold the zeros of
 // the memset). A thread converts one 8-column slab of a row: in the fragment order of
@@ -103,6 +144,10 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   const dim3 row_grid((p.seqlen_q + kRowsPerBlock - 1) / kRowsPerBlock, p.h_q, p.batch);
   if (row_grid.x > 0) {
     bwd_dot_do_o_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
+    FLASHATTN_CUDA_CHECK(cudaGetLastError());
+  }
+  if (p.dsink != nullptr) {  // also with no query rows: d sink is then 0
+    bwd_sink_grad_kernel<<<p.h_q, kSinkThreads, 0, stream>>>(p, ws);
     FLASHATTN_CUDA_CHECK(cudaGetLastError());
   }
   bool launched = p.seqlen_k == 0;

@@ -465,16 +465,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       kv_it += n_tiles;
     }
 
-    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row
+    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row.
+    // A learnable sink joins each row's max and sum here (log2 units), outside the key loop.
     float inv[2], lse[2];
+    const float sink_log2 = p.sink != nullptr ? p.sink[w.h] * 1.4426950408889634f : -INFINITY;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const bool empty = sum == 0.0f || row_max[half] == -INFINITY;
-      inv[half] = empty ? 0.0f : 1.0f / sum;
-      lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+      if (sink_log2 != -INFINITY) {
+        // The base moves to max(row max, sink): neither term overflows; a row that saw no
+        // key gets factor 0 and lse = the sink.
+        const float base = empty ? -INFINITY : row_max[half] * to_log2;
+        const float top = fmaxf(base, sink_log2);
+        const float keys = empty ? 0.0f : sum * fast_exp2(base - top);
+        const float total = keys + fast_exp2(sink_log2 - top);
+        inv[half] = empty ? 0.0f : fast_exp2(base - top) / total;
+        lse[half] = (top + log2f(total)) * 0.6931471805599453f;
+      } else {
+        inv[half] = empty ? 0.0f : 1.0f / sum;
+        lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+      }
     }
     Element* const o_base =
         static_cast<Element*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
