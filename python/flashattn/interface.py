@@ -73,7 +73,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
-                      fn="flashattn.flash_attn_varlen_func", learnable_sink=None):
+                      fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
+                      seqused_q=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
@@ -82,7 +83,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
                                int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
                                left, right, float(softcap), float(dropout_p),
-                               bool(deterministic), want_probs, _sink(fn, learnable_sink))
+                               bool(deterministic), want_probs, _sink(fn, learnable_sink),
+                               seqused_q)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -139,18 +141,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           learnable_sink=None):
+                           learnable_sink=None, seqused_q=None, seqused_k=None):
     """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
     -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
-    is not supported (UnsupportedError)."""
+    is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
+    names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
+    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
     if block_table is not None:
         raise UnsupportedError(
             "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
             "(a paged KV cache is supported by flash_attn_with_kvcache only), got a tensor")
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs,
-                             learnable_sink=learnable_sink)
+                             alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
+                             learnable_sink=learnable_sink, seqused_q=seqused_q)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -365,9 +365,10 @@ def _fwd_setup_context(ctx, inputs, output):
                    deterministic)
 
 
-def _sink_grad(ctx, learnable_sink, dsink):
-    """The sink's gradient for autograd: None when it needs none (or there is no sink)."""
-    if learnable_sink is None or not ctx.needs_input_grad[-1]:
+def _sink_grad(ctx, learnable_sink, dsink, index=-1):
+    """The sink's gradient for autograd (the op's input `index`): None when it needs none
+    (or there is no sink)."""
+    if learnable_sink is None or not ctx.needs_input_grad[index]:
         return None
     return dsink.to(learnable_sink.dtype)
 
@@ -416,17 +417,21 @@ def _varlen_fwd(
     deterministic: bool,
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0])."""
+    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
+    seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
+    rest: out 0, lse -inf)."""
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
-                      return_probs=_dl(probs) if return_probs else None, **opts)
+                      return_probs=_dl(probs) if return_probs else None, **opts,
+                      seqused_q=_dl(_prepare(seqused_q)))
     return out, lse, probs
 
 
@@ -437,9 +442,9 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs, learnable_sink=None):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
@@ -465,10 +470,12 @@ def _varlen_bwd(
     dropout_p: float,
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink); dsink fp32 [h_q] with a learnable_sink, else empty [0]."""
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink)
+                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
+                  seqused_q=seqused_q)
     dq, dk, dv = _like(q), _like(k), _like(v)
     dsink = _sink_grad_output(q, q.shape[1], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
@@ -480,7 +487,7 @@ def _varlen_bwd(
                        _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                        _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k,
                        _dl(_prepare(dout)), _dl(_prepare(out)), _dl(_prepare(lse)), _dl(dq),
-                       _dl(dk), _dl(dv), None, **opts)
+                       _dl(dk), _dl(dv), None, **opts, seqused_q=_dl(_prepare(seqused_q)))
     return dq, dk, dv, dsink
 
 
@@ -491,9 +498,10 @@ varlen_bwd = _register(
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-      dropout_p, deterministic, learnable_sink=None):
+      dropout_p, deterministic, learnable_sink=None, seqused_q=None):
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink)
+                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
+                  seqused_q=seqused_q)
     return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[1], learnable_sink)
 
 
@@ -502,21 +510,24 @@ def _varlen_setup_context(ctx, inputs, output):
      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
      deterministic, _) = inputs[:18]
     learnable_sink = inputs[18] if len(inputs) > 18 else None
+    seqused_q = inputs[19] if len(inputs) > 19 else None
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          alibi_slopes, rng_state, learnable_sink)
+                          alibi_slopes, rng_state, learnable_sink, seqused_q)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                    softcap, dropout_p, deterministic)
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-     rng_state, learnable_sink) = ctx.saved_tensors
+     rng_state, learnable_sink, seqused_q) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dsink = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                             seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink)
-    return (dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink),)
+                             seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
+                             seqused_q)
+    return ((dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink, 18),)
+            + (None,))
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -51,6 +51,9 @@ VarlenDims check_varlen_shapes(const Check& c, const VarlenArgs& a) {
   if (a.seqused_k.defined()) {
     c.tensor("seqused_k", a.seqused_k, {b}, "[b]", DType::kInt32, q.device);
   }
+  if (a.seqused_q.defined()) {
+    c.tensor("seqused_q", a.seqused_q, {b}, "[b]", DType::kInt32, q.device);
+  }
   if (a.max_seqlen_q < 0) c.fail("max_seqlen_q", ">= 0", std::to_string(a.max_seqlen_q));
   if (a.max_seqlen_k < 0) c.fail("max_seqlen_k", ">= 0", std::to_string(a.max_seqlen_k));
   return {to_int(b),          to_int(q.shape[0]), to_int(a.k.shape[0]),
@@ -92,11 +95,31 @@ void check_cu_seqlens(const Check& c, std::string_view name, const std::vector<s
   }
 }
 
+// seqused values: each in [0, the sequence's length in `cu`].
+void check_seqused(const Check& c, std::string_view name, const std::vector<std::int32_t>& used,
+                   const std::vector<std::int32_t>& cu, std::string_view what) {
+  for (std::size_t i = 0; i < used.size(); ++i) {
+    const std::int32_t len = cu[i + 1] - cu[i];
+    if (used[i] < 0 || used[i] > len) {
+      const std::string at = std::string(name) + "[" + std::to_string(i) + "]";
+      c.fail(name,
+             at + " in [0, " + std::to_string(len) + "] (the " + std::string(what) +
+                 " length of sequence " + std::to_string(i) + ")",
+             at + " = " + std::to_string(used[i]));
+    }
+  }
+}
+
 void check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                            Target target, void* stream) {
   if (const auto cu_q = detail::api::read_int32(a.cu_seqlens_q, target, stream)) {
     check_cu_seqlens(c, "cu_seqlens_q", *cu_q, dims.total_q, "q.shape[0]", "max_seqlen_q",
                      a.max_seqlen_q);
+    if (a.seqused_q.defined()) {
+      if (const auto used = detail::api::read_int32(a.seqused_q, target, stream)) {
+        check_seqused(c, "seqused_q", *used, *cu_q, "query");
+      }
+    }
   }
   const auto cu_k = detail::api::read_int32(a.cu_seqlens_k, target, stream);
   if (!cu_k) return;
@@ -105,16 +128,7 @@ void check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
   if (!a.seqused_k.defined()) return;
   const auto used = detail::api::read_int32(a.seqused_k, target, stream);
   if (!used) return;
-  for (std::size_t i = 0; i < used->size(); ++i) {
-    const std::int32_t len = (*cu_k)[i + 1] - (*cu_k)[i];
-    if ((*used)[i] < 0 || (*used)[i] > len) {
-      const std::string at = "seqused_k[" + std::to_string(i) + "]";
-      c.fail("seqused_k",
-             at + " in [0, " + std::to_string(len) + "] (the key length of sequence " +
-                 std::to_string(i) + ")",
-             at + " = " + std::to_string((*used)[i]));
-    }
-  }
+  check_seqused(c, "seqused_k", *used, *cu_k, "key");
 }
 
 // Options, backend, backend support, CUDA layouts and index contents: what every
@@ -125,6 +139,10 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
+  if (a.seqused_q.defined() && target == Target::kCUDA) {
+    c.unsupported("seqused_q", "an undefined tensor on CUDA (seqused_q runs on the CPU backend)",
+                  "a tensor on " + to_string(a.q.device));
+  }
   check_varlen_contents(c, a, dims, target, opts.stream);
   return target;
 }
@@ -137,6 +155,7 @@ void set_varlen_inputs(const VarlenArgs& a, const VarlenDims& dims, FwdParams& p
   p.cu_seqlens_q = static_cast<const int*>(a.cu_seqlens_q.data);
   p.cu_seqlens_k = static_cast<const int*>(a.cu_seqlens_k.data);
   p.seqused_k = static_cast<const int*>(a.seqused_k.data);
+  p.seqused_q = static_cast<const int*>(a.seqused_q.data);
   p.total_q = dims.total_q;
   p.total_k = dims.total_k;
   p.num_splits = 1;
@@ -170,6 +189,7 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
+                {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
                 {"opts.learnable_sink", opts.learnable_sink}});
 
@@ -203,6 +223,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
                {{"dout", dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"out", out},
                 {"lse", lse}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
+                {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
                 {"opts.learnable_sink", opts.learnable_sink}});
 

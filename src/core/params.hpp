@@ -48,6 +48,7 @@ struct FwdParams {
   const int* cu_seqlens_q = nullptr;  // [batch + 1] or null
   const int* cu_seqlens_k = nullptr;  // [batch + 1] or null
   const int* seqused_k = nullptr;     // [batch] or null: overrides the key count
+  const int* seqused_q = nullptr;     // [batch] or null (varlen): overrides the query count
   // Varlen: the rows of the packed q / out (total_q) and k / v (total_k) tensors, the
   // bounds of the sm90 tensor copies; 0 otherwise.
   std::int64_t total_q = 0, total_k = 0;
@@ -121,7 +122,13 @@ struct FwdParams {
   FA_HD bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FA_HD bool is_paged() const { return block_table != nullptr; }
 
+  // Queries of sequence b that are computed (seqused_q[b] when given).
   FA_HD int seq_len_q(int b) const {
+    if (seqused_q) return seqused_q[b];
+    return cu_seqlens_q ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : seqlen_q;
+  }
+  // Query rows stored for sequence b (>= seq_len_q(b); the rest are written as empty).
+  FA_HD int seq_rows_q(int b) const {
     return cu_seqlens_q ? cu_seqlens_q[b + 1] - cu_seqlens_q[b] : seqlen_q;
   }
   FA_HD int seq_len_k(int b) const {

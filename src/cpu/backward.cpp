@@ -259,7 +259,21 @@ class Backward {
     p_.dsink[h] = static_cast<float>(acc);
   }
 
+  // seqused_q: the dq rows past seq_len_q(b) are 0 (those rows are not computed).
+  void zero_unused_dq_rows() const {
+    if (!p_.seqused_q) return;
+    const std::vector<T> zeros(std::size_t(p_.d), T(0));
+    for (int b = 0; b < p_.batch; ++b) {
+      S* dq_out = static_cast<S*>(p_.dq) + p_.dq_offset(b);
+      for (int i = p_.seq_len_q(b); i < p_.seq_rows_q(b); ++i)
+        for (int h = 0; h < p_.h_q; ++h)
+          store_row<E>(dq_out + std::int64_t(i) * p_.dq_row_stride + std::int64_t(h) * p_.dq_head_stride,
+                       zeros.data(), p_.d, T(1));
+    }
+  }
+
   void run() const {
+    zero_unused_dq_rows();
     if (p_.dsink) {
 #pragma omp parallel num_threads(team_size(p_.num_threads))
       {

@@ -327,7 +327,27 @@ class Forward {
     }
   }
 
+  // seqused_q: rows past seq_len_q(b) are not computed; they are written as a row that
+  // sees no key (out 0, lse -inf, debug probs 0).
+  void write_unused_rows(int width) const {
+    if (!p_.seqused_q) return;
+    const std::vector<T> zeros(std::size_t(p_.d), T(0));
+    for (int b = 0; b < p_.batch; ++b)
+      for (int i = p_.seq_len_q(b); i < p_.seq_rows_q(b); ++i)
+        for (int h = 0; h < p_.h_q; ++h) {
+          store_out_row(b, h, i, zeros.data(), T(1));
+          store_lse(b, h, i, -static_cast<T>(INFINITY));
+          if (p_.probs) {
+            float* row = p_.probs + std::int64_t(b) * p_.probs_batch_stride +
+                         std::int64_t(h) * p_.probs_head_stride +
+                         (p_.q_row0(b) + i) * p_.probs_row_stride;
+            std::fill(row, row + width, 0.0f);
+          }
+        }
+  }
+
   void run() const {
+    write_unused_rows(p_.probs ? probs_width(p_) : 0);
     const int splits = resolve_num_splits(p_);
     const int qblocks = query_blocks(p_);
     const std::int64_t row_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;

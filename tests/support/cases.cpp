@@ -189,6 +189,11 @@ void VarlenCase::set_seqused_k(std::vector<int> used) {
   seqused_t = int_tensor(seqused_k);
 }
 
+void VarlenCase::set_seqused_q(std::vector<int> used) {
+  seqused_q = std::move(used);
+  seqused_q_t = int_tensor(seqused_q);
+}
+
 void VarlenCase::set_alibi(std::vector<float> slopes, bool per_batch) {
   alibi = std::move(slopes);
   alibi_per_batch = per_batch;
@@ -213,6 +218,7 @@ VarlenArgs VarlenCase::args() const {
   a.cu_seqlens_q = cu_q_t.view();
   a.cu_seqlens_k = cu_k_t.view();
   if (!seqused_k.empty()) a.seqused_k = seqused_t.view();
+  if (!seqused_q.empty()) a.seqused_q = seqused_q_t.view();
   a.max_seqlen_q = max_q();
   a.max_seqlen_k = max_k();
   return a;
@@ -227,7 +233,7 @@ RefProblem VarlenCase::problem() const {
   p.sink = sink.as_double();
   for (int b = 0; b < batch(); ++b) {
     RefSeq s;
-    s.s_q = len_q(b);
+    s.s_q = used_q(b);
     s.s_k = used_k(b);
     s.q = rows_of(q, cu_q[b], s.s_q);
     s.dout = rows_of(dout, cu_q[b], s.s_q);
@@ -258,14 +264,44 @@ void VarlenCase::run_backward() {
                   call_options());
 }
 
-std::vector<double> VarlenCase::out_concat() const { return rows_of(out, 0, cu_q.back()); }
-std::vector<double> VarlenCase::dq_concat() const { return rows_of(dq, 0, cu_q.back()); }
+namespace {
+// Rows cu_q[b] .. cu_q[b] + used_q(b) of every sequence, concatenated.
+std::vector<double> used_q_rows(const VarlenCase& c, const HostTensor& t) {
+  if (c.seqused_q.empty()) return rows_of(t, 0, c.cu_q.back());
+  std::vector<double> r;
+  for (int b = 0; b < c.batch(); ++b) {
+    const std::vector<double> part = rows_of(t, c.cu_q[b], c.used_q(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+}  // namespace
+
+std::vector<double> VarlenCase::out_concat() const { return used_q_rows(*this, out); }
+std::vector<double> VarlenCase::dq_concat() const { return used_q_rows(*this, dq); }
+
+std::vector<double> VarlenCase::q_unused_rows(const HostTensor& t) const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b) {
+    const std::vector<double> part = rows_of(t, cu_q[b] + used_q(b), len_q(b) - used_q(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+
+std::vector<double> VarlenCase::lse_unused_rows() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b)
+    for (int h = 0; h < h_q; ++h)
+      for (int i = used_q(b); i < len_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
+  return r;
+}
 
 std::vector<double> VarlenCase::lse_concat() const {
   std::vector<double> r;
   for (int b = 0; b < batch(); ++b)
     for (int h = 0; h < h_q; ++h)
-      for (int i = 0; i < len_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
+      for (int i = 0; i < used_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
   return r;
 }
 
@@ -273,7 +309,7 @@ std::vector<double> VarlenCase::probs_concat() const {
   std::vector<double> r;
   for (int b = 0; b < batch(); ++b)
     for (int h = 0; h < h_q; ++h)
-      for (int i = 0; i < len_q(b); ++i)
+      for (int i = 0; i < used_q(b); ++i)
         for (int j = 0; j < used_k(b); ++j) r.push_back(probs.at({h, cu_q[b] + i, j}));
   return r;
 }

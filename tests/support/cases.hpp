@@ -66,9 +66,10 @@ struct VarlenCase {
   DType dtype = DType::kFloat32;
   std::vector<int> cu_q, cu_k;   // [batch + 1]
   std::vector<int> seqused_k;    // empty or [batch]
+  std::vector<int> seqused_q;    // empty or [batch]: queries computed per sequence
   int total_q = 0, total_k = 0;  // rows of the packed tensors (>= cu.back(): padding allowed)
   HostTensor q, k, v, dout, out, lse, probs, dq, dk, dv;
-  HostTensor cu_q_t, cu_k_t, seqused_t;
+  HostTensor cu_q_t, cu_k_t, seqused_t, seqused_q_t;
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
@@ -79,6 +80,7 @@ struct VarlenCase {
   int len_q(int b) const { return cu_q[b + 1] - cu_q[b]; }
   int len_k(int b) const { return cu_k[b + 1] - cu_k[b]; }
   int used_k(int b) const { return seqused_k.empty() ? len_k(b) : seqused_k[b]; }
+  int used_q(int b) const { return seqused_q.empty() ? len_q(b) : seqused_q[b]; }
   int max_q() const;
   int max_k() const;
 
@@ -86,6 +88,7 @@ struct VarlenCase {
   static VarlenCase make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k,
                          int d, DType dtype, int pad_q = 0, int pad_k = 0);
   void set_seqused_k(std::vector<int> used);
+  void set_seqused_q(std::vector<int> used);
   void set_alibi(std::vector<float> slopes, bool per_batch);
   void want_probs();
   Options call_options() const;
@@ -97,7 +100,8 @@ struct VarlenCase {
   void run_forward();
   void run_backward();
 
-  // Results in the oracle's order (only rows that belong to a sequence).
+  // Results in the oracle's order (only rows that belong to a sequence, and of those the
+  // first used_q(b)).
   std::vector<double> out_concat() const;
   std::vector<double> lse_concat() const;
   std::vector<double> probs_concat() const;  // columns j < used_k(b)
@@ -106,6 +110,10 @@ struct VarlenCase {
   std::vector<double> dv_concat() const;
   // dk/dv rows of each sequence at or beyond used_k(b) (their expected value is 0).
   std::vector<double> dkv_unused_rows() const;
+  // out (or dq) rows of each sequence at or beyond used_q(b) (expected 0), and their lse
+  // (expected -inf).
+  std::vector<double> q_unused_rows(const HostTensor& t) const;
+  std::vector<double> lse_unused_rows() const;
 };
 
 // ------------------------------------------------------------------ KV cache
