@@ -67,11 +67,6 @@ bool family_runs(KernelFamily family) {
   return cudaDeviceSynchronize() == cudaSuccess;
 }
 
-#define FA_REQUIRE_FAMILY(family)                                                             \
-  do {                                                                                        \
-    if (!family_runs(family)) GTEST_SKIP() << family_name(family) << " does not run here";    \
-  } while (0)
-
 void run_cuda_forward(DenseCase& c, KernelFamily family) {
   c.poison_forward();
   DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse);
