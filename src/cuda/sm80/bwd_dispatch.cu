@@ -79,12 +79,13 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
 // (cu_seqlens_q[batch] of them, in sequence order) or b * seqlen_q + i.
 constexpr int kSinkThreads = 256;
 __global__ void __launch_bounds__(kSinkThreads) bwd_sink_grad_kernel(const __grid_constant__ BwdParams p,
-                                                                     const BwdWorkspace ws) {
+                                                                     const float* dpsum_all,
+                                                                     std::int64_t rows_total) {
   const int h = blockIdx.x;
   const float sink = p.sink[h];
   const std::int64_t rows =
       p.cu_seqlens_q ? std::int64_t(p.cu_seqlens_q[p.batch]) : std::int64_t(p.batch) * p.seqlen_q;
-  const float* dpsum = ws.dpsum + std::int64_t(h) * ws.rows_total;
+  const float* dpsum = dpsum_all + std::int64_t(h) * rows_total;
   float acc = 0.0f;
   if (sink != -INFINITY) {
     for (std::int64_t row = threadIdx.x; row < rows; row += kSinkThreads) {
@@ -146,10 +147,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
     bwd_dot_do_o_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
     FLASHATTN_CUDA_CHECK(cudaGetLastError());
   }
-  if (p.dsink != nullptr) {  // also with no query rows: d sink is then 0
-    bwd_sink_grad_kernel<<<p.h_q, kSinkThreads, 0, stream>>>(p, ws);
-    FLASHATTN_CUDA_CHECK(cudaGetLastError());
-  }
+  if (p.dsink != nullptr) launch_sink_grad(p, ws.dpsum, ws.rows_total, stream);  // also with no rows: 0
   bool launched = p.seqlen_k == 0;
   // 192 < d <= 224 runs in the d = 256 bucket where that bucket runs its tall tile (sm90):
   // measured on the H200 1.20-1.25x the d = 224 bucket's own kernel at d = 224, despite
@@ -179,6 +177,12 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
 }  // namespace
 
 std::size_t backward_workspace_size(const BwdParams& p) { return bwd_workspace_layout(p).total(); }
+
+void launch_sink_grad(const BwdParams& p, const float* dpsum, std::int64_t rows_total, void* stream) {
+  bwd_sink_grad_kernel<<<p.h_q, kSinkThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, dpsum,
+                                                                                    rows_total);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
 
 void backward(const BwdParams& p) {
   if (p.batch == 0 || p.h_q == 0) return;
