@@ -90,6 +90,34 @@ INSTANTIATE_TEST_SUITE_P(
                       Feature{"everything", 29, 34, 8, 2, 12, true, 11, -1, 4.0f, 0.2f}),
     [](const ::testing::TestParamInfo<Feature>& i) { return std::string(i.param.name); });
 
+// ALiBi (per head and per (batch, head)) with a sink, and the debug probabilities: P is
+// normalised with the sink (rows sum to 1 - P_sink), after dropout.
+TEST(CpuSink, AlibiAndDebugProbs) {
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat64}) {
+    for (int per_batch = 0; per_batch < 2; ++per_batch) {
+      DenseCase c = DenseCase::random(rng, shape_of(2, 21, 27, 4, 2, 16), dtype);
+      c.opts.causal = per_batch == 1;
+      c.set_alibi(random_alibi(rng, 2, 4, per_batch == 1), per_batch == 1);
+      c.opts.dropout_p = per_batch == 1 ? 0.2f : 0.0f;
+      c.opts.seed = rng();
+      c.want_probs();
+      c.sink.set(random_sink(rng, 4));
+      check_dense(c, true);
+      if (dtype != DType::kFloat64 || per_batch == 1) continue;
+      // Without dropout: each row's probabilities sum to 1 - exp(sink - lse).
+      for (int b = 0; b < 2; ++b)
+        for (int h = 0; h < 4; ++h)
+          for (int i = 0; i < 21; ++i) {
+            double sum = 0;
+            for (int j = 0; j < 27; ++j) sum += c.probs.at({b, h, i, j});
+            const double p_sink = std::exp(double(c.sink.logits[static_cast<std::size_t>(h)]) - c.lse.at({b, h, i}));
+            EXPECT_NEAR(sum, 1.0 - p_sink, 1e-6) << "row " << i;
+          }
+    }
+  }
+}
+
 TEST(CpuSink, OddLengthsAndHeadDims) {
   FA_SEEDED_RNG(rng);
   for (int s : {1, 17, 113}) {
