@@ -229,9 +229,20 @@ def test_opcheck_with_sink():
                                     lse.detach(), None, None, 0.25, True, -1, -1, 0.0, 0.0,
                                     False, sink.detach()))
     cu = torch.tensor([0, 5], dtype=torch.int32)
-    torch.library.opcheck(ops.varlen_fwd, (q[0], k[0], v[0], cu, torch.tensor([0, 6], dtype=torch.int32),
-                                           None, None, None, 5, 6, 0.25, True, -1, -1, 0.0, 0.0,
-                                           False, False, sink))
+    cu_k = torch.tensor([0, 6], dtype=torch.int32)
+    torch.library.opcheck(ops.varlen_fwd, (q[0], k[0], v[0], cu, cu_k, None, None, None, 5, 6,
+                                           0.25, True, -1, -1, 0.0, 0.0, False, False, sink))
+    vout, vlse, _ = ops.varlen_fwd(q[0], k[0], v[0], cu, cu_k, None, None, None, 5, 6, 0.25, True,
+                                   -1, -1, 0.0, 0.0, False, False, sink)
+    torch.library.opcheck(ops.varlen_bwd, (dout[0], q[0].detach(), k[0].detach(), v[0].detach(),
+                                           vout.detach(), vlse.detach(), cu, cu_k, None, None,
+                                           None, 5, 6, 0.25, True, -1, -1, 0.0, 0.0, False,
+                                           sink.detach()))
+    kc, vc = randn(g, 1, 8, 1, 8), randn(g, 1, 8, 1, 8)
+    lens = torch.tensor([6], dtype=torch.int32)
+    torch.library.opcheck(ops.kvcache_fwd, (q.detach(), kc, vc, lens, None, None, None, None, None,
+                                            0.25, True, -1, -1, 0.0, 1, None, None, None,
+                                            sink.detach()))
 
 
 def test_torch_compile_fullgraph_with_sink(seed):
