@@ -10,6 +10,9 @@
 //   ... --deterministic                 (last argument) the same in deterministic mode
 //   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
 //                                       the device memory the calls add beyond their tensors
+// BENCH_SINK=1 (grid and --one): a learnable sink of -1000 per head and its gradient on
+// every call (the sink's code paths and the d sink kernel run; the sink's share of the
+// softmax is 0, so the check holds): the cost of a sink against the same grid without one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -183,6 +186,18 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
         flashattn::Options opts;
         opts.causal = causal != 0;
         opts.deterministic = g_deterministic;
+        void* sink_mem = nullptr;
+        if (std::getenv("BENCH_SINK") != nullptr) {
+          const std::vector<float> host(std::size_t(2) * h, -1000.0f);  // sink, then d sink
+          sink_mem = device_alloc(host.size() * sizeof(float));
+          CHECK_CUDA(cudaMemcpy(sink_mem, host.data(), host.size() * sizeof(float),
+                                cudaMemcpyHostToDevice));
+          const flashattn::Device dev = flashattn::Device::cuda(0);
+          opts.learnable_sink =
+              flashattn::Tensor::contiguous(sink_mem, flashattn::DType::kFloat32, {h}, dev);
+          opts.learnable_sink_grad = flashattn::Tensor::contiguous(
+              static_cast<float*>(sink_mem) + h, flashattn::DType::kFloat32, {h}, dev);
+        }
         const std::size_t ws_bytes =
             flashattn::backward_workspace_size(sets[0].q, sets[0].k, sets[0].v, opts);
         void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
@@ -191,6 +206,7 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
         } catch (const flashattn::Error& e) {
           std::printf("# d %d causal %d s %d: forward failed (%s)\n", d, causal, s, e.what());
           if (ws) cudaFree(ws);
+          if (sink_mem) cudaFree(sink_mem);
           continue;
         }
         CHECK_CUDA(cudaDeviceSynchronize());
@@ -223,6 +239,7 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
         cudaEventDestroy(start);
         cudaEventDestroy(stop);
         if (ws) cudaFree(ws);
+        if (sink_mem) cudaFree(sink_mem);
       }
     }
   }

@@ -14,7 +14,9 @@
 //   flashattn_cuda_decode_bench [csv path|-]
 // Environment: BENCH_ONLY ("grid": the grid without the long context; a configuration
 // name, or a comma list of names / name:context run in that order, e.g.
-// "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0).
+// "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
+// BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
+// the sink's epilogue / merge terms against the same grid without one).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -127,6 +129,12 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   }
   flashattn::Options opts;
   opts.stream = stream;
+  Buffer sink(std::getenv("BENCH_SINK") != nullptr ? kHq * sizeof(float) : 0, 0);
+  if (sink.p != nullptr) {
+    const std::vector<float> host(kHq, 0.5f);
+    BENCH_CHECK(cudaMemcpy(sink.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+    opts.learnable_sink = Tensor::contiguous(sink.p, DType::kFloat32, {kHq}, dev);
+  }
   const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);

@@ -72,6 +72,19 @@ struct Options {
   // (99 KiB, the smallest limit of a supported GPU: sm86 / sm89). Lets one GPU run the
   // configurations of a smaller one.
   int smem_cap = 0;
+  // Learnable attention sinks (FlashAttention-4's learnable_sink, gpt-oss): fp32 [h_q], one
+  // extra logit per query head, on q's device, contiguous. It joins every row's softmax
+  // denominator and contributes no value: with m the row max over the visible scores and
+  // the sink,
+  //   out_i = sum_j exp(s_ij - m) v_j / (exp(sink_h - m) + sum_j exp(s_ij - m)),
+  // and lse includes it (lse_i = log(exp(sink_h) + sum_j exp(s_ij))). A row that sees no
+  // key then has out 0 and lse sink_h. A sink of -inf is no sink. Undefined = none.
+  Tensor learnable_sink;
+  // Backward only (backward, varlen_backward): fp32 [h_q] output on q's device, overwritten
+  // with d loss / d learnable_sink = -sum over every row i of every sequence of
+  //   exp(sink_h - lse_i) * rowsum(dout_i * out_i).
+  // Needs learnable_sink. Undefined = not computed (dq, dk, dv do not depend on it).
+  Tensor learnable_sink_grad;
   // Debug output for small problems: fp32 [b, h_q, s_q, s_k] (varlen: [h_q, total_q,
   // max_seqlen_k]), written with the attention probabilities after dropout and before
   // the 1/(1-p) scaling: a dropped element is 0, a kept one is P(i, j). Undefined = off.
@@ -109,10 +122,15 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
 // cu_seqlens_q/_k: int32 [b + 1], non-decreasing, starting at 0, ending at most at the
 // tensor's first dimension. seqused_k (optional, int32 [b]): keys used per sequence
 // (the first seqused_k[i] keys of sequence i), at most its length.
+// seqused_q (optional, int32 [b], CPU backend only for now): of sequence i's query slots
+// only the first seqused_q[i] are real, at most its length; the sequence then has
+// s_q = seqused_q[i] queries (the visibility rule's s_q), and the rows past them are not
+// computed: their out and dq are 0 and their lse is -inf.
 struct VarlenArgs {
   Tensor q, k, v;
   Tensor cu_seqlens_q, cu_seqlens_k;
   Tensor seqused_k;
+  Tensor seqused_q;
   int max_seqlen_q = 0;
   int max_seqlen_k = 0;
 };

@@ -11,6 +11,7 @@
 //   - the fp8 (e4m3) KV-cache format: decode, and the encode of the append,
 //   - the draft-tree rule of speculative decoding (tree_mask bits),
 //   - how NaN and inf propagate (comment only: the rule lives in the backends' softmax).
+//   - the learnable sink: one logit per query head in every row's softmax denominator.
 // docs/semantics.md states the same in prose. Nothing here allocates or throws.
 #pragma once
 
@@ -214,6 +215,32 @@ FA_HD float empty_row_lse() { return -INFINITY; }
 // backends implement it as: the running max skips NaN (fmax / std::max), the exponent
 // base of a row with no finite score yet is 0 (exp(NaN - 0) = NaN keeps the NaN in the
 // sum), and a row is empty when its sum is exactly 0 (a NaN sum is not 0).
+
+// ------------------------------------------------------------------ learnable sink
+
+// A learnable sink adds exp(sink) to a row's softmax denominator and nothing to its
+// numerator. Given the row's lse over its visible keys (-inf when it sees none), the
+// row's lse with the sink is log(exp(lse) + exp(sink)); the output normalised over the
+// keys alone is rescaled by exp(lse - lse_with_sink) (0 for a row that sees no key: its
+// output stays 0, its lse becomes the sink). A sink of -inf changes nothing.
+template <typename T>
+FA_HD T lse_with_sink(T lse, T sink) {
+  if (sink == -T(INFINITY)) return lse;
+  if (lse == -T(INFINITY)) return sink;
+  const T m = lse > sink ? lse : sink;
+  return m + std::log(std::exp(lse - m) + std::exp(sink - m));
+}
+template <typename T>
+FA_HD T sink_rescale(T lse, T lse_total) {
+  return lse == -T(INFINITY) ? T(0) : std::exp(lse - lse_total);
+}
+// The sink's share of row i's softmax, exp(sink - lse_i), and its gradient term: with
+// D_i = rowsum(dout_i * out_i), d loss / d sink = -sum_i exp(sink - lse_i) * D_i (the sink
+// carries no value, so its dP is 0 and dS_sink = P_sink * (0 - D_i)).
+template <typename T>
+FA_HD T sink_prob(T sink, T lse) {
+  return sink == -T(INFINITY) ? T(0) : std::exp(sink - lse);
+}
 
 // ------------------------------------------------------------------ dropout
 

@@ -137,7 +137,7 @@ def _gpu_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, alibi_slopes_, p_dr
              deterministic, gen_=None, rng_state=None):
     """flash_attn_2_cuda.bwd -> [dq, dk, dv, softmax_d]; writes dq_, dk_, dv_ when given."""
     q = _detach(q)
-    dq, dk, dv = ops.bwd(_detach(dout), q, _detach(k), _detach(v), _detach(out),
+    dq, dk, dv, _ = ops.bwd(_detach(dout), q, _detach(k), _detach(v), _detach(out),
                          _detach(softmax_lse), _detach(alibi_slopes_),
                          rng_state if p_dropout > 0 else None, _scale(q, softmax_scale),
                          bool(is_causal), int(window_size_left), int(window_size_right),
@@ -152,7 +152,7 @@ def _gpu_varlen_bwd(dout, q, k, v, out, softmax_lse, dq_, dk_, dv_, cu_seqlens_q
                     deterministic, gen_=None, rng_state=None):
     """flash_attn_2_cuda.varlen_bwd -> [dq, dk, dv, softmax_d]."""
     q = _detach(q)
-    dq, dk, dv = ops.varlen_bwd(_detach(dout), q, _detach(k), _detach(v), _detach(out),
+    dq, dk, dv, _ = ops.varlen_bwd(_detach(dout), q, _detach(k), _detach(v), _detach(out),
                                 _detach(softmax_lse), cu_seqlens_q, cu_seqlens_k, None,
                                 _detach(alibi_slopes_), rng_state if p_dropout > 0 else None,
                                 int(max_seqlen_q), int(max_seqlen_k), _scale(q, softmax_scale),

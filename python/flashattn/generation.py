@@ -85,9 +85,11 @@ class PagedLayer(CacheLayerMixin):
         hf._paged_calls.pending = (self, key_states)
         return key_states, value_states
 
-    def attend(self, query, key, value, attention_mask, softmax_scale, window_size, softcap):
+    def attend(self, query, key, value, attention_mask, softmax_scale, window_size, softcap,
+               learnable_sink=None):
         """query [b, h_q, s_q, d], key/value [b, h_k, s_q, d] (the tokens of `update`);
-        attention_mask None or the 2D padding mask [b, kv_len] (True = token).
+        attention_mask None or the 2D padding mask [b, kv_len] (True = token);
+        learnable_sink None or the [h_q] sink logits (gpt-oss's s_aux).
         Returns out [b, s_q, h_q, d]."""
         self.pending = None
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -98,7 +100,7 @@ class PagedLayer(CacheLayerMixin):
             if bool(mask_q.all()):
                 mask_q = None
         kw = dict(block_table=self.block_table, softmax_scale=softmax_scale, causal=True,
-                  window_size=window_size, softcap=softcap)
+                  window_size=window_size, softcap=softcap, learnable_sink=learnable_sink)
         if mask_q is None:
             out = flash_attn_with_kvcache(q, self.keys, self.values, k, v,
                                           cache_seqlens=self.cache_seqlens, **kw)

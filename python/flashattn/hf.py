@@ -12,7 +12,9 @@ interface hands it None (no padding: dense flash_attn_func) or the 2D padding ma
 [b, kv_len] (True = token), in which case the valid tokens are gathered into packed
 sequences for flash_attn_varlen_func and the output is scattered back (zeros at padded
 query positions). sliding_window w becomes window_size (w - 1, w - 1) with causal masking,
-softcap and scaling pass through. Attention sinks (s_aux) are not supported.
+softcap and scaling pass through. Attention sinks: the s_aux keyword (gpt-oss passes its
+module's `sinks` parameter, [h_q], as s_aux=self.sinks) becomes learnable_sink, with its
+gradient in training.
 
 With a flashattn.generation.PagedKVCache as past_key_values, the cache hands the new keys
 and values over unchanged and this function attends them through flash_attn_with_kvcache
@@ -62,20 +64,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
     """transformers' attention signature: query [b, h_q, s_q, d], key/value [b, h_k, s_k, d];
     returns (out [b, s_q, h_q, d], None)."""
-    if s_aux is not None:
-        raise NotImplementedError("flashattn: attention sinks (s_aux) are not supported")
     paged = _take_paged_layer(key)
     if paged is not None:
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
         return paged.attend(query, key, value, attention_mask, scaling, window,
-                            softcap or 0.0), None
+                            softcap or 0.0, s_aux), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = (-1, -1)
     if sliding_window is not None and k.shape[1] > sliding_window:
         window = (sliding_window - 1, sliding_window - 1)
     kw = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling,
-              causal=bool(causal), window_size=window, softcap=softcap or 0.0)
+              causal=bool(causal), window_size=window, softcap=softcap or 0.0,
+              learnable_sink=s_aux)
     if attention_mask is None:
         return flash_attn_func(q, k, v, **kw), None
     if attention_mask.dim() != 2:

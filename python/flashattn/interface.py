@@ -8,6 +8,11 @@ after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) from the 
 backend and None on CUDA; dropout seeds come from torch's default CPU generator;
 errors are flashattn.InvalidArgumentError (a ValueError and, as flash_attn's, a
 RuntimeError) / UnsupportedError.
+
+learnable_sink (FlashAttention-4's keyword, gpt-oss's attention sinks): a [h_q] tensor,
+one logit per query head that joins every row's softmax denominator and contributes no
+value (lse includes it). Other float dtypes than fp32 (a bf16 model parameter) are
+converted to fp32 for the call; its gradient flows back through autograd.
 """
 
 from typing import Optional, Tuple, Union
@@ -67,13 +72,28 @@ def _rng_state(dropout_p: float) -> Optional[Tensor]:
     return torch.randint(0, 1 << 62, (2,), dtype=torch.int64)
 
 
+def _sink(fn: str, learnable_sink) -> Optional[Tensor]:
+    """learnable_sink for the ops: None, or the tensor in fp32 (converted, differentiably,
+    from another floating dtype; the library checks shape and device)."""
+    if learnable_sink is None:
+        return None
+    if not isinstance(learnable_sink, Tensor):
+        raise invalid(fn, "learnable_sink", "a torch.Tensor [h_q] or None",
+                      type(learnable_sink).__name__)
+    if learnable_sink.dtype != torch.float32 and learnable_sink.is_floating_point():
+        return learnable_sink.float()
+    return learnable_sink
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic, return_attn_probs, fn="flashattn.flash_attn_func"):
+               deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
+               learnable_sink=None):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
                                _scale(q, softmax_scale), bool(causal), left, right,
-                               float(softcap), float(dropout_p), bool(deterministic), want_probs)
+                               float(softcap), float(dropout_p), bool(deterministic), want_probs,
+                               _sink(fn, learnable_sink))
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -82,7 +102,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
-                      fn="flashattn.flash_attn_varlen_func"):
+                      fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
+                      seqused_q=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
@@ -91,7 +112,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
                                int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
                                left, right, float(softcap), float(dropout_p),
-                               bool(deterministic), want_probs)
+                               bool(deterministic), want_probs, _sink(fn, learnable_sink),
+                               seqused_q)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -106,60 +128,68 @@ def _check_packed(fn, name, t, rank, dim, count, layout):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+                    return_attn_probs=False, *, learnable_sink=None):
     """q [b, s_q, h_q, d], k, v [b, s_k, h_k, d] (h_q % h_k == 0) -> out [b, s_q, h_q, d].
 
     causal and window_size (left, right) are bottom-right aligned: query i sees key j when
     i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1 = unbounded). alibi_slopes:
-    fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32.
+    fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32. learnable_sink: [h_q] sink
+    logits (FlashAttention-4), differentiable.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs)
+                      alibi_slopes, deterministic, return_attn_probs,
+                      learnable_sink=learnable_sink)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *,
+                              learnable_sink=None):
     """qkv [b, s, 3, h, d] -> out [b, s, h, d]. The gradient of qkv is assembled by
     autograd from dq, dk, dv (the library writes them to separate tensors)."""
     fn = "flashattn.flash_attn_qkvpacked_func"
     _check_packed(fn, "qkv", qkv, 5, 2, 3, "[b, s, 3, h, d]")
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, fn)
+                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                             deterministic=False, return_attn_probs=False):
+                             deterministic=False, return_attn_probs=False, *,
+                             learnable_sink=None):
     """q [b, s_q, h_q, d], kv [b, s_k, 2, h_k, d] -> out [b, s_q, h_q, d]."""
     fn = "flashattn.flash_attn_kvpacked_func"
     _check_packed(fn, "kv", kv, 5, 2, 2, "[b, s_k, 2, h_k, d]")
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, fn)
+                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           learnable_sink=None, seqused_q=None, seqused_k=None):
     """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
     -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
-    is not supported (UnsupportedError)."""
+    is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
+    names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
+    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
     if block_table is not None:
         raise UnsupportedError(
             "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
             "(a paged KV cache is supported by flash_attn_with_kvcache only), got a tensor")
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs)
+                             alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
+                             learnable_sink=learnable_sink, seqused_q=seqused_q)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=(-1, -1),
                                      softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, learnable_sink=None):
     """qkv [total, 3, h, d], cu_seqlens int32 [b + 1] -> out [total, h, d]."""
     fn = "flashattn.flash_attn_varlen_qkvpacked_func"
     _check_packed(fn, "qkv", qkv, 4, 1, 3, "[total, 3, h, d]")
@@ -167,21 +197,23 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     q, k, v = qkv.unbind(dim=1)
     return _varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs, fn=fn)
+                             alibi_slopes, deterministic, return_attn_probs, fn=fn,
+                             learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, dropout_p=0.0, softmax_scale=None,
                                     causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False,
-                                    return_attn_probs=False):
+                                    return_attn_probs=False, *, learnable_sink=None):
     """q [total_q, h_q, d], kv [total_k, 2, h_k, d] -> out [total_q, h_q, d]."""
     fn = "flashattn.flash_attn_varlen_kvpacked_func"
     _check_packed(fn, "kv", kv, 4, 1, 2, "[total_k, 2, h_k, d]")
     k, v = kv.unbind(dim=1)
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
-                             alibi_slopes, deterministic, return_attn_probs, fn=fn)
+                             alibi_slopes, deterministic, return_attn_probs, fn=fn,
+                             learnable_sink=learnable_sink)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
@@ -192,7 +224,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None,
-                            tree_mask=None):
+                            tree_mask=None, learnable_sink=None):
     """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
 
     k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
@@ -215,6 +247,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tree_mask (speculative decoding): int32 [b, s_q, ceil(s_q / 32)]; the last s_q keys
     of each sequence are the draft tokens and query i sees draft t only when bit t % 32 of
     tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
+
+    learnable_sink: [h_q] sink logits (gpt-oss), in every row's denominator.
     """
     if cache_leftpad is not None:
         raise UnsupportedError(
@@ -259,7 +293,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
                         cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask)
+                        v_scale, tree_mask, _sink(fn, learnable_sink))
     return (out, lse) if return_softmax_lse else out
 
 

@@ -15,6 +15,10 @@ uses: the op's implementation called directly where torch's dispatcher would add
 (no autograd to record, no torch.compile / tracing, no mode, transform, tensor subclass
 or profiler), else the op; the same outputs and errors, some 15-20 us less per call.
 
+Learnable sinks (FlashAttention-4's learnable_sink): the forward ops take an optional
+fp32 [h_q] learnable_sink as their last argument; the backward ops take it too and return
+its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq, dk, dv.
+
 Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
 generator (drawn by the caller from torch's default CPU generator); the forward's
 autograd formula hands the same tensor to the backward, which recomputes the same mask.
@@ -94,6 +98,8 @@ def _options(
     softcap: float,
     dropout_p: float,
     deterministic: bool,
+    learnable_sink: Optional[Tensor] = None,
+    learnable_sink_grad: Optional[Tensor] = None,
 ) -> dict:
     seed = offset = 0
     if dropout_p > 0.0:
@@ -112,6 +118,8 @@ def _options(
         offset=offset,
         deterministic=deterministic,
         stream=_stream(q),
+        learnable_sink=_dl(_prepare(learnable_sink)),
+        learnable_sink_grad=_dl(learnable_sink_grad),
     )
 
 
@@ -122,21 +130,22 @@ _DENSE = "[b, s, h, d]"
 _PACKED = "[total, h, d]"
 
 
-def _check_fwd(q, k, v, alibi_slopes):
+def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None):
     fn = "flashattn::fwd"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
-    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes)
+    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
-def _check_bwd(dout, q, k, v, out, lse, alibi_slopes):
+def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None):
     fn = "flashattn::bwd"
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
         check_rank(fn, name, t, 4, _DENSE)
     check_rank(fn, "lse", lse, 3, "[b, h_q, s_q]")
     check_head_dim(fn, "q", q)
-    check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes)
+    check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
+                 learnable_sink=learnable_sink)
 
 
 def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, **more):
@@ -148,7 +157,7 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
 
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask):
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):
@@ -157,7 +166,12 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_
     check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
                  v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask)
+                 tree_mask=tree_mask, learnable_sink=learnable_sink)
+
+
+def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
+    """The backward's d sink output: fp32 [h_q] with a sink, else an empty [0] tensor."""
+    return _empty((h_q,) if learnable_sink is not None else (0,), q, torch.float32)
 
 
 def _empty(shape, like: Tensor, dtype=None) -> Tensor:
@@ -197,7 +211,9 @@ def _direct(op, args) -> bool:
             or tracing() is not None):
         return False
     impl, tensors, optional = _IMPLS[op]
-    if len(args) != impl.__code__.co_argcount:
+    n = impl.__code__.co_argcount
+    # Trailing parameters with defaults (learnable_sink, ...) may be left out.
+    if not n - len(impl.__defaults__ or ()) <= len(args) <= n:
         return False
     grad = torch.is_grad_enabled()
     for i in tensors:
@@ -205,6 +221,8 @@ def _direct(op, args) -> bool:
         if type(a) is not Tensor or (grad and a.requires_grad):
             return False
     for i in optional:
+        if i >= len(args):
+            continue
         a = args[i]
         if a is not None and (type(a) is not Tensor or (grad and a.requires_grad)):
             return False
@@ -262,12 +280,14 @@ def _fwd(
     dropout_p: float,
     deterministic: bool,
     return_probs: bool,
+    learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0])."""
-    _check_fwd(q, k, v, alibi_slopes)
+    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
+    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them)."""
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
     out, lse, probs = _fwd_outputs(q, k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
                return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
@@ -278,8 +298,8 @@ fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
-      softcap, dropout_p, deterministic, return_probs):
-    _check_fwd(q, k, v, alibi_slopes)
+      softcap, dropout_p, deterministic, return_probs, learnable_sink=None):
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
     return _fwd_outputs(q, k, return_probs)
 
 
@@ -299,23 +319,30 @@ def _bwd(
     softcap: float,
     dropout_p: float,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv); dk and dv are summed over each GQA group (shapes of k and v)."""
-    _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
+    learnable_sink: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink); dk and dv are summed over each GQA group (shapes of k and v);
+    dsink is fp32 [h_q] with a learnable_sink, else empty [0]."""
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink)
     dq, dk, dv = _like(q), _like(k), _like(v)
+    dsink = _sink_grad_output(q, q.shape[2], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink,
+                    dsink if learnable_sink is not None else None)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     workspace = None
     if q.is_cuda:
         # Scratch from torch's allocator: stream-ordered, and graph-private under capture.
-        nbytes = _C.backward_workspace_size(_dl(q), _dl(k), _dl(v),
-                                            **dict(opts, alibi_slopes=_dl(_prepare(alibi_slopes))))
+        nbytes = _C.backward_workspace_size(
+            _dl(q), _dl(k), _dl(v),
+            **dict(opts, alibi_slopes=_dl(_prepare(alibi_slopes)),
+                   learnable_sink=_dl(_prepare(learnable_sink)),
+                   learnable_sink_grad=_dl(dsink) if learnable_sink is not None else None))
         if nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
     _C.backward(_dl(_prepare(dout)), _dl(q), _dl(k), _dl(v), _dl(_prepare(out)),
                 _dl(_prepare(lse)), _dl(dq), _dl(dk), _dl(dv), _dl(workspace), **opts)
-    return dq, dk, dv
+    return dq, dk, dv, dsink
 
 
 bwd = _register(torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd), _bwd)
@@ -323,27 +350,37 @@ bwd = _register(torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd)
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-      window_right, softcap, dropout_p, deterministic):
-    _check_bwd(dout, q, k, v, out, lse, alibi_slopes)
-    return _like(q), _like(k), _like(v)
+      window_right, softcap, dropout_p, deterministic, learnable_sink=None):
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink)
+    return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[2], learnable_sink)
 
 
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
-     softcap, dropout_p, deterministic, _) = inputs
+     softcap, dropout_p, deterministic, _) = inputs[:13]
+    learnable_sink = inputs[13] if len(inputs) > 13 else None
     out, lse, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink)
     ctx.scalars = (softmax_scale, causal, window_left, window_right, softcap, dropout_p,
                    deterministic)
 
 
+def _sink_grad(ctx, learnable_sink, dsink, index=-1):
+    """The sink's gradient for autograd (the op's input `index`): None when it needs none
+    (or there is no sink)."""
+    if learnable_sink is None or not ctx.needs_input_grad[index]:
+        return None
+    return dsink.to(learnable_sink.dtype)
+
+
 def _fwd_backward(ctx, dout, dlse, dprobs):
     # lse and probs are outputs without gradients (as in flash_attn): dlse, dprobs ignored.
-    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 10
+    dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
+                             *ctx.scalars, learnable_sink)
+    return (dq, dk, dv) + (None,) * 10 + (_sink_grad(ctx, learnable_sink, dsink),)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -379,17 +416,22 @@ def _varlen_fwd(
     dropout_p: float,
     deterministic: bool,
     return_probs: bool,
+    learnable_sink: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0])."""
+    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
+    seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
+    rest: out 0, lse -inf)."""
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
-                      return_probs=_dl(probs) if return_probs else None, **opts)
+                      return_probs=_dl(probs) if return_probs else None, **opts,
+                      seqused_q=_dl(_prepare(seqused_q)))
     return out, lse, probs
 
 
@@ -400,9 +442,9 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
@@ -427,20 +469,26 @@ def _varlen_bwd(
     softcap: float,
     dropout_p: float,
     deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    learnable_sink: Optional[Tensor] = None,
+    seqused_q: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dsink); dsink fp32 [h_q] with a learnable_sink, else empty [0]."""
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, dout=dout, out=out, lse=lse)
+                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
+                  seqused_q=seqused_q)
     dq, dk, dv = _like(q), _like(k), _like(v)
+    dsink = _sink_grad_output(q, q.shape[1], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink,
+                    dsink if learnable_sink is not None else None)
     # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
     # would read cu_seqlens from the device a second time.
     _C.varlen_backward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                        _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                        _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k,
                        _dl(_prepare(dout)), _dl(_prepare(out)), _dl(_prepare(lse)), _dl(dq),
-                       _dl(dk), _dl(dv), None, **opts)
-    return dq, dk, dv
+                       _dl(dk), _dl(dv), None, **opts, seqused_q=_dl(_prepare(seqused_q)))
+    return dq, dk, dv, dsink
 
 
 varlen_bwd = _register(
@@ -450,31 +498,36 @@ varlen_bwd = _register(
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-      dropout_p, deterministic):
+      dropout_p, deterministic, learnable_sink=None, seqused_q=None):
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, dout=dout, out=out, lse=lse)
-    return _like(q), _like(k), _like(v)
+                  alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
+                  seqused_q=seqused_q)
+    return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[1], learnable_sink)
 
 
 def _varlen_setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
      max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-     deterministic, _) = inputs
+     deterministic, _) = inputs[:18]
+    learnable_sink = inputs[18] if len(inputs) > 18 else None
+    seqused_q = inputs[19] if len(inputs) > 19 else None
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          alibi_slopes, rng_state)
+                          alibi_slopes, rng_state, learnable_sink, seqused_q)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                    softcap, dropout_p, deterministic)
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-     rng_state) = ctx.saved_tensors
+     rng_state, learnable_sink, seqused_q) = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-                      seqused_k, alibi_slopes, rng_state, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 15
+    dq, dk, dv, dsink = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                             seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
+                             seqused_q)
+    return ((dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink, 18),)
+            + (None,))
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -502,18 +555,20 @@ def _kvcache_fwd(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     tree_mask: Optional[Tensor] = None,
+    learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
-    [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys."""
+    [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
+    learnable_sink fp32 [h_q] (lse includes it)."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
     b, s_q, h_q, _ = q.shape
     out = _like(q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
-                    softcap, 0.0, False)
+                    softcap, 0.0, False, learnable_sink)
     # The caches are written in place: they go as they are (no copy).
     _C.kvcache_forward(_dl(_prepare(q)), _dl(k_cache.detach()), _dl(v_cache.detach()),
                        _dl(_prepare(cache_seqlens)), _dl(_prepare(block_table)),
@@ -533,8 +588,8 @@ kvcache_fwd = _register(
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
-      k_scale=None, v_scale=None, tree_mask=None):
+      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
     b, s_q, h_q, _ = q.shape
     return _like(q), _empty((b, h_q, s_q), q, torch.float32)

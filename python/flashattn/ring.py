@@ -335,7 +335,7 @@ class _Dense:
 
     def _bwd(self, dout, q, k, v, out, lse, causal):
         return ops.bwd(dout, q, k, v, out, lse, None, None, self.scale, causal, -1, -1,
-                       self.softcap, 0.0, self.det)
+                       self.softcap, 0.0, self.det)[:3]
 
     def plan(self, step, rank, w, causal):
         """(q rows, kv rows, causal) of one step; rows None = all, 'first'/'second' halves."""
@@ -464,7 +464,7 @@ class _Varlen(_Dense):
         qs, ks = self.sel(qr), self.sel(kr)
         kvb = self.kv_rows(kv, ks)
         cq, ck, mq, mk = self._meta(qr, kr)
-        dq, dk, dv = ops.varlen_bwd(self.rows_o(dout, qs), self.rows_o(q, qs), kvb[0], kvb[1],
+        dq, dk, dv, _ = ops.varlen_bwd(self.rows_o(dout, qs), self.rows_o(q, qs), kvb[0], kvb[1],
                                     self.rows_o(out, qs), self.rows_l(lse, qs), cq, ck, None,
                                     None, None, mq, mk, self.scale, cz, -1, -1, self.softcap,
                                     0.0, self.det)

@@ -214,6 +214,8 @@ struct CommonOptions {
   OptOut return_probs;
   std::uintptr_t stream = 0;
   PyInt num_threads;
+  OptIn learnable_sink;
+  OptOut learnable_sink_grad;
 
   fa::Options build() const {
     fa::Options o;
@@ -230,6 +232,8 @@ struct CommonOptions {
     o.stream = reinterpret_cast<void*>(stream);
     o.num_threads = int32_in(num_threads, "num_threads");
     o.return_probs = to_tensor(return_probs, "return_probs");
+    o.learnable_sink = to_tensor(learnable_sink, "learnable_sink");
+    o.learnable_sink_grad = to_tensor(learnable_sink_grad, "learnable_sink_grad");
     return o;
   }
 };
@@ -307,12 +311,14 @@ void register_exceptions(nb::module_& m) {
 #define FA_COMMON_ARGS                                                                      \
   std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
       double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
-      bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads
+      bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
+      OptIn learnable_sink, OptOut learnable_sink_grad
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
-        seed, offset, deterministic, return_probs, stream, num_threads                  \
+        seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
+        learnable_sink_grad                                                             \
   }
 
 // The keyword arguments of CommonOptions, all optional.
@@ -322,11 +328,12 @@ void register_exceptions(nb::module_& m) {
       nb::arg("alibi_slopes") = nb::none(), nb::arg("dropout_p") = 0.0,                    \
       nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
       nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
-      nb::arg("num_threads") = 0
+      nb::arg("num_threads") = 0, nb::arg("learnable_sink") = nb::none(),                  \
+      nb::arg("learnable_sink_grad") = nb::none()
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
                            const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,
-                           const PyInt& max_seqlen_k) {
+                           const PyInt& max_seqlen_k, const OptIn& seqused_q) {
   fa::VarlenArgs a;
   a.q = to_tensor(q, "q");
   a.k = to_tensor(k, "k");
@@ -334,6 +341,7 @@ fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_s
   a.cu_seqlens_q = to_tensor(cu_seqlens_q, "cu_seqlens_q");
   a.cu_seqlens_k = to_tensor(cu_seqlens_k, "cu_seqlens_k");
   a.seqused_k = to_tensor(seqused_k, "seqused_k");
+  a.seqused_q = to_tensor(seqused_q, "seqused_q");
   a.max_seqlen_q = int32_in(max_seqlen_q, "max_seqlen_q");
   a.max_seqlen_k = int32_in(max_seqlen_k, "max_seqlen_k");
   return a;
@@ -429,11 +437,11 @@ NB_MODULE(_C, m) {
       "varlen_forward",
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
          const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, const Out& out,
-         const OptOut& lse, FA_COMMON_ARGS) {
+         const OptOut& lse, FA_COMMON_ARGS, const OptIn& seqused_q) {
         const Entry entry("varlen_forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                             max_seqlen_q, max_seqlen_k);
+                                             max_seqlen_q, max_seqlen_k, seqused_q);
         const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         nb::gil_scoped_release release;
         fa::varlen_forward(a, to, tl, o);
@@ -441,6 +449,7 @@ NB_MODULE(_C, m) {
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
       nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
       nb::arg("out"), nb::arg("lse").none(), FA_COMMON_KWARGS,
+      nb::arg("seqused_q").none() = nb::none(),
       "Packed sequences: q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens int32 [b + 1]; "
       "lse [h_q, total_q].");
 
@@ -449,11 +458,11 @@ NB_MODULE(_C, m) {
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
          const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, const In& dout,
          const In& out, const In& lse, const Out& dq, const Out& dk, const Out& dv,
-         const OptOut& workspace, FA_COMMON_ARGS) {
+         const OptOut& workspace, FA_COMMON_ARGS, const OptIn& seqused_q) {
         const Entry entry("varlen_backward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::VarlenArgs a = varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                             max_seqlen_q, max_seqlen_k);
+                                             max_seqlen_q, max_seqlen_k, seqused_q);
         const fa::Tensor tdo = to_tensor(dout, "dout"), to = to_tensor(out, "out"),
                          tl = to_tensor(lse, "lse"), tdq = to_tensor(dq, "dq"),
                          tdk = to_tensor(dk, "dk"), tdv = to_tensor(dv, "dv");
@@ -465,22 +474,24 @@ NB_MODULE(_C, m) {
       nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
       nb::arg("dout"), nb::arg("out"), nb::arg("lse"), nb::arg("dq"), nb::arg("dk"),
       nb::arg("dv"), nb::arg("workspace").none() = nb::none(), FA_COMMON_KWARGS,
-      "Gradients of varlen_forward.");
+      nb::arg("seqused_q").none() = nb::none(), "Gradients of varlen_forward.");
 
   m.def(
       "varlen_backward_workspace_size",
       [](const In& q, const In& k, const In& v, const In& cu_seqlens_q, const In& cu_seqlens_k,
-         const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, FA_COMMON_ARGS) {
+         const OptIn& seqused_k, const PyInt& max_seqlen_q, const PyInt& max_seqlen_k, FA_COMMON_ARGS,
+         const OptIn& seqused_q) {
         const Entry entry("varlen_backward_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         return fa::varlen_backward_workspace_size(
             varlen_args(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q,
-                        max_seqlen_k),
+                        max_seqlen_k, seqused_q),
             o);
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"),
       nb::arg("seqused_k").none(), nb::arg("max_seqlen_q"), nb::arg("max_seqlen_k"),
-      FA_COMMON_KWARGS, "Bytes of scratch varlen_backward wants (0 if none).");
+      FA_COMMON_KWARGS, nb::arg("seqused_q").none() = nb::none(),
+      "Bytes of scratch varlen_backward wants (0 if none).");
 
   m.def(
       "kvcache_forward",

@@ -86,7 +86,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
   detail::api::fill_probs(c, opts, target == Target::kCPU, q.device,
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
-               {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes}});
+               {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_dense_inputs(dims, q, k, v, p);
   detail::api::set_out(out, p);
@@ -111,11 +112,14 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
   c.like("dv", dv, "v", v);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  detail::api::fill_sink_grad(c, opts, q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv},
+                {"opts.learnable_sink_grad", opts.learnable_sink_grad}},
                {{"dout", dout}, {"q", q}, {"k", k}, {"v", v}, {"out", out}, {"lse", lse},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_dense_inputs(dims, q, k, v, p);
   detail::api::set_out(out, p);

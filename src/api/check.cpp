@@ -348,6 +348,15 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
     p.alibi_batch_stride = alibi.rank == 2 ? alibi.stride[0] : 0;
   }
 
+  const Tensor& sink = opts.learnable_sink;
+  if (sink.defined()) {
+    check.shape("opts.learnable_sink", sink, {h_q}, "[h_q], one logit per query head");
+    check.dtype("opts.learnable_sink", sink, DType::kFloat32, "");
+    check.device("opts.learnable_sink", sink, device, "same as q");
+    check.layout("opts.learnable_sink", sink);
+    p.sink = static_cast<const float*>(sink.data);
+  }
+
   fill_kernel_options(check, opts, device, p);
   p.scale = opts.softmax_scale.value_or(1.0f / std::sqrt(static_cast<float>(d)));
   p.softcap = opts.softcap;
@@ -361,6 +370,22 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
   p.num_threads = opts.num_threads;
   p.stream = opts.stream;
   p.device_index = device.type == DeviceType::kCUDA ? device.index : 0;
+}
+
+void fill_sink_grad(const Check& check, const Options& opts, Device device, int h_q,
+                    BwdParams& p) {
+  const Tensor& grad = opts.learnable_sink_grad;
+  if (!grad.defined()) return;
+  if (!opts.learnable_sink.defined()) {
+    check.fail("opts.learnable_sink_grad",
+               "an undefined tensor when opts.learnable_sink is undefined (no sink, no gradient)",
+               "a tensor of shape " + flashattn::shape_string(grad));
+  }
+  check.shape("opts.learnable_sink_grad", grad, {h_q}, "[h_q], like opts.learnable_sink");
+  check.dtype("opts.learnable_sink_grad", grad, DType::kFloat32, "");
+  check.device("opts.learnable_sink_grad", grad, device, "same as q");
+  check.layout("opts.learnable_sink_grad", grad);
+  p.dsink = static_cast<float*>(grad.data);
 }
 
 void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,

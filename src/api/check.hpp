@@ -74,6 +74,11 @@ class Check {
 void fill_options(const Check& check, const Options& opts, Device device, int batch, int h_q,
                   int d, FwdParams& p);
 
+// Validates opts.learnable_sink_grad (backward: fp32 [h_q], needs opts.learnable_sink)
+// and sets p.dsink. No-op when undefined.
+void fill_sink_grad(const Check& check, const Options& opts, Device device, int h_q,
+                    BwdParams& p);
+
 // Validates opts.return_probs against `shape` ([b, h_q, s_q, s_k] or, varlen,
 // [h_q, total_q, max_seqlen_k]) and fills the probs fields of p. No-op when undefined.
 void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,

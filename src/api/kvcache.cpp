@@ -366,7 +366,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                 {"k_new", args.k_new}, {"v_new", args.v_new}, {"cache_seqlens", args.cache_seqlens},
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
-                {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask}});
+                {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask},
+                {"opts.learnable_sink", opts.learnable_sink}});
   if (args.k_new.defined() && args.k_cache.numel() > 0 && args.k_cache.data == args.v_cache.data) {
     c.fail("v_cache", "memory apart from k_cache (the append writes both)",
            "the data pointer of k_cache, " + detail::api::address_string(args.v_cache.data));
@@ -381,7 +382,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                              {"block_table", args.block_table},
                              {"cache_batch_idx", args.cache_batch_idx},
                              {"k_scale", args.k_scale}, {"v_scale", args.v_scale},
-                             {"tree_mask", args.tree_mask}});
+                             {"tree_mask", args.tree_mask},
+                             {"opts.learnable_sink", opts.learnable_sink}});
     }
   }
 

@@ -52,6 +52,9 @@ VarlenDims check_varlen_shapes(const Check& c, const VarlenArgs& a) {
   if (a.seqused_k.defined()) {
     c.tensor("seqused_k", a.seqused_k, {b}, "[b]", DType::kInt32, q.device);
   }
+  if (a.seqused_q.defined()) {
+    c.tensor("seqused_q", a.seqused_q, {b}, "[b]", DType::kInt32, q.device);
+  }
   if (a.max_seqlen_q < 0) c.fail("max_seqlen_q", ">= 0", std::to_string(a.max_seqlen_q));
   if (a.max_seqlen_k < 0) c.fail("max_seqlen_k", ">= 0", std::to_string(a.max_seqlen_k));
   return {to_int(b),          to_int(q.shape[0]), to_int(a.k.shape[0]),
@@ -93,6 +96,21 @@ void check_cu_seqlens(const Check& c, std::string_view name, const std::vector<s
   }
 }
 
+// seqused values: each in [0, the sequence's length in `cu`].
+void check_seqused(const Check& c, std::string_view name, const std::vector<std::int32_t>& used,
+                   const std::vector<std::int32_t>& cu, std::string_view what) {
+  for (std::size_t i = 0; i < used.size(); ++i) {
+    const std::int32_t len = cu[i + 1] - cu[i];
+    if (used[i] < 0 || used[i] > len) {
+      const std::string at = std::string(name) + "[" + std::to_string(i) + "]";
+      c.fail(name,
+             at + " in [0, " + std::to_string(len) + "] (the " + std::string(what) +
+                 " length of sequence " + std::to_string(i) + ")",
+             at + " = " + std::to_string(used[i]));
+    }
+  }
+}
+
 // Returns false when the contents could not be read (a captured CUDA stream, or device
 // checks only): the call then checks them on the device.
 bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
@@ -101,6 +119,11 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
   if (!cu_q) return false;
   check_cu_seqlens(c, "cu_seqlens_q", *cu_q, dims.total_q, "q.shape[0]", "max_seqlen_q",
                    a.max_seqlen_q);
+  if (a.seqused_q.defined()) {
+    const auto used_q = detail::api::read_int32(a.seqused_q, target, stream);
+    if (!used_q) return false;
+    check_seqused(c, "seqused_q", *used_q, *cu_q, "query");
+  }
   const auto cu_k = detail::api::read_int32(a.cu_seqlens_k, target, stream);
   if (!cu_k) return false;
   check_cu_seqlens(c, "cu_seqlens_k", *cu_k, dims.total_k, "k.shape[0]", "max_seqlen_k",
@@ -108,16 +131,7 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
   if (!a.seqused_k.defined()) return true;
   const auto used = detail::api::read_int32(a.seqused_k, target, stream);
   if (!used) return false;
-  for (std::size_t i = 0; i < used->size(); ++i) {
-    const std::int32_t len = (*cu_k)[i + 1] - (*cu_k)[i];
-    if ((*used)[i] < 0 || (*used)[i] > len) {
-      const std::string at = "seqused_k[" + std::to_string(i) + "]";
-      c.fail("seqused_k",
-             at + " in [0, " + std::to_string(len) + "] (the key length of sequence " +
-                 std::to_string(i) + ")",
-             at + " = " + std::to_string((*used)[i]));
-    }
-  }
+  check_seqused(c, "seqused_k", *used, *cu_k, "key");
   return true;
 }
 
@@ -129,6 +143,10 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
+  if (a.seqused_q.defined() && target == Target::kCUDA) {
+    c.unsupported("seqused_q", "an undefined tensor on CUDA (seqused_q runs on the CPU backend)",
+                  "a tensor on " + to_string(a.q.device));
+  }
   const bool read = check_varlen_contents(c, a, dims, target, opts.stream);
   if (contents_read) *contents_read = read;
   return target;
@@ -142,6 +160,7 @@ void set_varlen_inputs(const VarlenArgs& a, const VarlenDims& dims, FwdParams& p
   p.cu_seqlens_q = static_cast<const int*>(a.cu_seqlens_q.data);
   p.cu_seqlens_k = static_cast<const int*>(a.cu_seqlens_k.data);
   p.seqused_k = static_cast<const int*>(a.seqused_k.data);
+  p.seqused_q = static_cast<const int*>(a.seqused_q.data);
   p.total_q = dims.total_q;
   p.total_k = dims.total_k;
   p.num_splits = 1;
@@ -176,7 +195,9 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", args.q}, {"k", args.k}, {"v", args.v}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"seqused_q", args.seqused_q},
+                {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_varlen_inputs(args, dims, p);
   set_varlen_outputs(out, lse, p);
@@ -204,13 +225,17 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   BwdParams p;
   bool contents_read = true;
   const Target target = check_varlen_rest(c, args, dims, opts, p, &contents_read);
+  detail::api::fill_sink_grad(c, opts, args.q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
-  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv}},
+  c.no_overlap({{"dq", dq}, {"dk", dk}, {"dv", dv},
+                {"opts.learnable_sink_grad", opts.learnable_sink_grad}},
                {{"dout", dout}, {"q", args.q}, {"k", args.k}, {"v", args.v}, {"out", out},
                 {"lse", lse}, {"cu_seqlens_q", args.cu_seqlens_q},
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
-                {"opts.alibi_slopes", opts.alibi_slopes}});
+                {"seqused_q", args.seqused_q},
+                {"opts.alibi_slopes", opts.alibi_slopes},
+                {"opts.learnable_sink", opts.learnable_sink}});
 
   set_varlen_inputs(args, dims, p);
   set_varlen_outputs(out, lse, p);

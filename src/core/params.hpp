@@ -48,6 +48,7 @@ struct FwdParams {
   const int* cu_seqlens_q = nullptr;  // [batch + 1] or null
   const int* cu_seqlens_k = nullptr;  // [batch + 1] or null
   const int* seqused_k = nullptr;     // [batch] or null: overrides the key count
+  const int* seqused_q = nullptr;     // [batch] or null (varlen): overrides the query count
   // Varlen: the rows of the packed q / out (total_q) and k / v (total_k) tensors, the
   // bounds of the sm90 tensor copies; 0 otherwise.
   std::int64_t total_q = 0, total_k = 0;
@@ -85,6 +86,9 @@ struct FwdParams {
   semantics::Mask mask;
   const float* alibi_slopes = nullptr;  // [h_q] or [b, h_q]
   std::int64_t alibi_batch_stride = 0;  // 0 when [h_q]
+
+  // Learnable sink: fp32 [h_q] logits joining every row's softmax denominator, or null.
+  const float* sink = nullptr;
 
   // Dropout.
   float dropout_p = 0.0f;
@@ -155,7 +159,14 @@ struct FwdParams {
   // Keys stored for sequence b (varlen: its cu_seqlens_k range), the bound of seqused_k.
   FA_HD int stored_len_k(int b) const { return cu_seqlens_k ? k_end(b) - k_start(b) : seqlen_k; }
 
-  FA_HD int seq_len_q(int b) const { return cu_seqlens_q ? q_end(b) - q_start(b) : seqlen_q; }
+  // Query rows stored for sequence b (>= seq_len_q(b); the rest are written as empty).
+  FA_HD int seq_rows_q(int b) const { return cu_seqlens_q ? q_end(b) - q_start(b) : seqlen_q; }
+  // Queries of sequence b that are computed: seqused_q[b] clamped to [0, stored rows] when
+  // given, else the stored rows.
+  FA_HD int seq_len_q(int b) const {
+    if (seqused_q) return clamp_index(seqused_q[b], 0, seq_rows_q(b));
+    return seq_rows_q(b);
+  }
   FA_HD int seq_len_k(int b) const {
     if (seqused_k) return clamp_index(seqused_k[b], 0, stored_len_k(b));
     if (cache_seqlens) {
@@ -205,6 +216,7 @@ struct FwdParams {
     if (block_table) return block_id(b, j / block_size);
     return cache_row(b);
   }
+  FA_HD float sink_logit(int h) const { return sink ? sink[h] : -INFINITY; }
   FA_HD float alibi_slope(int b, int h) const {
     return alibi_slopes ? alibi_slopes[std::int64_t(b) * alibi_batch_stride + h] : 0.0f;
   }
@@ -225,6 +237,8 @@ struct BwdParams : FwdParams {
   std::int64_t dk_batch_stride = 0, dk_row_stride = 0, dk_head_stride = 0;
   void* dv = nullptr;
   std::int64_t dv_batch_stride = 0, dv_row_stride = 0, dv_head_stride = 0;
+  // fp32 [h_q] gradient of the learnable sink (overwritten), or null; needs sink.
+  float* dsink = nullptr;
 
   FA_HD std::int64_t do_offset(int b) const {
     return cu_seqlens_q ? std::int64_t(q_start(b)) * do_row_stride : std::int64_t(b) * do_batch_stride;

@@ -18,6 +18,10 @@
 //     accumulates dQ of its rows over the key blocks in order.
 // P and dS are recomputed in both passes (the price of owning outputs without
 // races); no workspace is needed beyond the per-thread tiles.
+//
+// A learnable sink needs nothing in passes 1 and 2: lse includes it, so P = exp(S - lse)
+// is already normalised with it, and D_i = sum_j P_ij dP_ij still equals rowsum(dO * O)
+// (the sink's dP is 0: it carries no value). Its own gradient is a third pass.
 #include "core/backend.hpp"
 #include "cpu/tile.hpp"
 
@@ -234,7 +238,46 @@ class Backward {
                    scale);
   }
 
+  // Pass 3 (with a sink gradient), parallel over query heads: d sink_h = -sum over the
+  // rows i of every sequence of exp(sink_h - lse_i) * D_i, summed in a fixed order (fp64).
+  void sink_grad(BackwardTile<E>& t, int h) const {
+    const T sink = static_cast<T>(p_.sink_logit(h));
+    double acc = 0;
+    for (int b = 0; b < p_.batch; ++b) {
+      const int s_q = p_.seq_len_q(b);
+      for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
+        const int rows = std::min(kBlockM, s_q - i0);
+        load_rows(t, b, h, i0, rows);
+        for (int r = 0; r < rows; ++r)
+          acc -= double(semantics::sink_prob<T>(sink, t.lse[r])) * double(t.delta[r]);
+      }
+    }
+    p_.dsink[h] = static_cast<float>(acc);
+  }
+
+  // seqused_q: the dq rows past seq_len_q(b) are 0 (those rows are not computed).
+  void zero_unused_dq_rows() const {
+    if (!p_.seqused_q) return;
+    const std::vector<T> zeros(std::size_t(p_.d), T(0));
+    for (int b = 0; b < p_.batch; ++b) {
+      S* dq_out = static_cast<S*>(p_.dq) + p_.dq_offset(b);
+      for (int i = p_.seq_len_q(b); i < p_.seq_rows_q(b); ++i)
+        for (int h = 0; h < p_.h_q; ++h)
+          store_row<E>(dq_out + std::int64_t(i) * p_.dq_row_stride + std::int64_t(h) * p_.dq_head_stride,
+                       zeros.data(), p_.d, T(1));
+    }
+  }
+
   void run() const {
+    zero_unused_dq_rows();
+    if (p_.dsink) {
+#pragma omp parallel num_threads(team_size(p_.num_threads))
+      {
+        BackwardTile<E> t(p_.d);
+#pragma omp for schedule(dynamic)
+        for (int h = 0; h < p_.h_q; ++h) sink_grad(t, h);
+      }
+    }
     const std::int64_t key_tasks =
         std::int64_t(p_.batch) * p_.h_k * ((p_.seqlen_k + kBlockN - 1) / kBlockN);
     const int qblocks = (p_.seqlen_q + kBlockM - 1) / kBlockM;

@@ -284,6 +284,9 @@ class Forward {
     return t.row_sum[r] == T(0) ? -static_cast<T>(INFINITY) : t.row_max[r] + std::log(t.row_sum[r]);
   }
 
+  // The learnable sink of query head h in the compute type (-inf without one).
+  T sink_of(int h) const { return static_cast<T>(p_.sink_logit(h)); }
+
   void store_out_row(int b, int h, int i, const T* o, T factor) const {
     S* out = static_cast<S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride +
              std::int64_t(i) * p_.o_row_stride;
@@ -326,7 +329,27 @@ class Forward {
     }
   }
 
+  // seqused_q: rows past seq_len_q(b) are not computed; they are written as a row that
+  // sees no key (out 0, lse -inf, debug probs 0).
+  void write_unused_rows(int width) const {
+    if (!p_.seqused_q) return;
+    const std::vector<T> zeros(std::size_t(p_.d), T(0));
+    for (int b = 0; b < p_.batch; ++b)
+      for (int i = p_.seq_len_q(b); i < p_.seq_rows_q(b); ++i)
+        for (int h = 0; h < p_.h_q; ++h) {
+          store_out_row(b, h, i, zeros.data(), T(1));
+          store_lse(b, h, i, -static_cast<T>(INFINITY));
+          if (p_.probs) {
+            float* row = p_.probs + std::int64_t(b) * p_.probs_batch_stride +
+                         std::int64_t(h) * p_.probs_head_stride +
+                         (p_.q_row0(b) + i) * p_.probs_row_stride;
+            std::fill(row, row + width, 0.0f);
+          }
+        }
+  }
+
   void run() const {
+    write_unused_rows(p_.probs ? probs_width(p_) : 0);
     const int splits = resolve_num_splits(p_);
     const int qblocks = query_blocks(p_);
     const std::int64_t row_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
@@ -380,14 +403,18 @@ class Forward {
         attend(t, b, rs, s_q, s_k, kb0, kb1);
         for (int r = 0; r < rows; ++r) {
           const T lse = row_lse(t, r);
-          const T factor = lse == -static_cast<T>(INFINITY)
-                               ? T(0)
-                               : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
+          T factor = lse == -static_cast<T>(INFINITY)
+                         ? T(0)
+                         : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
           const T* o = &t.acc[std::size_t(r) * t.dp];
           if (splits == 1) {
+            // The sink joins the denominator once, after every key (split partials get it
+            // after their merge).
+            const T total = semantics::lse_with_sink<T>(lse, sink_of(rs.h(r)));
+            if (p_.sink) factor *= semantics::sink_rescale<T>(lse, total);
             store_out_row(b, rs.h(r), rs.i(r), o, factor);
-            store_lse(b, rs.h(r), rs.i(r), lse);
-            t.lse[r] = lse;
+            store_lse(b, rs.h(r), rs.i(r), total);
+            t.lse[r] = total;
           } else {
             const std::int64_t pr = part_row(split, b, rs.h(r), rs.i(r));
             T* dst = o_part + pr * p_.d;
@@ -412,9 +439,11 @@ class Forward {
           const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
           for (int r = 0; r < rows; ++r) {
             const std::int64_t pr0 = part_row(0, b, h, i0 + r);
-            const T lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+            const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+            // With a sink, the merge weights are taken against the lse that includes it.
+            const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
             std::fill(merged.begin(), merged.end(), T(0));
-            if (lse != -static_cast<T>(INFINITY)) {
+            if (keys_lse != -static_cast<T>(INFINITY)) {
               for (int s = 0; s < splits; ++s) {
                 const std::int64_t pr = pr0 + s * split_stride;
                 const T w = semantics::merge_weight<T>(lse_part[pr], lse);

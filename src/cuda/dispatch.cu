@@ -13,6 +13,10 @@
 //              sm90::bwd_unsupported is null,
 //              else sm80 (logged)
 //
+// A learnable sink (FwdParams::sink) runs in every family: it joins the row max and sum in
+// the epilogues (sm80 forward and decode, sm90 forward) or the split merge; the sm80
+// backward adds a small kernel for its gradient (BwdParams::dsink).
+//
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"
@@ -25,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include "core/backend.hpp"
+#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
@@ -109,7 +114,15 @@ std::size_t forward_workspace_size(const FwdParams& p) { return sm80::forward_wo
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
   check_common(kFn, in);
-  if (in.batch == 0 || in.h_q == 0) return;
+  if (in.batch == 0 || in.h_q == 0) {
+    // No rows: d sink (when asked for) is 0; nothing else to write.
+    if (in.dsink != nullptr && in.h_q > 0) {
+      DeviceGuard guard(in.device_index);
+      FLASHATTN_CUDA_CHECK(cudaMemsetAsync(in.dsink, 0, sizeof(float) * std::size_t(in.h_q),
+                                           static_cast<cudaStream_t>(in.stream)));
+    }
+    return;
+  }
   BwdParams p = in;
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;

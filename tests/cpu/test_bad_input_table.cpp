@@ -246,6 +246,23 @@ std::vector<Row> rows() {
       {"alibi_shape_h_k", F, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {2}); }, I, "opts.alibi_slopes", "shape [4] or [2, 4]", "[2]"},
       {"alibi_shape_transposed", F, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {4, 2}); }, I, "opts.alibi_slopes", "shape [4] or [2, 4]", "[4, 2]"},
       {"varlen_alibi_shape", VF, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {2, 4}); }, I, "opts.alibi_slopes", "shape [4] or [3, 4]", "[2, 4]"},
+      // ---------------------------------------------------------------- learnable sink
+      {"sink_float64", F, [](C& c) { c.opts.learnable_sink = c.pool.input(f64, {4}); }, I, "opts.learnable_sink", "dtype float32", "float64"},
+      {"kv_sink_float16", KV, [](C& c) { c.opts.learnable_sink = c.pool.input(f16, {4}); }, I, "opts.learnable_sink", "dtype float32", "float16"},
+      {"sink_shape_h_k", F, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {2}); }, I, "opts.learnable_sink", "shape [4] ([h_q], one logit per query head)", "[2]"},
+      {"varlen_sink_shape_2d", VF, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {3, 4}); }, I, "opts.learnable_sink", "shape [4]", "[3, 4]"},
+      {"bwd_sink_shape", B, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {5}); }, I, "opts.learnable_sink", "shape [4]", "[5]"},
+      {"sink_device_cuda", F, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {4}); c.opts.learnable_sink.device = fa::Device::cuda(0); }, I, "opts.learnable_sink", "device cpu (same as q)", "cuda:0"},
+      {"bwd_sink_grad_without_sink", B, [](C& c) { c.opts.learnable_sink_grad = c.pool.output(f32, {4}); }, I, "opts.learnable_sink_grad", "an undefined tensor when opts.learnable_sink is undefined", "a tensor of shape [4]"},
+      {"bwd_sink_grad_shape", B, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {4}); c.opts.learnable_sink_grad = c.pool.output(f32, {2}); }, I, "opts.learnable_sink_grad", "shape [4]", "[2]"},
+      {"varlen_bwd_sink_grad_bfloat16", VB, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {4}); c.opts.learnable_sink_grad = c.pool.output(bf16, {4}); }, I, "opts.learnable_sink_grad", "dtype float32", "bfloat16"},
+      {"bwd_sink_grad_device_cuda", B, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {4}); c.opts.learnable_sink_grad = c.pool.output(f32, {4}); c.opts.learnable_sink_grad.device = fa::Device::cuda(0); }, I, "opts.learnable_sink_grad", "device cpu (same as q)", "cuda:0"},
+      {"bwd_sink_grad_is_the_sink", B, [](C& c) { c.opts.learnable_sink = c.pool.input(f32, {4}); c.opts.learnable_sink_grad = c.opts.learnable_sink; }, I, "opts.learnable_sink_grad", "memory disjoint from input 'opts.learnable_sink'", "bytes ["},
+      // ---------------------------------------------------------------- seqused_q
+      {"varlen_seqused_q_shape", VF, [](C& c) { c.va.seqused_q = c.pool.int32({2, 0}); }, I, "seqused_q", "shape [3] ([b])", "[2]"},
+      {"varlen_seqused_q_float32", VF, [](C& c) { c.va.seqused_q = c.pool.input(f32, {3}); }, I, "seqused_q", "dtype int32", "float32"},
+      {"varlen_seqused_q_too_long", VF, [](C& c) { c.va.seqused_q = c.pool.int32({2, 0, 6}); }, I, "seqused_q", "seqused_q[2] in [0, 5] (the query length of sequence 2)", "seqused_q[2] = 6"},
+      {"varlen_bwd_seqused_q_negative", VB, [](C& c) { c.va.seqused_q = c.pool.int32({-1, 0, 5}); }, I, "seqused_q", "seqused_q[0] in [0, 2]", "seqused_q[0] = -1"},
       // ---------------------------------------------------------------- devices
       {"mixed_devices_k_cuda", F, [](C& c) { c.k.device = fa::Device::cuda(0); }, I, "k", "device cpu (same as q)", "cuda:0"},
       {"mixed_devices_out_cuda", F, [](C& c) { c.out.device = fa::Device::cuda(0); }, I, "out", "device cpu (same as q)", "cuda:0"},

@@ -1,6 +1,7 @@
 """An fp64 numpy oracle of the function flashattn computes (docs/semantics.md), written
 independently of the library: visibility, score order (scale, softcap, ALiBi, mask,
-softmax), empty rows, Philox dropout, GQA, and the analytic backward."""
+softmax), empty rows, Philox dropout, GQA, learnable sinks (one more logit per head in
+every row's denominator, with no value), and the analytic backward."""
 
 import numpy as np
 
@@ -69,7 +70,7 @@ def visible(s_q, s_k, causal=False, window=(-1, -1)):
 class Head:
     """One (sequence, query head): q [s_q, d], k, v [s_k, d] in fp64, and its forward."""
 
-    def __init__(self, q, k, v, scale, causal, window, softcap, slope, keep, p):
+    def __init__(self, q, k, v, scale, causal, window, softcap, slope, keep, p, sink=None):
         self.q, self.k, self.v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
         s_q, s_k = self.q.shape[0], self.k.shape[0]
         self.scale, self.softcap, self.p, self.keep = scale, softcap, p, keep
@@ -83,13 +84,23 @@ class Head:
             x = x - slope * np.abs(i + s_k - s_q - j)
         self.mask = visible(s_q, s_k, causal, window)
         x = np.where(self.mask, x, -np.inf)
-        m = x.max(axis=1, initial=-np.inf, keepdims=True)
-        empty = ~self.mask.any(axis=1, keepdims=True)
-        m = np.where(empty, 0.0, m)
-        e = np.where(self.mask, np.exp(x - m), 0.0)
-        denom = e.sum(axis=1, keepdims=True)
-        self.P = np.where(empty, 0.0, e / np.where(empty, 1.0, denom))
-        self.lse = np.where(empty[:, 0], -np.inf, (m + np.log(np.where(empty, 1.0, denom)))[:, 0])
+        self.sink = None if sink is None or sink == -np.inf else float(sink)
+        if self.sink is not None:
+            # The sink: one more term of every row's max and denominator, no value.
+            m = np.maximum(x.max(axis=1, initial=-np.inf, keepdims=True), self.sink)
+            e = np.where(self.mask, np.exp(x - m), 0.0)
+            denom = e.sum(axis=1, keepdims=True) + np.exp(self.sink - m)
+            self.P = e / denom
+            self.lse = (m + np.log(denom))[:, 0]
+        else:
+            m = x.max(axis=1, initial=-np.inf, keepdims=True)
+            empty = ~self.mask.any(axis=1, keepdims=True)
+            m = np.where(empty, 0.0, m)
+            e = np.where(self.mask, np.exp(x - m), 0.0)
+            denom = e.sum(axis=1, keepdims=True)
+            self.P = np.where(empty, 0.0, e / np.where(empty, 1.0, denom))
+            self.lse = np.where(empty[:, 0], -np.inf,
+                                (m + np.log(np.where(empty, 1.0, denom)))[:, 0])
         # The library scales kept probabilities by the fp32 value 1 / (1 - p).
         self.rp = float(np.float32(1.0) / (np.float32(1.0) - np.float32(p)))
         self.Pd = self.P * keep * self.rp
@@ -105,16 +116,18 @@ class Head:
         if self.softcap > 0:
             dS = dS * (1.0 - (self.capped / self.softcap) ** 2)
         dx = self.scale * dS
-        return dx @ self.k, dx.T @ self.q, dv
+        # The sink's score: dS_sink = P_sink * (0 - D) (it carries no value).
+        dsink = 0.0 if self.sink is None else float(-(np.exp(self.sink - self.lse) * D[:, 0]).sum())
+        return dx @ self.k, dx.T @ self.q, dv, dsink
 
 
 def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, seed=0, offset=0, dout=None,
-              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None):
+              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, learnable_sink=None):
     """Dense q [b, s_q, h_q, d], k, v [b, s_k, h_k, d], or varlen (cu_seqlens given)
     q [total_q, h_q, d], k, v [total_k, h_k, d]. Returns a dict with out, lse, probs
     (dense [b, h_q, s_q, s_k]; varlen [h_q, total_q, max_seqlen_k]) and, with dout, dq,
-    dk, dv (dk, dv summed over GQA groups)."""
+    dk, dv (dk, dv summed over GQA groups) and, with learnable_sink [h_q], dsink [h_q]."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -144,6 +157,8 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
         dout = np.asarray(dout, dtype=np.float64)
         dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     group = h_q // h_k
+    sinks = None if learnable_sink is None else np.asarray(learnable_sink, dtype=np.float64)
+    dsink = np.zeros(h_q)
     for bi in range(len(seqs_q)):
         for h in range(h_q):
             hk = h // group
@@ -157,7 +172,8 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
             else:
                 qs, ks, vs = q[bi, :, h], k[bi, :, hk], v[bi, :, hk]
             keep = dropout_keep(dropout_p, seed, offset, bi * h_q + h, qs.shape[0], ks.shape[0])
-            head = Head(qs, ks, vs, scale, causal, window, softcap, slope, keep, dropout_p)
+            head = Head(qs, ks, vs, scale, causal, window, softcap, slope, keep, dropout_p,
+                        None if sinks is None else sinks[h])
             if varlen:
                 out[q0:q1, h] = head.out
                 lse[h, q0:q1] = head.lse
@@ -177,9 +193,12 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
                     dq[bi, :, h] += g[0]
                     dk[bi, :, hk] += g[1]
                     dv[bi, :, hk] += g[2]
+                dsink[h] += g[3]
     result = dict(out=out, lse=lse, probs=probs)
     if grads:
         result.update(dq=dq, dk=dk, dv=dv)
+        if sinks is not None:
+            result.update(dsink=dsink)
     return result
 
 

@@ -77,7 +77,7 @@ def _max_err(a, b):
 
 def _full_dense(q, k, v, do, causal, scale, softcap):
     out, lse, _ = ops.fwd(q, k, v, None, None, scale, causal, -1, -1, softcap, 0.0, False, False)
-    dq, dk, dv = ops.bwd(do, q, k, v, out, lse, None, None, scale, causal, -1, -1, softcap, 0.0,
+    dq, dk, dv, _ = ops.bwd(do, q, k, v, out, lse, None, None, scale, causal, -1, -1, softcap, 0.0,
                          False)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
@@ -85,7 +85,7 @@ def _full_dense(q, k, v, do, causal, scale, softcap):
 def _full_varlen(q, k, v, do, cu, mx, causal, scale, softcap):
     out, lse, _ = ops.varlen_fwd(q, k, v, cu, cu, None, None, None, mx, mx, scale, causal, -1, -1,
                                  softcap, 0.0, False, False)
-    dq, dk, dv = ops.varlen_bwd(do, q, k, v, out, lse, cu, cu, None, None, None, mx, mx, scale,
+    dq, dk, dv, _ = ops.varlen_bwd(do, q, k, v, out, lse, cu, cu, None, None, None, mx, mx, scale,
                                 causal, -1, -1, softcap, 0.0, False)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 

@@ -243,3 +243,93 @@ def test_paged_cache_refuses_right_padding():
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     with torch.no_grad(), pytest.raises(ValueError, match="left padding"):
         model(torch.ones(2, 4, dtype=torch.long), attention_mask=mask, past_key_values=cache)
+
+
+def _gpt_oss(attn, device, dtype, seed=0):
+    """A tiny gpt-oss (learnable sinks, a 5-token sliding-window layer then a full one),
+    random weights and random sinks, the same for every attn with the same seed."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16 if device == "cpu" else 64,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gpt_oss_sinks_match_eager(device, seed, monkeypatch):
+    """gpt-oss passes its sinks as s_aux: the logits (dense and left-padded) and one training
+    step's gradients, sinks included, against transformers' eager gpt-oss attention. gpt-oss's
+    experts run in fp32 at most (grouped_mm): the CPU compares fp32 with fp32 (within 1e-5 of
+    the largest value); CUDA compares bf16 with the rule err(ours) <= 2 err(eager bf16) + eps
+    against eager fp32."""
+    name = flashattn.hf.register()
+    calls = _counted(monkeypatch, flashattn.hf, ["flash_attn_func", "flash_attn_varlen_func"])
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (3, 21), generator=g).to(device)
+    mask = _left_padding(ids, True)
+    labels = torch.randint(0, VOCAB, (3, 21), generator=g).to(device).masked_fill(mask == 0, -100)
+
+    def run(model):
+        model.train()
+        logits = model(ids).logits.detach().to(torch.float64)
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.detach().to(torch.float64) for n, p in model.named_parameters()}
+        return logits, out.logits.detach().to(torch.float64), grads
+
+    ours = run(_gpt_oss(name, device, dtype, seed))
+    assert calls == {"flash_attn_func": 2, "flash_attn_varlen_func": 2}
+    low = run(_gpt_oss("eager", device, dtype, seed))
+    ref = low if device == "cpu" else run(_gpt_oss("eager", device, torch.float32, seed))
+    valid = mask.bool()
+    eps = torch.finfo(dtype).eps
+    pairs = [("logits", ours[0], low[0], ref[0]),
+             ("padded logits", ours[1][valid], low[1][valid], ref[1][valid])]
+    pairs += [(n, ours[2][n], low[2][n], ref[2][n]) for n in ref[2]]
+    sinks = [n for n in ref[2] if n.endswith("self_attn.sinks")]
+    assert len(sinks) == 2 and all(_max_abs(ref[2][n]) > 0 for n in sinks)
+    for what, got, base, want in pairs:
+        scale = _max_abs(want)
+        if device == "cpu":
+            assert _max_abs(got - want) <= 1e-5 * max(scale, 1e-30), what
+        else:
+            assert _max_abs(got - want) <= 2 * _max_abs(base - want) + eps * scale, what
+
+
+def test_gpt_oss_paged_greedy_generation_matches_eager(seed, monkeypatch):
+    """gpt-oss generation through PagedKVCache (every step one flash_attn_with_kvcache call
+    per layer, with the layer's sinks and window): the tokens of eager gpt-oss, and logits
+    within 1e-5 of the largest (CPU, fp32)."""
+    name = flashattn.hf.register()
+    ours = _gpt_oss(name, "cpu", torch.float32, seed).eval()
+    theirs = _gpt_oss("eager", "cpu", torch.float32, seed).eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (3, 19), generator=g)
+    mask = _left_padding(ids, True)
+    gen = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+               output_logits=True, return_dict_in_generate=True)
+    cache = flashattn.generation.PagedKVCache(
+        ours.config, 3, 29, block_size=5, num_blocks=3 * 6 + 3,
+        generator=torch.Generator().manual_seed(seed + 1))
+    sinks_seen = []
+    kvcache = flashattn.generation.flash_attn_with_kvcache
+
+    def recorded(*args, **kwargs):
+        sinks_seen.append(kwargs.get("learnable_sink"))
+        return kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(flashattn.generation, "flash_attn_with_kvcache", recorded)
+    with torch.no_grad():
+        a = ours.generate(ids, past_key_values=cache, **gen)
+        b = theirs.generate(ids, **gen)
+    assert len(sinks_seen) == 10 * 2 and all(s is not None for s in sinks_seen)
+    assert torch.equal(a.sequences, b.sequences)
+    la, lb = torch.stack(a.logits), torch.stack(b.logits)
+    assert _max_abs(la - lb) <= 1e-5 * _max_abs(lb)

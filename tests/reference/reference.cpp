@@ -91,10 +91,12 @@ std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact
       const int g = h / (p.h_q / p.h_k);
       for (std::int64_t i = 0; i < s.s_q; ++i) {
         row_scores<Acc>(p, b, h, i, /*round_dot=*/!exact, R, dot, score);
-        Acc m = static_cast<Acc>(kNegInf);
+        // The sink is one more term of the max and the denominator, with no value.
+        const Acc sink = static_cast<Acc>(p.sink_logit(h));
+        Acc m = sink;
         for (Acc x : score) m = x > m ? x : m;
         if (m == static_cast<Acc>(kNegInf)) continue;  // no visible key: out 0, lse -inf
-        Acc sum = 0;
+        Acc sum = sink == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(sink - m);
         for (Acc x : score) sum += x == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(x - m);
         const Acc lse = m + std::log(sum);
         r.lse[sz(h * std::int64_t(s.s_q) + i)] = exact ? double(lse) : double(static_cast<float>(lse));
@@ -141,16 +143,19 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
     std::vector<Acc> dq(s.q.size(), Acc(0)), dk(s.k.size(), Acc(0)), dv(s.v.size(), Acc(0));
     std::vector<double> dq_mag(exact ? s.q.size() : 0, 0.0), dk_mag(exact ? s.k.size() : 0, 0.0),
         dv_mag(exact ? s.v.size() : 0, 0.0);
+    std::vector<Acc> dsink(p.sink.empty() ? 0 : sz(p.h_q), Acc(0));
+    std::vector<double> dsink_mag(exact ? dsink.size() : 0, 0.0);
     for (int h = 0; h < p.h_q; ++h) {
       const int g = h / (p.h_q / p.h_k);
       for (std::int64_t i = 0; i < s.s_q; ++i) {
         row_scores<Acc>(p, b, h, i, /*round_dot=*/false, R, dot, score);
+        const Acc sink = static_cast<Acc>(p.sink_logit(h));
         Acc lse;
         if (exact) {
-          Acc m = static_cast<Acc>(kNegInf);
+          Acc m = sink;
           for (Acc x : score) m = x > m ? x : m;
           if (m == static_cast<Acc>(kNegInf)) continue;
-          Acc sum = 0;
+          Acc sum = sink == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(sink - m);
           for (Acc x : score) sum += x == static_cast<Acc>(kNegInf) ? Acc(0) : std::exp(x - m);
           lse = m + std::log(sum);
         } else {
@@ -192,6 +197,12 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
           const double* oi = &(*forward)[sz(b)].out[sz((i * p.h_q + h) * p.d)];
           for (int c = 0; c < p.d; ++c) delta += static_cast<Acc>(doi[c]) * static_cast<Acc>(oi[c]);
         }
+        // The sink's score gets dS = P_sink * (dP_sink - D) with dP_sink = 0 (no value).
+        if (!p.sink.empty() && sink != static_cast<Acc>(kNegInf)) {
+          const Acc p_sink = std::exp(sink - lse);
+          dsink[sz(h)] -= p_sink * delta;
+          if (exact) dsink_mag[sz(h)] += double(p_sink) * delta_abs;
+        }
         const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
         Acc* dqi = &dq[sz((i * p.h_q + h) * p.d)];
         for (std::int64_t j = 0; j < s.s_k; ++j) {
@@ -231,6 +242,8 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
     gr.dq_mag = std::move(dq_mag);
     gr.dk_mag = std::move(dk_mag);
     gr.dv_mag = std::move(dv_mag);
+    gr.dsink.assign(dsink.begin(), dsink.end());  // fp32 output: the backends round once, at the end
+    gr.dsink_mag = std::move(dsink_mag);
   }
   return result;
 }
@@ -241,6 +254,8 @@ double RefProblem::slope(int b, int h) const {
   if (alibi.empty()) return 0.0;
   return alibi[sz(alibi_per_batch ? std::int64_t(b) * h_q + h : h)];
 }
+
+double RefProblem::sink_logit(int h) const { return sink.empty() ? kNegInf : sink[sz(h)]; }
 
 bool RefProblem::keep(int b, int h, std::int64_t i, std::int64_t j) const {
   if (!(dropout_p > 0.0)) return true;
@@ -314,6 +329,15 @@ std::vector<double> concat_dk(const std::vector<RefGrads>& g) {
 }
 std::vector<double> concat_dv(const std::vector<RefGrads>& g) {
   return concat(g, [](const RefGrads& o) -> const std::vector<double>& { return o.dv; });
+}
+
+std::vector<double> concat_dsink(const std::vector<RefGrads>& g) {
+  std::vector<double> sum;
+  for (const RefGrads& part : g) {
+    if (sum.empty()) sum.assign(part.dsink.size(), 0.0);
+    for (std::size_t h = 0; h < part.dsink.size() && h < sum.size(); ++h) sum[h] += part.dsink[h];
+  }
+  return sum;
 }
 
 }  // namespace flashattn::test

@@ -48,8 +48,12 @@ struct RefProblem {
   // Exactly as the backends build it from Options (seed, offset, threshold).
   semantics::DropoutRng rng;
   std::vector<RefSeq> seqs;
+  // Learnable sink logits [h_q] (one extra term in each row's softmax denominator,
+  // contributing no value), or empty.
+  std::vector<double> sink;
 
   double slope(int b, int h) const;
+  double sink_logit(int h) const;  // -inf without a sink
   bool keep(int b, int h, std::int64_t i, std::int64_t j) const;
   // The scale a call with these options uses (unset -> 1/sqrt(d), as a float).
   static double resolve_scale(std::optional<float> softmax_scale, int d);
@@ -76,6 +80,9 @@ struct RefGrads {
   // these, which sets the rounding floor of the tolerance rule where cancellation makes
   // the gradient itself tiny (e.g. a row that sees one key has dS = 0 exactly).
   std::vector<double> dq_mag, dk_mag, dv_mag;
+  // With a sink: this sequence's share of d loss / d sink [h_q], -sum_i P_sink_i D_i
+  // (concat_dsink sums the sequences), and (oracle) its sum of |terms|.
+  std::vector<double> dsink, dsink_mag;
 };
 
 // fp64 oracle.
@@ -104,5 +111,7 @@ std::vector<double> concat_probs(const std::vector<RefOutput>& r);  // dense [b,
 std::vector<double> concat_dq(const std::vector<RefGrads>& g);
 std::vector<double> concat_dk(const std::vector<RefGrads>& g);
 std::vector<double> concat_dv(const std::vector<RefGrads>& g);
+// d loss / d sink [h_q]: the sequences' shares summed (empty without a sink).
+std::vector<double> concat_dsink(const std::vector<RefGrads>& g);
 
 }  // namespace flashattn::test

@@ -37,6 +37,35 @@ std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch) {
   return s;
 }
 
+std::vector<float> random_sink(Rng& rng, int h_q, double lo, double hi) {
+  std::vector<float> s(sz(h_q));
+  for (float& x : s) x = static_cast<float>(uniform_real(rng, lo, hi));
+  return s;
+}
+
+void SinkInputs::set(std::vector<float> values) {
+  logits = std::move(values);
+  const int h = static_cast<int>(logits.size());
+  tensor = float_tensor(logits, {h});
+  grad = HostTensor(DType::kFloat32, {h});
+  grad.fill_nan();
+}
+
+void SinkInputs::apply(Options& o) const {
+  if (logits.empty()) return;
+  o.learnable_sink = tensor.view();
+  if (want_grad) o.learnable_sink_grad = grad.view();
+}
+
+void SinkInputs::poison_grad() {
+  if (!logits.empty()) grad.fill_nan();
+}
+
+std::vector<double> SinkInputs::grad_values() const {
+  if (logits.empty() || !want_grad) return {};
+  return grad.to_double();
+}
+
 // ------------------------------------------------------------------ dense
 
 DenseCase DenseCase::random(Rng& rng, const Shape& shape, DType dtype, double stddev) {
@@ -69,6 +98,7 @@ void DenseCase::want_probs() {
 
 Options DenseCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -80,6 +110,7 @@ RefProblem DenseCase::problem() const {
   p.h_k = shape.h_k;
   p.d = shape.d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   for (int b = 0; b < shape.batch; ++b) {
     RefSeq s;
     s.s_q = shape.s_q;
@@ -100,6 +131,7 @@ void DenseCase::poison_forward() {
 }
 
 void DenseCase::poison_backward() {
+  sink.poison_grad();
   dq.fill_nan();
   dk.fill_nan();
   dv.fill_nan();
@@ -157,6 +189,11 @@ void VarlenCase::set_seqused_k(std::vector<int> used) {
   seqused_t = int_tensor(seqused_k);
 }
 
+void VarlenCase::set_seqused_q(std::vector<int> used) {
+  seqused_q = std::move(used);
+  seqused_q_t = int_tensor(seqused_q);
+}
+
 void VarlenCase::set_alibi(std::vector<float> slopes, bool per_batch) {
   alibi = std::move(slopes);
   alibi_per_batch = per_batch;
@@ -167,6 +204,7 @@ void VarlenCase::want_probs() { probs = HostTensor(DType::kFloat32, {h_q, total_
 
 Options VarlenCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -180,6 +218,7 @@ VarlenArgs VarlenCase::args() const {
   a.cu_seqlens_q = cu_q_t.view();
   a.cu_seqlens_k = cu_k_t.view();
   if (!seqused_k.empty()) a.seqused_k = seqused_t.view();
+  if (!seqused_q.empty()) a.seqused_q = seqused_q_t.view();
   a.max_seqlen_q = max_q();
   a.max_seqlen_k = max_k();
   return a;
@@ -191,9 +230,10 @@ RefProblem VarlenCase::problem() const {
   p.h_k = h_k;
   p.d = d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   for (int b = 0; b < batch(); ++b) {
     RefSeq s;
-    s.s_q = len_q(b);
+    s.s_q = used_q(b);
     s.s_k = used_k(b);
     s.q = rows_of(q, cu_q[b], s.s_q);
     s.dout = rows_of(dout, cu_q[b], s.s_q);
@@ -211,6 +251,7 @@ void VarlenCase::poison_forward() {
 }
 
 void VarlenCase::poison_backward() {
+  sink.poison_grad();
   dq.fill_nan();
   dk.fill_nan();
   dv.fill_nan();
@@ -223,14 +264,44 @@ void VarlenCase::run_backward() {
                   call_options());
 }
 
-std::vector<double> VarlenCase::out_concat() const { return rows_of(out, 0, cu_q.back()); }
-std::vector<double> VarlenCase::dq_concat() const { return rows_of(dq, 0, cu_q.back()); }
+namespace {
+// Rows cu_q[b] .. cu_q[b] + used_q(b) of every sequence, concatenated.
+std::vector<double> used_q_rows(const VarlenCase& c, const HostTensor& t) {
+  if (c.seqused_q.empty()) return rows_of(t, 0, c.cu_q.back());
+  std::vector<double> r;
+  for (int b = 0; b < c.batch(); ++b) {
+    const std::vector<double> part = rows_of(t, c.cu_q[b], c.used_q(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+}  // namespace
+
+std::vector<double> VarlenCase::out_concat() const { return used_q_rows(*this, out); }
+std::vector<double> VarlenCase::dq_concat() const { return used_q_rows(*this, dq); }
+
+std::vector<double> VarlenCase::q_unused_rows(const HostTensor& t) const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b) {
+    const std::vector<double> part = rows_of(t, cu_q[b] + used_q(b), len_q(b) - used_q(b));
+    r.insert(r.end(), part.begin(), part.end());
+  }
+  return r;
+}
+
+std::vector<double> VarlenCase::lse_unused_rows() const {
+  std::vector<double> r;
+  for (int b = 0; b < batch(); ++b)
+    for (int h = 0; h < h_q; ++h)
+      for (int i = used_q(b); i < len_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
+  return r;
+}
 
 std::vector<double> VarlenCase::lse_concat() const {
   std::vector<double> r;
   for (int b = 0; b < batch(); ++b)
     for (int h = 0; h < h_q; ++h)
-      for (int i = 0; i < len_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
+      for (int i = 0; i < used_q(b); ++i) r.push_back(lse.at({h, cu_q[b] + i}));
   return r;
 }
 
@@ -238,7 +309,7 @@ std::vector<double> VarlenCase::probs_concat() const {
   std::vector<double> r;
   for (int b = 0; b < batch(); ++b)
     for (int h = 0; h < h_q; ++h)
-      for (int i = 0; i < len_q(b); ++i)
+      for (int i = 0; i < used_q(b); ++i)
         for (int j = 0; j < used_k(b); ++j) r.push_back(probs.at({h, cu_q[b] + i, j}));
   return r;
 }
@@ -447,6 +518,7 @@ void KVCacheCase::set_alibi(std::vector<float> slopes, bool per_batch) {
 
 Options KVCacheCase::call_options() const {
   Options o = opts;
+  sink.apply(o);
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   return o;
 }
@@ -482,6 +554,7 @@ RefProblem KVCacheCase::problem() const {
   p.h_k = cfg.h_k;
   p.d = cfg.d;
   p.set_options(opts, alibi, alibi_per_batch);
+  p.sink = sink.as_double();
   const std::int64_t rows_per = k_cache.size(1), width = std::int64_t(cfg.h_k) * cfg.d;
   for (int b = 0; b < cfg.batch; ++b) {
     RefSeq s;

@@ -18,6 +18,22 @@ namespace flashattn::test {
 // Random ALiBi slopes in (0, 1], [h_q] or [batch * h_q].
 std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch);
 
+// Random learnable sink logits [h_q] in [lo, hi] (gpt-oss's trained sinks sit around 0..3).
+std::vector<float> random_sink(Rng& rng, int h_q, double lo = -2.0, double hi = 3.0);
+
+// A learnable sink for a case: the host logits, their fp32 [h_q] tensor and, for the
+// backward, the fp32 [h_q] gradient output (learnable_sink_grad).
+struct SinkInputs {
+  std::vector<float> logits;  // empty = no sink
+  HostTensor tensor, grad;
+  bool want_grad = true;
+  void set(std::vector<float> values);
+  void apply(Options& o) const;  // learnable_sink (and learnable_sink_grad) when set
+  void poison_grad();
+  std::vector<double> grad_values() const;  // empty without a sink or a gradient
+  std::vector<double> as_double() const { return {logits.begin(), logits.end()}; }
+};
+
 // ------------------------------------------------------------------ dense
 struct DenseCase {
   Shape shape;
@@ -29,6 +45,7 @@ struct DenseCase {
   std::vector<float> alibi;   // host slopes; empty = off
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;            // learnable sink (and its gradient), filled in by call_options()
   Options opts;               // alibi_slopes / return_probs are filled in by call_options()
 
   static DenseCase random(Rng& rng, const Shape& shape, DType dtype, double stddev = 1.0);
@@ -49,18 +66,21 @@ struct VarlenCase {
   DType dtype = DType::kFloat32;
   std::vector<int> cu_q, cu_k;   // [batch + 1]
   std::vector<int> seqused_k;    // empty or [batch]
+  std::vector<int> seqused_q;    // empty or [batch]: queries computed per sequence
   int total_q = 0, total_k = 0;  // rows of the packed tensors (>= cu.back(): padding allowed)
   HostTensor q, k, v, dout, out, lse, probs, dq, dk, dv;
-  HostTensor cu_q_t, cu_k_t, seqused_t;
+  HostTensor cu_q_t, cu_k_t, seqused_t, seqused_q_t;
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;
   Options opts;
 
   int batch() const { return static_cast<int>(cu_q.size()) - 1; }
   int len_q(int b) const { return cu_q[b + 1] - cu_q[b]; }
   int len_k(int b) const { return cu_k[b + 1] - cu_k[b]; }
   int used_k(int b) const { return seqused_k.empty() ? len_k(b) : seqused_k[b]; }
+  int used_q(int b) const { return seqused_q.empty() ? len_q(b) : seqused_q[b]; }
   int max_q() const;
   int max_k() const;
 
@@ -68,6 +88,7 @@ struct VarlenCase {
   static VarlenCase make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k,
                          int d, DType dtype, int pad_q = 0, int pad_k = 0);
   void set_seqused_k(std::vector<int> used);
+  void set_seqused_q(std::vector<int> used);
   void set_alibi(std::vector<float> slopes, bool per_batch);
   void want_probs();
   Options call_options() const;
@@ -79,7 +100,8 @@ struct VarlenCase {
   void run_forward();
   void run_backward();
 
-  // Results in the oracle's order (only rows that belong to a sequence).
+  // Results in the oracle's order (only rows that belong to a sequence, and of those the
+  // first used_q(b)).
   std::vector<double> out_concat() const;
   std::vector<double> lse_concat() const;
   std::vector<double> probs_concat() const;  // columns j < used_k(b)
@@ -88,6 +110,10 @@ struct VarlenCase {
   std::vector<double> dv_concat() const;
   // dk/dv rows of each sequence at or beyond used_k(b) (their expected value is 0).
   std::vector<double> dkv_unused_rows() const;
+  // out (or dq) rows of each sequence at or beyond used_q(b) (expected 0), and their lse
+  // (expected -inf).
+  std::vector<double> q_unused_rows(const HostTensor& t) const;
+  std::vector<double> lse_unused_rows() const;
 };
 
 // ------------------------------------------------------------------ KV cache
@@ -136,6 +162,7 @@ struct KVCacheCase {
   std::vector<float> alibi;
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
+  SinkInputs sink;
   Options opts;
   int num_splits = 1;
 

@@ -106,6 +106,18 @@ void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResu
                                  magnitude(&RefGrads::dk_mag), query_terms));
   EXPECT_TRUE(close_to_reference("dv", got.dv, concat_dv(ref), concat_dv(naive), dtype, kDefaultFloorUlps,
                                  magnitude(&RefGrads::dv_mag), query_terms));
+  // The sink's gradient sums one term per query row of every sequence (fp32 output).
+  if (!p.sink.empty() && !got.dsink.empty()) {
+    double rows = 0;
+    for (const RefSeq& s : p.seqs) rows += s.s_q;
+    std::vector<double> mag(sz(p.h_q), 0.0);  // per head, summed over the sequences
+    for (const RefGrads& g : ref)
+      for (std::size_t h = 0; h < g.dsink_mag.size() && h < mag.size(); ++h) mag[h] += g.dsink_mag[h];
+    EXPECT_TRUE(fully_written("dsink", got.dsink));
+    EXPECT_TRUE(close_to_reference("dsink", got.dsink, concat_dsink(ref), concat_dsink(naive),
+                                   DType::kFloat32, kDefaultFloorUlps,
+                                   *std::max_element(mag.begin(), mag.end()), std::max(rows, 1.0)));
+  }
   // Rows that see no key: dq exactly 0.
   const std::vector<RefOutput> f = reference_forward(p);
   std::size_t o = 0, bad = 0;
@@ -144,7 +156,7 @@ ForwardResults forward_results(const DenseCase& c) {
 }
 
 BackwardResults backward_results(const DenseCase& c) {
-  return {c.dq.to_double(), c.dk.to_double(), c.dv.to_double()};
+  return {c.dq.to_double(), c.dk.to_double(), c.dv.to_double(), c.sink.grad_values()};
 }
 
 ForwardResults forward_results(const VarlenCase& c) {
@@ -153,7 +165,9 @@ ForwardResults forward_results(const VarlenCase& c) {
   return r;
 }
 
-BackwardResults backward_results(const VarlenCase& c) { return {c.dq_concat(), c.dk_concat(), c.dv_concat()}; }
+BackwardResults backward_results(const VarlenCase& c) {
+  return {c.dq_concat(), c.dk_concat(), c.dv_concat(), c.sink.grad_values()};
+}
 
 ForwardResults forward_results(const KVCacheCase& c) { return {c.out.to_double(), c.lse.to_double(), {}}; }
 

@@ -20,6 +20,7 @@ struct ForwardResults {
 
 struct BackwardResults {
   std::vector<double> dq, dk, dv;  // concat_dq / concat_dk / concat_dv order
+  std::vector<double> dsink;       // [h_q] with a sink gradient, else empty
 };
 
 // Splits concatenated forward results back into per-sequence RefOutputs (for the naive backward).

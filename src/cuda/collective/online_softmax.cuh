@@ -10,6 +10,10 @@
 // never NaN. Non-finite scores (docs/semantics.md): fmaxf skips a NaN score, whose
 // exp2 then makes the row's sum NaN; a +inf score makes exp2(inf - inf) = NaN; either way
 // finalize gives NaN out and lse. The sum, once NaN, stays NaN (NaN * correction).
+//
+// A learnable sink (semantics.hpp) joins only at finalize(): one more term exp2(sink_log2)
+// in each row's sum and max, outside the key loop, so the loop is the same with or
+// without one.
 #pragma once
 
 #include <cmath>
@@ -153,14 +157,27 @@ struct OnlineSoftmax {
   // After the last tile: the full row sums, and per row the factor the output is
   // multiplied by (out_scale / sum, 0 for a row that saw no key) and the natural-log
   // lse (-inf for such a row). `to_natural` = ln(2) * to_log2 turns the max into score units.
+  // sink_log2: the row's learnable sink in log2 units (sink * log2(e)), -inf for none; it
+  // joins the max and the sum here (a row that saw no key: factor 0, lse = the sink).
   __device__ __forceinline__ void finalize(float out_scale, float to_log2, float (&inv)[kRows],
-                                           float (&lse)[kRows]) {
+                                           float (&lse)[kRows], float sink_log2 = -INFINITY) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float sum = quad_sum(row_sum[r]);
       // Empty means sum 0 only: a row whose scores were all NaN keeps max -inf (fmaxf skips
       // NaN) but has a NaN sum, and must give NaN out and lse, not the empty row's 0 / -inf.
       const bool empty = sum == 0.0f;
+      if (sink_log2 != -INFINITY) {  // uniform: one sink per (block, head)
+        // The base moves to max(row max, sink) so that neither term overflows. A NaN sum
+        // stays NaN through keys and total (NaN out and lse).
+        const float base = empty ? -INFINITY : row_max[r] * to_log2;
+        const float top = fmaxf(base, sink_log2);
+        const float keys = empty ? 0.0f : sum * sm80::fast_exp2(base - top);
+        const float total = keys + sm80::fast_exp2(sink_log2 - top);
+        inv[r] = empty ? 0.0f : out_scale * sm80::fast_exp2(base - top) / total;
+        lse[r] = (top + log2f(total)) * 0.6931471805599453f;
+        continue;
+      }
       inv[r] = empty ? 0.0f : out_scale / sum;
       // lse = max (natural) + ln(sum) with max (natural) = max * to_log2 * ln 2
       lse[r] = empty ? -INFINITY : (row_max[r] * to_log2 + log2f(sum)) * 0.6931471805599453f;

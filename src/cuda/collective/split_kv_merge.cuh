@@ -89,7 +89,10 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
   for (int s = lane + 32; s < n; s += 32) sum += expf(__ldcg(lse_s + s * rows) - mb);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float lse = sum == 0.0f ? -INFINITY : m + logf(sum);
+  float lse = sum == 0.0f ? -INFINITY : m + logf(sum);
+  // A learnable sink joins once, here (the splits' partials are over their keys only):
+  // the weights below are taken against the lse that includes it (a NaN lse stays NaN).
+  if (p.sink != nullptr) lse = semantics::lse_with_sink(lse, p.sink[h]);
   if (lane == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
   const float my_w = lse == -INFINITY ? 0.0f : semantics::merge_weight(my_ls, lse);
   auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +

@@ -1,6 +1,6 @@
-// The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the main kernel
-// of the compiled head-dim bucket, and the postprocess (dQ = scale * dq_accum in the
-// output type).
+// The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the learnable
+// sink's gradient (when asked for), the main kernel of the compiled head-dim bucket, and
+// the postprocess (dQ = scale * dq_accum in the output type).
 #include <cstdint>
 #include <string>
 
@@ -70,6 +70,46 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
   }
 }
 
+// The learnable sink's gradient, d sink[h] = -sum over the rows i of every sequence of
+// exp(sink[h] - lse_i) * D_i (semantics::sink_prob; D from the preprocess), one block per
+// query head: a fixed assignment of rows to threads and a fixed reduction tree, so the
+// result is the same bits on every run (no atomics). The main kernel needs nothing for the
+// sink: lse includes it, so the P it recomputes are normalised with it, and D stays
+// rowsum(dO * O) (the sink carries no value). Rows are the packed rows of varlen
+// (q_start(b) + i) or b * seqlen_q + i.
+constexpr int kSinkThreads = 256;
+__global__ void __launch_bounds__(kSinkThreads) bwd_sink_grad_kernel(const __grid_constant__ BwdParams p,
+                                                                     const float* dpsum_all,
+                                                                     std::int64_t rows_total) {
+  const int h = blockIdx.x;
+  const float sink = p.sink[h];
+  const float* dpsum = dpsum_all + std::int64_t(h) * rows_total;
+  float acc = 0.0f;
+  if (sink != -INFINITY) {
+    // Sequence by sequence through the index guards (params.hpp), so that a captured call
+    // with bad cu_seqlens reads only rows the preprocess wrote.
+    for (int b = 0; b < p.batch; ++b) {
+      const int s_q = p.seq_len_q(b);
+      const std::int64_t row0 = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
+      const float* lse_b = p.lse + p.lse_offset(b, h);
+      for (int i = threadIdx.x; i < s_q; i += kSinkThreads) {
+        acc -= semantics::sink_prob(sink, lse_b[i]) * dpsum[row0 + i];
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  __shared__ float warp_sums[kSinkThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kSinkThreads / 32; ++w) total += warp_sums[w];
+    p.dsink[h] = total;
+  }
+}
+
 // dq[b, i, h, :] = scale * dq_accum[(b, i / kBwdBlockM, h), (i % kBwdBlockM, :)] in the
 // output type, every row of every sequence (rows no key tile reached hold the zeros of
 // the memset). A thread converts one 8-column slab of a row: in the fragment order of
@@ -105,6 +145,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
     bwd_dot_do_o_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
     FLASHATTN_CUDA_CHECK(cudaGetLastError());
   }
+  if (p.dsink != nullptr) launch_sink_grad(p, ws.dpsum, ws.rows_total, stream);  // also with no rows: 0
   bool launched = p.seqlen_k == 0;
   if (!launched && main != nullptr) {
     main(p, ws, stream);
@@ -138,6 +179,12 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
 }  // namespace
 
 std::size_t backward_workspace_size(const BwdParams& p) { return bwd_workspace_layout(p).total(); }
+
+void launch_sink_grad(const BwdParams& p, const float* dpsum, std::int64_t rows_total, void* stream) {
+  bwd_sink_grad_kernel<<<p.h_q, kSinkThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, dpsum,
+                                                                                    rows_total);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
 
 void backward(const BwdParams& p, BwdMainKernel main) {
   if (p.batch == 0 || p.h_q == 0) return;

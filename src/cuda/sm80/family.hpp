@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/params.hpp"
 #include "cuda/collective/bwd_workspace.hpp"
@@ -19,5 +20,13 @@ std::size_t forward_workspace_size(const FwdParams& p);
 using BwdMainKernel = void (*)(const BwdParams& p, const BwdWorkspace& ws, void* stream);
 void backward(const BwdParams& p, BwdMainKernel main = nullptr);
 std::size_t backward_workspace_size(const BwdParams& p);
+
+// The learnable sink's gradient for a backward that has D = rowsum(dO * O) in
+// dpsum[h * rows_total + row] (row: the packed row cu_seqlens_q[b] + i when varlen, else
+// b * seqlen_q + i): writes p.dsink[h] = -sum_rows exp(p.sink[h] - lse) * D, reading
+// p.lse; one block per head, a fixed reduction (the same bits every run). Enqueued on
+// `stream` (a cudaStream_t). sm80::backward calls it after its preprocess; another
+// family's backward with its own D can call it too.
+void launch_sink_grad(const BwdParams& p, const float* dpsum, std::int64_t rows_total, void* stream);
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -467,7 +467,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // ---- epilogue: normalise, stage this warp's rows in its own (now unused) Q rows,
   // then 16-byte stores of the rows and columns that exist.
   float inv[2 * kMTiles], lse[2 * kMTiles];
-  softmax.finalize(has_dropout ? p.rp_dropout : 1.0f, to_log2, inv, lse);
+  // The learnable sink joins each row's max and sum here, in log2 units (-inf: none).
+  softmax.finalize(has_dropout ? p.rp_dropout : 1.0f, to_log2, inv, lse,
+                   p.sink != nullptr ? p.sink[h] * kLog2e : -INFINITY);
   __syncwarp();
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)

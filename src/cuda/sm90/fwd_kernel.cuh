@@ -466,8 +466,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       kv_it += n_tiles;
     }
 
-    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row
+    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row.
+    // A learnable sink joins each row's max and sum here (log2 units), outside the key loop.
     float inv[2], lse[2];
+    const float sink_log2 = p.sink != nullptr ? p.sink[w.h] * 1.4426950408889634f : -INFINITY;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float sum = row_sum[half];
@@ -476,8 +478,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       // sum 0 only: an all-NaN row keeps max -inf but has a NaN sum, hence NaN out and lse
       // (online_softmax.cuh, docs/semantics.md).
       const bool empty = sum == 0.0f;
-      inv[half] = empty ? 0.0f : 1.0f / sum;
-      lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+      if (sink_log2 != -INFINITY) {
+        // The base moves to max(row max, sink): neither term overflows; a row that saw no
+        // key gets factor 0 and lse = the sink; a NaN sum stays NaN.
+        const float base = empty ? -INFINITY : row_max[half] * to_log2;
+        const float top = fmaxf(base, sink_log2);
+        const float keys = empty ? 0.0f : sum * fast_exp2(base - top);
+        const float total = keys + fast_exp2(sink_log2 - top);
+        inv[half] = empty ? 0.0f : fast_exp2(base - top) / total;
+        lse[half] = (top + log2f(total)) * 0.6931471805599453f;
+      } else {
+        inv[half] = empty ? 0.0f : 1.0f / sum;
+        lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
+      }
     }
     Element* const o_base =
         static_cast<Element*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
