@@ -12,6 +12,8 @@ from ._C import (  # noqa: F401
     InvalidArgumentError,
     UnsupportedError,
     cuda_available,
+    get_kernel_family,
+    set_kernel_family,
 )
 from ._C import version as _version
 
@@ -36,9 +38,43 @@ __all__ = [
     "InvalidArgumentError",
     "UnsupportedError",
     "cuda_available",
+    "get_kernel_family",
+    "set_kernel_family",
+    "kernel_family",
     "__version__",
     *_TORCH_NAMES,
 ]
+
+
+class kernel_family:
+    """Context manager (and decorator) that runs the calls inside it on one CUDA kernel
+    family: ``with flashattn.kernel_family("sm80"): ...``. ``family`` is 'auto', 'sm80' or
+    'sm90'; ``smem_cap`` caps the shared memory per block a configuration may use (0: the
+    device's limit; e.g. 101376 runs the 99 KiB configurations of an RTX 4090 on an H100).
+    The setting is process-wide (torch's autograd threads see it), restored on exit."""
+
+    def __init__(self, family, smem_cap=0):
+        self.family, self.smem_cap = family, smem_cap
+        self._saved = []
+
+    def __enter__(self):
+        self._saved.append(get_kernel_family())
+        set_kernel_family(self.family, self.smem_cap)
+        return self
+
+    def __exit__(self, *exc):
+        set_kernel_family(*self._saved.pop())
+        return False
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with kernel_family(self.family, self.smem_cap):
+                return fn(*args, **kwargs)
+
+        return wrapped
 
 
 def __getattr__(name):

@@ -24,6 +24,7 @@
 
 #include <Python.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -199,6 +200,27 @@ fa::Tensor to_tensor(const std::optional<Array>& a, const char* argument) {
   return a ? to_tensor(*a, argument) : fa::Tensor{};
 }
 
+// The CUDA kernel family and shared-memory cap of every call from this process
+// (flashattn.set_kernel_family): process-wide, not per thread, because torch runs a
+// backward on its own autograd threads. A tuning knob: results never depend on it.
+std::atomic<int> g_kernel_family{static_cast<int>(fa::KernelFamily::kAuto)};
+std::atomic<int> g_smem_cap{0};
+
+fa::KernelFamily kernel_family_in(const std::string& name) {
+  if (name == "auto") return fa::KernelFamily::kAuto;
+  if (name == "sm80") return fa::KernelFamily::kSm80;
+  if (name == "sm90") return fa::KernelFamily::kSm90;
+  binding_error("family", "'auto', 'sm80' or 'sm90'", "'" + name + "'");
+}
+
+const char* kernel_family_out(fa::KernelFamily f) {
+  switch (f) {
+    case fa::KernelFamily::kSm80: return "sm80";
+    case fa::KernelFamily::kSm90: return "sm90";
+    default: return "auto";
+  }
+}
+
 // Options shared by every entry point; keyword arguments of the same names in Python.
 struct CommonOptions {
   std::optional<double> softmax_scale;
@@ -234,6 +256,8 @@ struct CommonOptions {
     o.return_probs = to_tensor(return_probs, "return_probs");
     o.learnable_sink = to_tensor(learnable_sink, "learnable_sink");
     o.learnable_sink_grad = to_tensor(learnable_sink_grad, "learnable_sink_grad");
+    o.kernel_family = static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
+    o.smem_cap = g_smem_cap.load(std::memory_order_relaxed);
     return o;
   }
 };
@@ -384,6 +408,34 @@ NB_MODULE(_C, m) {
   m.def("version", [] { return std::string(fa::version()); }, "The library version.");
   m.def("cuda_available", &fa::cuda_available,
         "True when this build has the CUDA backend and a CUDA device is visible.");
+  m.def(
+      "set_kernel_family",
+      [](const std::string& family, const PyInt& smem_cap) {
+        const Entry entry("set_kernel_family");
+        const fa::KernelFamily f = kernel_family_in(family);
+        const int cap = int32_in(smem_cap, "smem_cap", 0);
+        if (cap != 0 && cap < 99 * 1024) {
+          binding_error("smem_cap", "0 (the device's limit) or a byte count >= 101376 (99 KiB)",
+                        std::to_string(cap));
+        }
+        g_kernel_family.store(static_cast<int>(f), std::memory_order_relaxed);
+        g_smem_cap.store(cap, std::memory_order_relaxed);
+      },
+      nb::arg("family"), nb::arg("smem_cap") = 0,
+      "Choose the CUDA kernel family ('auto', 'sm80' or 'sm90') and the most shared memory per "
+      "block a configuration may use (0: the device's limit) for every later call from this "
+      "process, on every thread. 'auto' with 0 restores the default (the environment "
+      "variables FLASHATTN_KERNEL_FAMILY / FLASHATTN_SMEM_CAP, else the best for the GPU). "
+      "Forcing a family the GPU cannot run makes calls raise UnsupportedError. Results never "
+      "depend on it.");
+  m.def(
+      "get_kernel_family",
+      [] {
+        return nb::make_tuple(
+            kernel_family_out(static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed))),
+            g_smem_cap.load(std::memory_order_relaxed));
+      },
+      "(family, smem_cap) as set by set_kernel_family.");
 
   m.def(
       "forward",
