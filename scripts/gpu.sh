@@ -47,7 +47,7 @@ if [[ $STEPS == *sanitize* ]]; then
   # the buckets) and the sm80 kernels (the backward with dropout, decode and split merge);
   # the clamped index guards under capture, non-finite inputs and sinks (issues 22, 25).
   f='Cuda/CudaForwardFeature.MatchesOracle/plain:Cuda/CudaForwardFeature.MatchesOracle/gqa4_causal:Cuda/CudaForwardFeature.MatchesOracle/alibi:Cuda/CudaForwardFeature.MatchesOracle/everything:Cuda/CudaForwardFeature.MatchesOracle/hd256_long:CudaForward.VarlenWith*:CudaForward.KVCache*:Cuda/CudaBackwardFeature.MatchesOracle/plain:Cuda/CudaBackwardFeature.MatchesOracle/gqa2:Cuda/CudaBackwardFeature.MatchesOracle/causal:Cuda/CudaBackwardFeature.MatchesOracle/window_both:Cuda/CudaBackwardFeature.MatchesOracle/softcap:Cuda/CudaBackwardFeature.MatchesOracle/dropout:CudaBackward.HeadDims:CudaBackward.VarlenWith*:CudaKVCache.RandomPagedLayouts:CudaKVCache.Fp8Caches:CudaKVCache.Split*:CudaIndexGuards.*:CudaNonFinite.*:CudaSink.VarlenForwardAndBackward:CudaSink.KVCacheDecodeSplitsPagedWindows'
-  for tool in memcheck racecheck synccheck; do
+  for tool in memcheck racecheck synccheck initcheck; do
     timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_filter="$f" >"$OUT/$tool.txt" 2>&1
     add "$tool: rc=$? $(grep -m1 -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/$tool.txt")"
   done
