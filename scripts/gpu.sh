@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: builds what is missing (preset h200: sm90
 # SASS, every head dim), runs the CUDA tests per kernel family, compute-sanitizer
-# (memcheck, racecheck, synccheck) on a small filter, the
+# (memcheck, racecheck, synccheck, initcheck) on a small filter, the
 # SASS checks, the main job, the benchmark's forward and backward standard grid (bf16,
 # bench/suite.py: flashattn against FA4 when importable, cuDNN and FA2), optionally the
 # Python suite, and prints a short table last. Logs and CSVs go to $OUT (default ./out).
