@@ -140,6 +140,7 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                          const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::decline_block_sparse(c, opts, "varlen calls take no block-sparse mask yet");
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
