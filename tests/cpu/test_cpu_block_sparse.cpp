@@ -237,6 +237,24 @@ TEST(CpuBlockSparseRule, DocIdsPrefixSoftcapAlibiMatchOracle) {
   }
 }
 
+// Dropout (the same Philox bits as without a mask), debug probabilities, a learnable sink
+// with its gradient, and a window, all with a random block mask.
+TEST(CpuBlockSparseRule, DropoutProbsSinkWindowMatchOracle) {
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+    DenseCase c = DenseCase::random(rng, Shape{2, 57, 73, 4, 2, 16}, dtype);
+    c.opts.dropout_p = 0.2f;
+    c.opts.seed = rng();
+    c.opts.offset = rng();
+    c.opts.window_left = 30;
+    c.opts.window_right = 10;
+    c.sink.set(random_sink(rng, 4));
+    if (dtype == DType::kFloat32) c.want_probs();
+    const HostBlockMask m = random_mask(rng, 2, 4, 57, 73, 24, 16, true, true, 0.7, true);
+    check_case(c, m, true);
+  }
+}
+
 // Every block listed as partial, no doc ids, no prefix: the plain call (same visibility).
 TEST(CpuBlockSparseRule, AllPartialIsThePlainCall) {
   FA_SEEDED_RNG(rng);
