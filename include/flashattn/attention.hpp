@@ -39,11 +39,14 @@ enum class KernelFamily : std::uint8_t {
 };
 
 // Block-sparse attention mask (FlashAttention-4's BlockSparseTensors, FlexAttention's
-// BlockMask), for the dense-batch entry points (forward, backward) on the CPU backend;
-// other entry points and CUDA tensors decline it (Unsupported naming opts.block_sparse).
+// BlockMask), for the dense and varlen entry points (forward, backward, varlen_forward,
+// varlen_backward) on the CPU backend; the KV-cache entry point and CUDA tensors decline it
+// (Unsupported naming opts.block_sparse).
 // The (query, key) plane of each (batch, query head) is tiled into blocks of
 // block_size_q x block_size_k elements; M = ceil(s_q / block_size_q) query blocks and
-// N = ceil(s_k / block_size_k) key blocks (the last ones may be short). For query block m,
+// N = ceil(s_k / block_size_k) key blocks (the last ones may be short). Varlen: positions
+// within each sequence, on the grid of M = ceil(max_seqlen_q / block_size_q) by
+// N = ceil(max_seqlen_k / block_size_k) (blocks past a sequence's end hold nothing). For query block m,
 // the key blocks to visit are listed in two lists:
 //   mask_block_cnt int32 [B, H, M],  mask_block_idx int32 [B, H, M, N]: the partial blocks,
 //     the first mask_block_cnt[.., m] entries of mask_block_idx[.., m, :] (the rest unread);
@@ -57,8 +60,9 @@ enum class KernelFamily : std::uint8_t {
 //                  q_doc_ids[b][i] == k_doc_ids[b][j].
 // Keys of unlisted blocks are masked and never read. Rows that see nothing follow the
 // empty-row rule. All-partial lists with no prefix / doc ids are the plain call.
-//   q_doc_ids int32 [b, s_q], k_doc_ids int32 [b, s_k] (optional, both or neither):
-//     document ids, for document masking within a packed batch;
+//   q_doc_ids int32 [b, s_q], k_doc_ids int32 [b, s_k] (varlen: [total_q], [total_k], one
+//     per packed row) (optional, both or neither): document ids, for document masking
+//     within a packed batch;
 //   prefix_keys int32 [b] (optional, >= 0): keys always visible in partial blocks
 //     (the prefix of a prefix-LM, the sink tokens of sliding window + sinks).
 // Builders for common patterns are in python/flashattn/block_sparse.py.

@@ -14,8 +14,8 @@ one logit per query head that joins every row's softmax denominator and contribu
 value (lse includes it). Other float dtypes than fp32 (a bf16 model parameter) are
 converted to fp32 for the call; its gradient flows back through autograd.
 
-block_sparse_tensors (FlashAttention-4's keyword, flash_attn_func, flash_attn_qkvpacked_func
-and flash_attn_kvpacked_func): a block-sparse mask, flashattn.block_sparse.BlockSparseTensorsTorch
+block_sparse_tensors (FlashAttention-4's keyword, flash_attn_func, flash_attn_qkvpacked_func,
+flash_attn_kvpacked_func and flash_attn_varlen_func): a block-sparse mask, flashattn.block_sparse.BlockSparseTensorsTorch
 or any object with FA4's fields mask_block_cnt, mask_block_idx, full_block_cnt,
 full_block_idx, block_size (and optionally q_doc_ids, k_doc_ids, prefix_keys); the rule is in
 flashattn/block_sparse.py. CPU backend only (UnsupportedError on CUDA).
@@ -143,7 +143,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None):
+                      seqused_q=None, block_sparse_tensors=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
@@ -153,7 +153,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
                                left, right, float(softcap), float(dropout_p),
                                bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q)
+                               seqused_q, *_block_sparse(fn, block_sparse_tensors))
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -212,12 +212,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           learnable_sink=None, seqused_q=None, seqused_k=None):
+                           learnable_sink=None, seqused_q=None, seqused_k=None,
+                           block_sparse_tensors=None):
     """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
     -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
     is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
     names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
-    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
+    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend.
+    block_sparse_tensors: a block-sparse mask over each sequence's max_seqlen_q x
+    max_seqlen_k grid (positions within the sequence; doc ids packed [total_q], [total_k])."""
     if block_table is not None:
         raise UnsupportedError(
             "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
@@ -225,7 +228,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
-                             learnable_sink=learnable_sink, seqused_q=seqused_q)
+                             learnable_sink=learnable_sink, seqused_q=seqused_q,
+                             block_sparse_tensors=block_sparse_tensors)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

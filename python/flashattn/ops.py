@@ -22,8 +22,9 @@ its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq
 Block-sparse masks (FlashAttention-4's BlockSparseTensors): the dense ops fwd and bwd take,
 after learnable_sink, mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx (int32,
 optional), block_size_q, block_size_k (ints, default 128), q_doc_ids, k_doc_ids and
-prefix_keys (int32, optional): flashattn::BlockSparseTensors, the CPU backend only. They
-carry no gradient.
+prefix_keys (int32, optional): flashattn::BlockSparseTensors, the CPU backend only; the
+varlen ops take the same after seqused_q (doc ids packed [total_q], [total_k]). They carry
+no gradient.
 
 Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
 generator (drawn by the caller from torch's default CPU generator); the forward's
@@ -490,15 +491,28 @@ def _varlen_fwd(
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
     seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
-    rest: out 0, lse -inf)."""
+    rest: out 0, lse -inf). mask_block_cnt ... prefix_keys: a block-sparse mask over the
+    max_seqlen_q x max_seqlen_k grid of each sequence (doc ids packed: [total_q], [total_k])."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  **_bs_devices(bs))
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, None, bs)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
@@ -514,9 +528,10 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs, learnable_sink=None, seqused_q=None):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None, *bs):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  **_bs_devices(bs))
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
@@ -543,16 +558,27 @@ def _varlen_bwd(
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink); dsink fp32 [h_q] with a learnable_sink, else empty [0]."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
-                  seqused_q=seqused_q)
+                  seqused_q=seqused_q, **_bs_devices(bs))
     dq, dk, dv = _like(q), _like(k), _like(v)
     dsink = _sink_grad_output(q, q.shape[1], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink,
-                    dsink if learnable_sink is not None else None)
+                    dsink if learnable_sink is not None else None, bs)
     # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
     # would read cu_seqlens from the device a second time.
     _C.varlen_backward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
@@ -570,10 +596,10 @@ varlen_bwd = _register(
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-      dropout_p, deterministic, learnable_sink=None, seqused_q=None):
+      dropout_p, deterministic, learnable_sink=None, seqused_q=None, *bs):
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
-                  seqused_q=seqused_q)
+                  seqused_q=seqused_q, **_bs_devices(bs))
     return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[1], learnable_sink)
 
 
@@ -583,23 +609,33 @@ def _varlen_setup_context(ctx, inputs, output):
      deterministic, _) = inputs[:18]
     learnable_sink = inputs[18] if len(inputs) > 18 else None
     seqused_q = inputs[19] if len(inputs) > 19 else None
+    bs = tuple(inputs[20:29])
     out, lse, _ = output
+    bs_tensors = (bs[0:4] + bs[6:9]) if bs else (None,) * 7
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          alibi_slopes, rng_state, learnable_sink, seqused_q)
+                          alibi_slopes, rng_state, learnable_sink, seqused_q, *bs_tensors)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                    softcap, dropout_p, deterministic)
+    ctx.block_sizes = (bs[4], bs[5]) if bs else (128, 128)
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
+    saved = ctx.saved_tensors
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-     rng_state, learnable_sink, seqused_q) = ctx.saved_tensors
+     rng_state, learnable_sink, seqused_q) = saved[:12]
+    bs_t = saved[12:19]
     if dout is None:
         dout = torch.zeros_like(out)
+    bs = ((*bs_t[:4], *ctx.block_sizes, *bs_t[4:]) if any(t is not None for t in bs_t)
+          else ())
     dq, dk, dv, dsink = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                              seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
-                             seqused_q)
-    return ((dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink, 18),)
-            + (None,))
+                             seqused_q, *bs)
+    n = len(ctx.needs_input_grad)  # 18, 19, 20 or 29 inputs
+    grads = (dq, dk, dv) + (None,) * 15
+    if n > 18:
+        grads += (_sink_grad(ctx, learnable_sink, dsink, 18),) + (None,) * (n - 19)
+    return grads
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

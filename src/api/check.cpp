@@ -416,9 +416,12 @@ void decline_block_sparse(const Check& check, const Options& opts, std::string_v
 }
 
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
-                       int batch, int h_q, int s_q, int s_k, std::vector<std::uint8_t>& kinds,
+                       const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
                        FwdParams& p) {
   const BlockSparseTensors& bs = opts.block_sparse;
+  const int batch = dims.batch, h_q = dims.h_q, s_q = dims.s_q, s_k = dims.s_k;
+  const std::string sq = dims.varlen ? "max_seqlen_q" : "s_q";
+  const std::string sk = dims.varlen ? "max_seqlen_k" : "s_k";
   const bool any_extra = bs.q_doc_ids.defined() || bs.k_doc_ids.defined() || bs.prefix_keys.defined();
   if (!bs.defined()) {
     if (any_extra) {
@@ -443,9 +446,9 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
   }
   const std::int64_t M = (std::int64_t(s_q) + bs.block_size_q - 1) / bs.block_size_q;
   const std::int64_t N = (std::int64_t(s_k) + bs.block_size_k - 1) / bs.block_size_k;
-  const std::string mn = "M = ceil(s_q / block_size_q) = ceil(" + std::to_string(s_q) + " / " +
+  const std::string mn = "M = ceil(" + sq + " / block_size_q) = ceil(" + std::to_string(s_q) + " / " +
                          std::to_string(bs.block_size_q) + ") = " + std::to_string(M);
-  const std::string nn = "N = ceil(s_k / block_size_k) = ceil(" + std::to_string(s_k) + " / " +
+  const std::string nn = "N = ceil(" + sk + " / block_size_k) = ceil(" + std::to_string(s_k) + " / " +
                          std::to_string(bs.block_size_k) + ") = " + std::to_string(N);
 
   struct Pair {
@@ -533,7 +536,14 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
                    " is given (both or neither)",
                "an undefined tensor");
   }
-  if (bs.q_doc_ids.defined()) {
+  if (bs.q_doc_ids.defined() && dims.varlen) {  // packed, one id per row of q / k
+    check.tensor("opts.block_sparse.q_doc_ids", bs.q_doc_ids, {dims.total_q}, "[total_q]",
+                 DType::kInt32, device);
+    check.tensor("opts.block_sparse.k_doc_ids", bs.k_doc_ids, {dims.total_k}, "[total_k]",
+                 DType::kInt32, device);
+    p.doc_ids_q = static_cast<const int*>(bs.q_doc_ids.data);
+    p.doc_ids_k = static_cast<const int*>(bs.k_doc_ids.data);
+  } else if (bs.q_doc_ids.defined()) {
     check.tensor("opts.block_sparse.q_doc_ids", bs.q_doc_ids, {batch, s_q}, "[b, s_q]",
                  DType::kInt32, device);
     check.tensor("opts.block_sparse.k_doc_ids", bs.k_doc_ids, {batch, s_k}, "[b, s_k]",

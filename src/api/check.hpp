@@ -84,14 +84,20 @@ void fill_sink_grad(const Check& check, const Options& opts, Device device, int 
 void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,
                 const Shape& shape, FwdParams& p);
 
-// Validates opts.block_sparse (attention.hpp, BlockSparseTensors) of a dense call with
-// the given dims: shapes, dtypes, devices, counts, indices (range, duplicates), doc ids and
+// Validates opts.block_sparse (attention.hpp, BlockSparseTensors) of a call with the given
+// dims (varlen: s_q, s_k are max_seqlen_q / _k, and the doc ids are packed [total_q],
+// [total_k]): shapes, dtypes, devices, counts, indices (range, duplicates), doc ids and
 // prefix lengths, and builds the block-kind table into `kinds` (kept alive by the caller)
 // and the block-sparse fields of p. CUDA tensors get Unsupported. No-op when undefined.
+struct BlockSparseDims {
+  int batch = 0, h_q = 0, s_q = 0, s_k = 0;
+  bool varlen = false;
+  std::int64_t total_q = 0, total_k = 0;  // varlen only
+};
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
-                       int batch, int h_q, int s_q, int s_k, std::vector<std::uint8_t>& kinds,
+                       const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
                        FwdParams& p);
-// Entry points without block sparsity (varlen, KV cache): Unsupported when it is given.
+// Entry points without block sparsity (KV cache): Unsupported when it is given.
 void decline_block_sparse(const Check& check, const Options& opts, std::string_view why);
 
 // h_q (q.shape[dim]) is at least 1.

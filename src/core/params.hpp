@@ -84,9 +84,11 @@ struct FwdParams {
   // (semantics::BlockKind) of block (m, n) of sequence b, query head h is
   //   block_kinds[b * bs_batch_stride + h * bs_head_stride + m * bs_blocks_k + n]
   // (strides 0 where the mask broadcasts over batch or heads), a table the entry point
-  // builds from the count / index lists while checking them. Partial blocks apply the
-  // element rule with doc_ids_q[b * doc_q_batch_stride + i] == doc_ids_k[b * .. + j]
-  // (when doc_ids_q is non-null) and prefix_keys[b] (when non-null).
+  // builds from the count / index lists while checking them (varlen: positions i, j within
+  // sequence b, the grid of max_seqlen_q x max_seqlen_k). Partial blocks apply the element
+  // rule with doc_ids_q[b * doc_q_batch_stride + i] == doc_ids_k[b * .. + j] (varlen: the
+  // packed rows q_start(b) + i, k_start(b) + j) when doc_ids_q is non-null, and
+  // prefix_keys[b] when non-null.
   const std::uint8_t* block_kinds = nullptr;
   int bs_block_q = 0, bs_block_k = 0;    // block sizes
   int bs_blocks_q = 0, bs_blocks_k = 0;  // blocks per sequence: ceil(s / block)
@@ -246,8 +248,8 @@ struct FwdParams {
     const bool docs = doc_ids_q != nullptr;
     return semantics::block_sparse_visible(
         kind, i, j, s_q, s_k, mask, prefix_keys ? prefix_keys[b] : 0, docs,
-        docs ? doc_ids_q[std::int64_t(b) * doc_q_batch_stride + i] : 0,
-        docs ? doc_ids_k[std::int64_t(b) * doc_k_batch_stride + j] : 0);
+        docs ? doc_ids_q[cu_seqlens_q ? q_start(b) + i : std::int64_t(b) * doc_q_batch_stride + i] : 0,
+        docs ? doc_ids_k[cu_seqlens_k ? k_start(b) + j : std::int64_t(b) * doc_k_batch_stride + j] : 0);
   }
   FA_HD float sink_logit(int h) const { return sink ? sink[h] : -INFINITY; }
   FA_HD float alibi_slope(int b, int h) const {

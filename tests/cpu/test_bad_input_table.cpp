@@ -285,8 +285,9 @@ std::vector<Row> rows() {
       {"bs_prefix_negative", F, [](C& c) { block_sparse(c); c.opts.block_sparse.prefix_keys = c.pool.int32({3, -2}); }, I, "opts.block_sparse.prefix_keys", "values >= 0 at [1]", "-2"},
       {"bs_prefix_without_lists", F, [](C& c) { c.opts.block_sparse.prefix_keys = c.pool.int32({3, 2}); }, I, "opts.block_sparse.prefix_keys", "an undefined tensor when opts.block_sparse has no block lists", "a defined tensor"},
       {"bwd_bs_count_above_n", B, [](C& c) { block_sparse(c, {1, 5}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N", "5"},
-      {"varlen_bs_unsupported", VF, [](C& c) { block_sparse(c); }, U, "opts.block_sparse", "undefined lists (varlen calls take no block-sparse mask yet)", "a block-sparse mask"},
-      {"varlen_bwd_bs_unsupported", VB, [](C& c) { block_sparse(c); }, U, "opts.block_sparse", "undefined lists", "a block-sparse mask"},
+      {"varlen_bs_block_size_disagrees", VF, [](C& c) { block_sparse(c); }, I, "opts.block_sparse.mask_block_idx", "N = ceil(max_seqlen_k / block_size_k) = ceil(4 / 4) = 1", "[1, 1, 2, 2]"},
+      {"varlen_bwd_bs_doc_ids_shape", VB, [](C& c) { block_sparse(c, {1, 1}, {0, 0}); c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 1}, {0, 0}); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); c.opts.block_sparse.k_doc_ids = c.pool.int32(std::vector<std::int32_t>(8, 0)); }, I, "opts.block_sparse.q_doc_ids", "shape [7] ([total_q])", "[2, 5]"},
+      {"varlen_bs_count_above_n", VF, [](C& c) { block_sparse(c, {2, 0}, {0, 0}); c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 1}, {0, 0}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N = ceil(max_seqlen_k / block_size_k) = ceil(4 / 4) = 1]", "2"},
       {"kv_bs_unsupported", KV, [](C& c) { block_sparse(c); }, U, "opts.block_sparse", "undefined lists (KV-cache calls take no block-sparse mask)", "a block-sparse mask"},
       // ---------------------------------------------------------------- learnable sink
       {"sink_float64", F, [](C& c) { c.opts.learnable_sink = c.pool.input(f64, {4}); }, I, "opts.learnable_sink", "dtype float32", "float64"},

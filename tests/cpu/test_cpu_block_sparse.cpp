@@ -32,7 +32,8 @@ struct HostBlockMask {
   int B = 1, H = 1, M = 0, N = 0, bq = 1, bk = 1;
   int FB = 1, FH = 1;  // the full pair's broadcast extents
   std::vector<int> mask_cnt, mask_idx, full_cnt, full_idx;  // full_* empty = no full lists
-  std::vector<int> docs_q, docs_k;  // [b * s_q], [b * s_k], or empty
+  std::vector<int> docs_q, docs_k;  // [b * s_q], [b * s_k] (varlen: [total_q], [total_k]), or empty
+  bool packed_docs = false;         // varlen: docs are [total_q], [total_k]
   std::vector<int> prefix;          // [b] or empty
   HostTensor mask_cnt_t, mask_idx_t, full_cnt_t, full_idx_t, docs_q_t, docs_k_t, prefix_t;
 
@@ -50,8 +51,12 @@ struct HostBlockMask {
     return 0;
   }
 
-  // The dense element mask [h_q][s_q][s_k] of sequence b.
-  std::vector<std::uint8_t> element_mask(int b, int h_q, int s_q, int s_k, semantics::Mask mask) const {
+  // The dense element mask [h_q][s_q][s_k] of sequence b; its doc ids start at dq0 / dk0
+  // (default: b * s_q, b * s_k, the dense layout).
+  std::vector<std::uint8_t> element_mask(int b, int h_q, int s_q, int s_k, semantics::Mask mask,
+                                         int dq0 = -1, int dk0 = -1) const {
+    if (dq0 < 0) dq0 = b * s_q;
+    if (dk0 < 0) dk0 = b * s_k;
     std::vector<std::uint8_t> e(std::size_t(h_q) * s_q * s_k, 0);
     for (int h = 0; h < h_q; ++h)
       for (int i = 0; i < s_q; ++i)
@@ -63,7 +68,7 @@ struct HostBlockMask {
           } else if (k == 1) {
             const bool pre = !prefix.empty() && j < prefix[b];
             vis = pre || semantics::key_visible(i, j, s_q, s_k, mask);
-            if (!docs_q.empty() && docs_q[b * s_q + i] != docs_k[b * s_k + j]) vis = false;
+            if (!docs_q.empty() && docs_q[dq0 + i] != docs_k[dk0 + j]) vis = false;
           }
           e[(std::size_t(h) * s_q + i) * s_k + j] = vis;
         }
@@ -82,7 +87,10 @@ struct HostBlockMask {
       full_cnt_t = int_tensor(full_cnt, {FB, FH, M});
       full_idx_t = int_tensor(full_idx, {FB, FH, M, N});
     }
-    if (!docs_q.empty()) {
+    if (!docs_q.empty() && packed_docs) {
+      docs_q_t = int_tensor(docs_q, {std::int64_t(docs_q.size())});
+      docs_k_t = int_tensor(docs_k, {std::int64_t(docs_k.size())});
+    } else if (!docs_q.empty()) {
       docs_q_t = int_tensor(docs_q, {batch, s_q});
       docs_k_t = int_tensor(docs_k, {batch, s_k});
     }
@@ -252,6 +260,55 @@ TEST(CpuBlockSparseRule, DropoutProbsSinkWindowMatchOracle) {
     if (dtype == DType::kFloat32) c.want_probs();
     const HostBlockMask m = random_mask(rng, 2, 4, 57, 73, 24, 16, true, true, 0.7, true);
     check_case(c, m, true);
+  }
+}
+
+std::vector<int> offsets(const std::vector<int>& lengths) {
+  std::vector<int> cu{0};
+  for (int len : lengths) cu.push_back(cu.back() + len);
+  return cu;
+}
+
+// Varlen: the grid is max_seqlen_q x max_seqlen_k, positions within each sequence; packed
+// doc ids ([total_q], [total_k]), prefix keys, seqused_q / seqused_k, GQA, causal.
+TEST(CpuBlockSparseVarlen, ForwardProbsAndBackwardMatchOracle) {
+  FA_SEEDED_RNG(rng);
+  const std::vector<int> lq{37, 0, 64, 91}, lk{50, 13, 64, 120};
+  const int h_q = 4, h_k = 2, d = 16, batch = 4;
+  for (DType dtype : kAllDtypes) {
+    for (bool used : {false, true}) {
+      VarlenCase c = VarlenCase::make(rng, offsets(lq), offsets(lk), h_q, h_k, d, dtype, 3, 5);
+      if (used) {
+        c.set_seqused_q({30, 0, 64, 50});
+        c.set_seqused_k({50, 7, 1, 100});
+      }
+      c.opts.causal = coin(rng);
+      if (dtype == DType::kFloat32) c.want_probs();
+      HostBlockMask m = random_mask(rng, batch, h_q, c.max_q(), c.max_k(), 16, 32, coin(rng),
+                                    coin(rng), 0.7, true);
+      m.packed_docs = true;
+      m.docs_q.resize(std::size_t(c.total_q));
+      m.docs_k.resize(std::size_t(c.total_k));
+      for (int& x : m.docs_q) x = uniform_int(rng, 0, 2);
+      for (int& x : m.docs_k) x = uniform_int(rng, 0, 2);
+      m.prefix.resize(batch);
+      for (int& x : m.prefix) x = uniform_int(rng, 0, 40);
+      m.build_tensors(batch, c.max_q(), c.max_k());
+      m.apply(c.opts);
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (used ? " seqused" : "") +
+                   (c.opts.causal ? " causal" : ""));
+      c.poison_forward();
+      ASSERT_NO_THROW(c.run_forward());
+      RefProblem p = c.problem();
+      for (int b = 0; b < batch; ++b)
+        p.seqs[std::size_t(b)].element_mask =
+            m.element_mask(b, h_q, c.used_q(b), c.used_k(b), p.mask, c.cu_q[b], c.cu_k[b]);
+      const ForwardResults fwd = forward_results(c);
+      expect_forward_matches(p, dtype, fwd);
+      c.poison_backward();
+      ASSERT_NO_THROW(c.run_backward());
+      expect_backward_matches(p, dtype, fwd, backward_results(c));
+    }
   }
 }
 

@@ -277,12 +277,19 @@ def test_block_mask_errors():
     q = torch.randn(1, 20, 2, 8, dtype=F64)
     m = bsm.sliding_window_mask(20, 20, 4, 0, 0, (8, 8))
     mt = bsm.from_block_kinds(torch.from_numpy(np.ones((1, 1, 3, 3), dtype=np.int8)), (8, 8))
-    # Varlen declines block sparsity, naming the C++ option.
+    # The KV-cache call declines block sparsity, naming the C++ option.
     with pytest.raises(UnsupportedError, match="opts.block_sparse"):
+        _C.kvcache_forward(np.zeros((1, 1, 1, 8)), np.zeros((1, 8, 1, 8)), np.zeros((1, 8, 1, 8)),
+                           np.array([4], np.int32), None, None, None, None, 1,
+                           np.zeros((1, 1, 1, 8)), np.zeros((1, 1, 1), np.float32), None,
+                           mask_block_cnt=m.mask_block_cnt, mask_block_idx=m.mask_block_idx)
+    # Varlen: a mask for another max_seqlen_k.
+    with pytest.raises(InvalidArgumentError, match="max_seqlen_k"):
         _C.varlen_forward(np.zeros((4, 1, 8)), np.zeros((4, 1, 8)), np.zeros((4, 1, 8)),
                           np.array([0, 4], np.int32), np.array([0, 4], np.int32), None, 4, 4,
-                          np.zeros((4, 1, 8)), np.zeros((1, 4), np.float32),
-                          mask_block_cnt=m.mask_block_cnt, mask_block_idx=m.mask_block_idx)
+                          np.zeros((4, 1, 8)), np.zeros((1, 4), np.float32), block_size_q=8,
+                          block_size_k=2, mask_block_cnt=m.mask_block_cnt[:, :, :1],
+                          mask_block_idx=m.mask_block_idx[:, :, :1])
     # A mask built for other lengths: the block counts disagree.
     with pytest.raises(InvalidArgumentError, match="block_sparse_tensors.mask_block_cnt") as e:
         flash_attn_func(q, q[:, :17], q[:, :17], block_sparse_tensors=bsm.sliding_window_mask(
@@ -297,3 +304,61 @@ def test_block_mask_errors():
         mc = bsm.sliding_window_mask(20, 20, 4, 0, 0, (8, 8), device="cuda")
         with pytest.raises(UnsupportedError, match="block_sparse_tensors"):
             flash_attn_func(qc, qc, qc, block_sparse_tensors=mc)
+
+
+def test_varlen_random_block_masks_attention(seed):
+    """flash_attn_varlen_func with a block mask over the max_seqlen grid, packed doc ids and
+    prefix keys: each sequence against the oracle with its dense element mask."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    lq, lk = [20, 0, 45, 7], [33, 5, 45, 60]
+    h_q, h_k, d, bq, bk = 4, 2, 8, 8, 16
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lq)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lk)]), dtype=torch.int32)
+    max_q, max_k = max(lq), max(lk)
+    M, N = -(-max_q // bq), -(-max_k // bk)
+    kinds = rng.integers(0, 3, size=(len(lq), h_q, M, N))
+    dq_ids = rng.integers(0, 2, size=sum(lq)).astype(np.int32)
+    dk_ids = rng.integers(0, 2, size=sum(lk)).astype(np.int32)
+    prefix = rng.integers(0, 20, size=len(lq)).astype(np.int32)
+    m = bsm.from_block_kinds(torch.from_numpy(kinds), (bq, bk), q_doc_ids=torch.from_numpy(dq_ids),
+                             k_doc_ids=torch.from_numpy(dk_ids), prefix_keys=torch.from_numpy(prefix))
+    q = randn(g, sum(lq), h_q, d).requires_grad_()
+    k = randn(g, sum(lk), h_k, d).requires_grad_()
+    v = randn(g, sum(lk), h_k, d).requires_grad_()
+    out = flashattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                           block_sparse_tensors=m)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    for b in range(len(lq)):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        s_q, s_k = q1 - q0, k1 - k0
+        i = np.arange(s_q)[:, None]
+        j = np.arange(s_k)[None, :]
+        rule = ((j <= i + s_k - s_q) | (j < prefix[b])) & \
+            (dq_ids[q0:q1][:, None] == dk_ids[k0:k1][None, :])
+        kind = kinds[b][:, i // bq, j // bk]  # [h_q, s_q, s_k]
+        dense = ((kind == 2) | ((kind == 1) & rule[None]))[None]
+        want = ref.attention(np64(q[q0:q1])[None], np64(k[k0:k1])[None], np64(v[k0:k1])[None],
+                             dout=np64(dout[q0:q1])[None], element_mask=dense)
+        np.testing.assert_allclose(np64(out[q0:q1]), want["out"][0], rtol=1e-9, atol=1e-10)
+        np.testing.assert_allclose(np64(q.grad[q0:q1]), want["dq"][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np64(k.grad[k0:k1]), want["dk"][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np64(v.grad[k0:k1]), want["dv"][0], rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck_varlen_with_block_mask(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = randn(g, 12, 2, 8), randn(g, 15, 1, 8), randn(g, 15, 1, 8)
+    cu_q, cu_k = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 9, 15], dtype=torch.int32)
+    m = bsm.from_block_kinds(torch.from_numpy(np.random.default_rng(seed).integers(0, 3, (2, 1, 2, 3))),
+                             (4, 4))
+    bs = (m.mask_block_cnt, m.mask_block_idx, m.full_block_cnt, m.full_block_idx, 4, 4, None,
+          None, None)
+    args = (q, k, v, cu_q, cu_k, None, None, None, 7, 9, 0.25, True, -1, -1, 0.0, 0.0, False,
+            False, None, None)
+    torch.library.opcheck(ops.varlen_fwd, args + bs)
+    out, lse, _ = ops.varlen_fwd(*args, *bs)
+    torch.library.opcheck(ops.varlen_bwd, (randn(g, 12, 2, 8), q, k, v, out, lse, cu_q, cu_k, None,
+                                           None, None, 7, 9, 0.25, True, -1, -1, 0.0, 0.0, False,
+                                           None, None) + bs)
