@@ -63,7 +63,7 @@ enum class KernelFamily : std::uint8_t {
 //   q_doc_ids int32 [b, s_q], k_doc_ids int32 [b, s_k] (varlen: [total_q], [total_k], one
 //     per packed row) (optional, both or neither): document ids, for document masking
 //     within a packed batch;
-//   prefix_keys int32 [b] (optional, >= 0): keys always visible in partial blocks
+//   prefix_keys int32 [b] or [1] (optional, >= 0): keys always visible in partial blocks
 //     (the prefix of a prefix-LM, the sink tokens of sliding window + sinks).
 // Builders for common patterns are in python/flashattn/block_sparse.py.
 struct BlockSparseTensors {

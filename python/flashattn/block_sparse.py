@@ -205,8 +205,9 @@ def document_mask(doc_ids, block_size=(128, 128), causal: bool = True, *, device
 def prefix_lm_mask(prefix_len, seqlen_q: int, seqlen_k: Optional[int] = None,
                    block_size=(128, 128), *, batch: Optional[int] = None, device=None):
     """Prefix-LM: query i sees key j when j < prefix_len[b] (the prefix, bidirectional) or
-    j <= i + s_k - s_q (causal, bottom-right aligned). prefix_len: an int or [b] ints.
-    Call with causal=True."""
+    j <= i + s_k - s_q (causal, bottom-right aligned). prefix_len: an int (every sequence;
+    the lists broadcast over the batch, or are repeated `batch` times) or [b] ints (one
+    list per sequence). Call with causal=True."""
     dev = _output_device(device, prefix_len)
     pre = np.atleast_1d(_np(prefix_len)).astype(np.int64)
     if batch is not None and pre.size == 1:
@@ -220,19 +221,21 @@ def prefix_lm_mask(prefix_len, seqlen_q: int, seqlen_k: Optional[int] = None,
 
 
 def sliding_window_mask(seqlen_q: int, seqlen_k: int, window_left: int, window_right: int = 0,
-                        num_sink_tokens: int = 0, block_size=(128, 128), *, batch: int = 1,
-                        device=None):
+                        num_sink_tokens: int = 0, block_size=(128, 128), *,
+                        batch: Optional[int] = None, device=None):
     """Sliding window plus sink tokens (StreamingLLM): query i sees key j when
     j < num_sink_tokens or i + s_k - s_q - window_left <= j <= i + s_k - s_q + window_right
     (-1 = unbounded). Call with window_size=(window_left, window_right) (causal=False; a
-    window_right of 0 is causal)."""
+    window_right of 0 is causal). The lists broadcast over batch and heads; batch=None gives
+    prefix_keys [1] (every sequence), batch=b gives [b]."""
     dev = _output_device(device)
     if num_sink_tokens < 0:
         raise ValueError(f"flashattn: num_sink_tokens: expected >= 0, got {num_sink_tokens}")
     bq, bk = block_sizes(block_size)
     kinds = _window_kinds(seqlen_q, seqlen_k, bq, bk, window_left, window_right,
                           num_sink_tokens)[None, None]
-    prefix = np.full((batch,), num_sink_tokens, dtype=np.int32) if num_sink_tokens else None
+    prefix = (np.full((batch or 1,), num_sink_tokens, dtype=np.int32) if num_sink_tokens
+              else None)
     return from_block_kinds(kinds, (bq, bk), device=dev, prefix_keys=prefix)
 
 
@@ -273,7 +276,8 @@ def to_dense(mask: BlockSparseTensorsTorch, seqlen_q: int, seqlen_k: int, *, bat
     for b in range(batch):
         r = rule.copy()
         if mask.prefix_keys is not None:
-            r |= j < int(_np(mask.prefix_keys)[b])
+            pk = _np(mask.prefix_keys).reshape(-1)
+            r |= j < int(pk[b if pk.size > 1 else 0])
         if mask.q_doc_ids is not None:
             r &= _np(mask.q_doc_ids)[b][:, None] == _np(mask.k_doc_ids)[b][None, :]
         out[b] = (block_kind[b] == 2) | ((block_kind[b] == 1) & r[None])

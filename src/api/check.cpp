@@ -493,6 +493,14 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
   }
 
   const std::int64_t plane = M * N;
+  // The table has one byte per (batch, head, query block, key block) of the lists.
+  constexpr std::int64_t kMaxTable = std::int64_t{1} << 31;
+  if (plane > 0 && tb * th > kMaxTable / plane) {
+    check.fail("opts.block_sparse",
+               "at most 2^31 (batch, head, query block, key block) entries (larger blocks)",
+               std::to_string(tb) + " x " + std::to_string(th) + " x " + std::to_string(M) +
+                   " x " + std::to_string(N));
+  }
   kinds.assign(std::size_t(tb * th * plane), semantics::kBlockSkip);
   for (const Pair& pr : pairs) {
     if (!pr.cnt.defined()) continue;
@@ -554,20 +562,24 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
     p.doc_k_batch_stride = bs.k_doc_ids.stride[0];
   }
   if (bs.prefix_keys.defined()) {
-    check.tensor("opts.block_sparse.prefix_keys", bs.prefix_keys, {batch}, "[b]", DType::kInt32,
-                 device);
-    for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int32_t v = int32_at(bs.prefix_keys, b, 0);
+    const Tensor& pk = bs.prefix_keys;
+    if (pk.rank != 1 || (pk.shape[0] != 1 && pk.shape[0] != batch)) {
+      check.fail("opts.block_sparse.prefix_keys",
+                 "shape [1] or [" + std::to_string(batch) + "] ([1] or [b])",
+                 flashattn::shape_string(pk));
+    }
+    check.dtype("opts.block_sparse.prefix_keys", pk, DType::kInt32, "");
+    check.device("opts.block_sparse.prefix_keys", pk, device, "same as q");
+    check.layout("opts.block_sparse.prefix_keys", pk);
+    for (std::int64_t b = 0; b < pk.shape[0]; ++b) {
+      const std::int32_t v = int32_at(pk, b, 0);
       if (v < 0) {
         check.fail("opts.block_sparse.prefix_keys", "values >= 0 at [" + std::to_string(b) + "]",
                    std::to_string(v));
       }
     }
-    if (bs.prefix_keys.stride[0] != 1 && batch > 1) {
-      check.fail("opts.block_sparse.prefix_keys", "a contiguous tensor (stride 1)",
-                 "stride " + std::to_string(bs.prefix_keys.stride[0]));
-    }
-    p.prefix_keys = static_cast<const int*>(bs.prefix_keys.data);
+    p.prefix_keys = static_cast<const int*>(pk.data);
+    p.prefix_batch_stride = pk.shape[0] > 1 ? pk.stride[0] : 0;
   }
   p.block_kinds = kinds.data();
   p.bs_block_q = bs.block_size_q;

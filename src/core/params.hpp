@@ -96,7 +96,8 @@ struct FwdParams {
   const int* doc_ids_q = nullptr;
   const int* doc_ids_k = nullptr;
   std::int64_t doc_q_batch_stride = 0, doc_k_batch_stride = 0;
-  const int* prefix_keys = nullptr;
+  const int* prefix_keys = nullptr;     // [1] or [b]
+  std::int64_t prefix_batch_stride = 0;  // 0 when [1]
 
   // Scores.
   float scale = 1.0f;
@@ -247,7 +248,7 @@ struct FwdParams {
     if (kind == semantics::kBlockSkip) return false;
     const bool docs = doc_ids_q != nullptr;
     return semantics::block_sparse_visible(
-        kind, i, j, s_q, s_k, mask, prefix_keys ? prefix_keys[b] : 0, docs,
+        kind, i, j, s_q, s_k, mask, prefix_keys ? prefix_keys[std::int64_t(b) * prefix_batch_stride] : 0, docs,
         docs ? doc_ids_q[cu_seqlens_q ? q_start(b) + i : std::int64_t(b) * doc_q_batch_stride + i] : 0,
         docs ? doc_ids_k[cu_seqlens_k ? k_start(b) + j : std::int64_t(b) * doc_k_batch_stride + j] : 0);
   }

@@ -283,6 +283,7 @@ std::vector<Row> rows() {
       {"bs_q_doc_ids_only", F, [](C& c) { block_sparse(c); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); }, I, "opts.block_sparse.k_doc_ids", "both or neither", "an undefined tensor"},
       {"bs_doc_ids_shape", F, [](C& c) { block_sparse(c); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); c.opts.block_sparse.k_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); }, I, "opts.block_sparse.k_doc_ids", "shape [2, 7]", "[2, 5]"},
       {"bs_prefix_negative", F, [](C& c) { block_sparse(c); c.opts.block_sparse.prefix_keys = c.pool.int32({3, -2}); }, I, "opts.block_sparse.prefix_keys", "values >= 0 at [1]", "-2"},
+      {"bs_prefix_shape", F, [](C& c) { block_sparse(c); c.opts.block_sparse.prefix_keys = c.pool.int32({1, 2, 3}); }, I, "opts.block_sparse.prefix_keys", "shape [1] or [2] ([1] or [b])", "[3]"},
       {"bs_prefix_without_lists", F, [](C& c) { c.opts.block_sparse.prefix_keys = c.pool.int32({3, 2}); }, I, "opts.block_sparse.prefix_keys", "an undefined tensor when opts.block_sparse has no block lists", "a defined tensor"},
       {"bwd_bs_count_above_n", B, [](C& c) { block_sparse(c, {1, 5}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N", "5"},
       {"varlen_bs_block_size_disagrees", VF, [](C& c) { block_sparse(c); }, I, "opts.block_sparse.mask_block_idx", "N = ceil(max_seqlen_k / block_size_k) = ceil(4 / 4) = 1", "[1, 1, 2, 2]"},

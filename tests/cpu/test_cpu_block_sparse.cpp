@@ -66,7 +66,7 @@ struct HostBlockMask {
           if (k == 2) {
             vis = true;
           } else if (k == 1) {
-            const bool pre = !prefix.empty() && j < prefix[b];
+            const bool pre = !prefix.empty() && j < prefix[prefix.size() == 1 ? 0 : b];
             vis = pre || semantics::key_visible(i, j, s_q, s_k, mask);
             if (!docs_q.empty() && docs_q[dq0 + i] != docs_k[dk0 + j]) vis = false;
           }
@@ -94,7 +94,7 @@ struct HostBlockMask {
       docs_q_t = int_tensor(docs_q, {batch, s_q});
       docs_k_t = int_tensor(docs_k, {batch, s_k});
     }
-    if (!prefix.empty()) prefix_t = int_tensor(prefix, {batch});
+    if (!prefix.empty()) prefix_t = int_tensor(prefix, {std::int64_t(prefix.size())});  // [b] or [1]
   }
   void apply(Options& o) const {
     BlockSparseTensors& bs = o.block_sparse;
@@ -239,7 +239,9 @@ TEST(CpuBlockSparseRule, DocIdsPrefixSoftcapAlibiMatchOracle) {
       }
     }
     m.docs_k = m.docs_q;
+    // [b], or [1] for both sequences (float64).
     m.prefix = {uniform_int(rng, 0, s), uniform_int(rng, 0, 20)};
+    if (dtype == DType::kFloat64) m.prefix.resize(1);
     m.build_tensors(batch, s, s);
     check_case(c, m, true);
   }

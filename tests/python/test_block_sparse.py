@@ -174,7 +174,9 @@ def test_prefix_lm_attention(seed):
 def test_sliding_window_with_sink_tokens_attention(seed, with_sink):
     g = torch.Generator().manual_seed(seed)
     b, s_q, s_k, h, d = 2, 70, 150, 2, 8
-    m = bsm.sliding_window_mask(s_q, s_k, 20, 0, 3, (16, 32), batch=b, device="cpu")
+    # batch=None: prefix_keys [1] for every sequence.
+    m = bsm.sliding_window_mask(s_q, s_k, 20, 0, 3, (16, 32), device="cpu")
+    assert m.prefix_keys.shape == (1,)
     dense = np.broadcast_to(pattern_window_sinks(s_q, s_k, 20, 0, 3), (b, h, s_q, s_k))
     sink = torch.randn(h, generator=g, dtype=torch.float32) if with_sink else None
     check_call(randn(g, b, s_q, h, d), randn(g, b, s_k, h, d), randn(g, b, s_k, h, d), m, dense,
