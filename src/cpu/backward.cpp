@@ -19,6 +19,10 @@
 // P and dS are recomputed in both passes (the price of owning outputs without
 // races); no workspace is needed beyond the per-thread tiles.
 //
+// A block-sparse mask (cpu/block_sparse.hpp) restricts both passes to the listed blocks: pass
+// 1 skips the (head, query block) pairs that list none of its key block's keys, pass 2 the
+// key blocks its rows list none of; keys no row lists are not read (zero rows).
+//
 // A learnable sink needs nothing in passes 1 and 2: lse includes it, so P = exp(S - lse)
 // is already normalised with it, and D_i = sum_j P_ij dP_ij still equals rowsum(dO * O)
 // (the sink's dP is 0: it carries no value). Its own gradient is a third pass.

@@ -7,6 +7,10 @@
 // softmax (running max and sum per row, rescaling the accumulator when the max
 // grows), dropout, and O += P V. Extra memory is the per-thread tiles: O(kBlockM * d).
 //
+// A block-sparse mask (FwdParams::block_kinds, cpu/block_sparse.hpp) replaces the visible
+// key range: a task visits only the key blocks that hold a listed block of its rows, reads
+// only their listed keys, and masks by the block kinds and the partial blocks' rule.
+//
 // Split-KV (num_splits > 1) gives each task one chunk of the sequence's key blocks and
 // writes a normalised partial (o, lse) to the workspace; a second loop over row blocks
 // merges the partials by log-sum-exp (semantics::merged_lse / merge_weight).
