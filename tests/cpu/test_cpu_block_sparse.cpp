@@ -314,6 +314,30 @@ TEST(CpuBlockSparseVarlen, ForwardProbsAndBackwardMatchOracle) {
   }
 }
 
+// The two lists broadcast independently: partial blocks [1, 1, M] for every (batch, head),
+// full blocks [b, h_q, M] per (batch, head), disjoint from them.
+TEST(CpuBlockSparseRule, ListsBroadcastIndependently) {
+  FA_SEEDED_RNG(rng);
+  const int batch = 2, s_q = 70, s_k = 90, h_q = 3, d = 8, bq = 16, bk = 16;
+  DenseCase c = DenseCase::random(rng, Shape{batch, s_q, s_k, h_q, h_q, d}, DType::kFloat64);
+  c.opts.causal = true;
+  HostBlockMask m = random_mask(rng, batch, h_q, s_q, s_k, bq, bk, false, false, 0.4, false);
+  m.FB = batch, m.FH = h_q;
+  m.full_cnt.assign(std::size_t(batch) * h_q * m.M, 0);
+  m.full_idx.assign(std::size_t(batch) * h_q * m.M * m.N, 0);
+  for (int bh = 0; bh < batch * h_q; ++bh)
+    for (int mb = 0; mb < m.M; ++mb) {
+      const int r = bh * m.M + mb;
+      for (int n = m.N - 1; n >= 0; --n) {
+        bool in_mask = false;
+        for (int e = 0; e < m.mask_cnt[mb]; ++e) in_mask |= m.mask_idx[std::size_t(mb) * m.N + e] == n;
+        if (!in_mask && coin(rng, 0.4)) m.full_idx[std::size_t(r) * m.N + m.full_cnt[r]++] = n;
+      }
+    }
+  m.build_tensors(batch, s_q, s_k);
+  check_case(c, m, true);
+}
+
 // Every block listed as partial, no doc ids, no prefix: the plain call (same visibility).
 TEST(CpuBlockSparseRule, AllPartialIsThePlainCall) {
   FA_SEEDED_RNG(rng);
