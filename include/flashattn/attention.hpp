@@ -38,6 +38,45 @@ enum class KernelFamily : std::uint8_t {
   kSm90,  // sm90a (TMA, wgmma): compute capability 9.0 only
 };
 
+// Block-sparse attention mask (FlashAttention-4's BlockSparseTensors, FlexAttention's
+// BlockMask), for the dense and varlen entry points (forward, backward, varlen_forward,
+// varlen_backward) on the CPU backend; the KV-cache entry point and CUDA tensors decline it
+// (Unsupported naming opts.block_sparse).
+// The (query, key) plane of each (batch, query head) is tiled into blocks of
+// block_size_q x block_size_k elements; M = ceil(s_q / block_size_q) query blocks and
+// N = ceil(s_k / block_size_k) key blocks (the last ones may be short). Varlen: positions
+// within each sequence, on the grid of M = ceil(max_seqlen_q / block_size_q) by
+// N = ceil(max_seqlen_k / block_size_k) (blocks past a sequence's end hold nothing). For query block m,
+// the key blocks to visit are listed in two lists:
+//   mask_block_cnt int32 [B, H, M],  mask_block_idx int32 [B, H, M, N]: the partial blocks,
+//     the first mask_block_cnt[.., m] entries of mask_block_idx[.., m, :] (the rest unread);
+//   full_block_cnt / full_block_idx (optional, same layout): the full blocks.
+// B is 1 (broadcast) or b, H is 1 (broadcast) or h_q, per pair. Counts lie in [0, N];
+// listed indices in [0, N), no block listed twice in one row (in either list or both).
+// Query i sees key j only when j's block is listed in i's block row:
+//   full block:    every element (no element rule, not even causal / window);
+//   partial block: the element rule: (the call's causal / window rule holds, or
+//                  j < prefix_keys[b]) and, when doc ids are given,
+//                  q_doc_ids[b][i] == k_doc_ids[b][j].
+// Keys of unlisted blocks are masked and never read. Rows that see nothing follow the
+// empty-row rule. All-partial lists with no prefix / doc ids are the plain call.
+//   q_doc_ids int32 [b, s_q], k_doc_ids int32 [b, s_k] (varlen: [total_q], [total_k], one
+//     per packed row) (optional, both or neither): document ids, for document masking
+//     within a packed batch;
+//   prefix_keys int32 [b] or [1] (optional, >= 0): keys always visible in partial blocks
+//     (the prefix of a prefix-LM, the sink tokens of sliding window + sinks).
+// Builders for common patterns are in python/flashattn/block_sparse.py.
+struct BlockSparseTensors {
+  Tensor mask_block_cnt, mask_block_idx;
+  Tensor full_block_cnt, full_block_idx;
+  int block_size_q = 128;
+  int block_size_k = 128;
+  Tensor q_doc_ids, k_doc_ids;
+  Tensor prefix_keys;
+  bool defined() const noexcept { return mask_block_cnt.defined() || mask_block_idx.defined() ||
+                                         full_block_cnt.defined() || full_block_idx.defined(); }
+};
+
 struct Options {
   // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d).
   std::optional<float> softmax_scale;
@@ -80,6 +119,8 @@ struct Options {
   // and lse includes it (lse_i = log(exp(sink_h) + sum_j exp(s_ij))). A row that sees no
   // key then has out 0 and lse sink_h. A sink of -inf is no sink. Undefined = none.
   Tensor learnable_sink;
+  // Block-sparse mask (see BlockSparseTensors); undefined (no lists) = dense.
+  BlockSparseTensors block_sparse;
   // Backward only (backward, varlen_backward): fp32 [h_q] output on q's device, overwritten
   // with d loss / d learnable_sink = -sum over every row i of every sequence of
   //   exp(sink_h - lse_i) * rowsum(dout_i * out_i).

@@ -96,6 +96,42 @@ FA_HD bool tree_key_visible(const std::uint32_t* row, std::int64_t j, std::int64
   return t < 0 || tree_draft_visible(row, t);
 }
 
+// ------------------------------------------------------------------ block sparsity
+
+// A block-sparse mask (Options::block_sparse) tiles the (query, key) plane of each
+// (batch, head) into blocks of block_q x block_k elements: block (m, n) holds queries
+// [m * block_q, min((m + 1) * block_q, s_q)) and keys [n * block_k, min((n + 1) * block_k,
+// s_k)). Each block is skipped, partial or full (the lists mask_block_* and full_block_*).
+// Query i sees key j only when j's block in i's row of blocks is listed, and then:
+//   full:     always (no element rule: not even causal / window);
+//   partial:  partial_element_visible below: the call's causal / window rule, widened to
+//             the first prefix_keys keys of the sequence (prefix-LM, sink tokens), and
+//             and-ed with equal document ids when the mask has them (packed documents).
+// Without a block mask every block is partial with no prefix and no document ids, which
+// is the plain visibility rule.
+enum BlockKind : std::uint8_t { kBlockSkip = 0, kBlockPartial = 1, kBlockFull = 2 };
+
+// The element rule of a partial block. prefix_keys <= 0 widens nothing; doc ids are
+// compared only when has_docs.
+FA_HD bool partial_element_visible(std::int64_t i, std::int64_t j, std::int64_t s_q,
+                                   std::int64_t s_k, Mask m, std::int64_t prefix_keys,
+                                   bool has_docs, int doc_q, int doc_k) {
+  if (j < 0 || j >= s_k) return false;
+  if (has_docs && doc_q != doc_k) return false;
+  return j < prefix_keys || key_visible(i, j, s_q, s_k, m);
+}
+
+// Element (i, j) of a block-sparse call, given the kind of its block.
+FA_HD bool block_sparse_visible(BlockKind kind, std::int64_t i, std::int64_t j, std::int64_t s_q,
+                                std::int64_t s_k, Mask m, std::int64_t prefix_keys, bool has_docs,
+                                int doc_q, int doc_k) {
+  if (j < 0 || j >= s_k || i < 0 || i >= s_q) return false;
+  if (kind == kBlockFull) return true;
+  if (kind == kBlockPartial)
+    return partial_element_visible(i, j, s_q, s_k, m, prefix_keys, has_docs, doc_q, doc_k);
+  return false;
+}
+
 // ------------------------------------------------------------------ fp8 (e4m3)
 
 // OCP FP8 E4M3 ("e4m3fn", torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3

@@ -84,7 +84,7 @@ def __getattr__(name):
         return getattr(interface, name)
     if name.startswith(("ring_attention", "zigzag_")):  # flashattn.ring: context parallelism
         return getattr(__import__(f"{__name__}.ring", fromlist=["ring"]), name)
-    if name in ("interface", "flash_attn_interface", "ops", "rotary", "hf"):
+    if name in ("interface", "flash_attn_interface", "ops", "rotary", "hf", "block_sparse"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

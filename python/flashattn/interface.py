@@ -13,6 +13,12 @@ learnable_sink (FlashAttention-4's keyword, gpt-oss's attention sinks): a [h_q] 
 one logit per query head that joins every row's softmax denominator and contributes no
 value (lse includes it). Other float dtypes than fp32 (a bf16 model parameter) are
 converted to fp32 for the call; its gradient flows back through autograd.
+
+block_sparse_tensors (FlashAttention-4's keyword, flash_attn_func, flash_attn_qkvpacked_func,
+flash_attn_kvpacked_func and flash_attn_varlen_func): a block-sparse mask, flashattn.block_sparse.BlockSparseTensorsTorch
+or any object with FA4's fields mask_block_cnt, mask_block_idx, full_block_cnt,
+full_block_idx, block_size (and optionally q_doc_ids, k_doc_ids, prefix_keys); the rule is in
+flashattn/block_sparse.py. CPU backend only (UnsupportedError on CUDA).
 """
 
 from typing import Optional, Tuple, Union
@@ -46,7 +52,10 @@ def _call(op, *args):
     try:
         return ops.call(op, *args)
     except InvalidArgumentError as e:
-        keyword = _KEYWORD_OF_OPTION.get(getattr(e, "argument", None))
+        argument = getattr(e, "argument", None) or ""
+        keyword = _KEYWORD_OF_OPTION.get(argument)
+        if argument.startswith("opts.block_sparse"):  # opts.block_sparse.mask_block_cnt, ...
+            keyword = "block_sparse_tensors" + argument[len("opts.block_sparse"):]
         if keyword is None:
             raise
         renamed = type(e)(f"flashattn::{e.function}: argument '{keyword}': expected {e.expected}, got "
@@ -85,15 +94,46 @@ def _sink(fn: str, learnable_sink) -> Optional[Tensor]:
     return learnable_sink
 
 
+def _block_sparse(fn: str, bst) -> tuple:
+    """The block-sparse op arguments of block_sparse_tensors (FA4's BlockSparseTensorsTorch
+    fields, plus our q_doc_ids, k_doc_ids, prefix_keys): () for None."""
+    if bst is None:
+        return ()
+    if not hasattr(bst, "mask_block_cnt") or not hasattr(bst, "mask_block_idx"):
+        raise invalid(fn, "block_sparse_tensors",
+                      "None or a BlockSparseTensorsTorch (mask_block_cnt, mask_block_idx, ...)",
+                      type(bst).__name__)
+    from .block_sparse import block_sizes
+    try:
+        bq, bk = block_sizes(getattr(bst, "block_size", None))
+    except (TypeError, ValueError):
+        raise invalid(fn, "block_sparse_tensors.block_size", "None, an int or (block_q, block_k)",
+                      repr(getattr(bst, "block_size", None))) from None
+    tensors = [getattr(bst, n, None) for n in ("mask_block_cnt", "mask_block_idx",
+                                                "full_block_cnt", "full_block_idx")]
+    extra = [getattr(bst, n, None) for n in ("q_doc_ids", "k_doc_ids", "prefix_keys")]
+    for name, t in zip(("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx",
+                        "q_doc_ids", "k_doc_ids", "prefix_keys"), tensors + extra):
+        if t is not None and not isinstance(t, Tensor):
+            raise invalid(fn, f"block_sparse_tensors.{name}", "a torch.Tensor (int32) or None",
+                          type(t).__name__)
+        if t is not None and t.dtype != torch.int32:
+            raise invalid(fn, f"block_sparse_tensors.{name}", "dtype int32",
+                          str(t.dtype).replace("torch.", ""))
+    return (*tensors, bq, bk, *extra)
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
-               learnable_sink=None):
+               learnable_sink=None, block_sparse_tensors=None):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    bs = _block_sparse(fn, block_sparse_tensors)
+    sink = _sink(fn, learnable_sink)
     out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
                                _scale(q, softmax_scale), bool(causal), left, right,
                                float(softcap), float(dropout_p), bool(deterministic), want_probs,
-                               _sink(fn, learnable_sink))
+                               *((sink,) + bs if bs else (sink,)))
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -103,7 +143,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None):
+                      seqused_q=None, block_sparse_tensors=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
@@ -113,7 +153,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                                int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
                                left, right, float(softcap), float(dropout_p),
                                bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q)
+                               seqused_q, *_block_sparse(fn, block_sparse_tensors))
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -128,7 +168,7 @@ def _check_packed(fn, name, t, rank, dim, count, layout):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, learnable_sink=None):
+                    return_attn_probs=False, *, learnable_sink=None, block_sparse_tensors=None):
     """q [b, s_q, h_q, d], k, v [b, s_k, h_k, d] (h_q % h_k == 0) -> out [b, s_q, h_q, d].
 
     causal and window_size (left, right) are bottom-right aligned: query i sees key j when
@@ -138,44 +178,49 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs,
-                      learnable_sink=learnable_sink)
+                      learnable_sink=learnable_sink, block_sparse_tensors=block_sparse_tensors)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *,
-                              learnable_sink=None):
+                              learnable_sink=None, block_sparse_tensors=None):
     """qkv [b, s, 3, h, d] -> out [b, s, h, d]. The gradient of qkv is assembled by
     autograd from dq, dk, dv (the library writes them to separate tensors)."""
     fn = "flashattn.flash_attn_qkvpacked_func"
     _check_packed(fn, "qkv", qkv, 5, 2, 3, "[b, s, 3, h, d]")
     q, k, v = qkv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink)
+                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink,
+                      block_sparse_tensors)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                              deterministic=False, return_attn_probs=False, *,
-                             learnable_sink=None):
+                             learnable_sink=None, block_sparse_tensors=None):
     """q [b, s_q, h_q, d], kv [b, s_k, 2, h_k, d] -> out [b, s_q, h_q, d]."""
     fn = "flashattn.flash_attn_kvpacked_func"
     _check_packed(fn, "kv", kv, 5, 2, 2, "[b, s_k, 2, h_k, d]")
     k, v = kv.unbind(dim=2)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink)
+                      alibi_slopes, deterministic, return_attn_probs, fn, learnable_sink,
+                      block_sparse_tensors)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           learnable_sink=None, seqused_q=None, seqused_k=None):
+                           learnable_sink=None, seqused_q=None, seqused_k=None,
+                           block_sparse_tensors=None):
     """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
     -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
     is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
     names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
-    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
+    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend.
+    block_sparse_tensors: a block-sparse mask over each sequence's max_seqlen_q x
+    max_seqlen_k grid (positions within the sequence; doc ids packed [total_q], [total_k])."""
     if block_table is not None:
         raise UnsupportedError(
             "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
@@ -183,7 +228,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
-                             learnable_sink=learnable_sink, seqused_q=seqused_q)
+                             learnable_sink=learnable_sink, seqused_q=seqused_q,
+                             block_sparse_tensors=block_sparse_tensors)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

@@ -19,6 +19,13 @@ Learnable sinks (FlashAttention-4's learnable_sink): the forward ops take an opt
 fp32 [h_q] learnable_sink as their last argument; the backward ops take it too and return
 its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq, dk, dv.
 
+Block-sparse masks (FlashAttention-4's BlockSparseTensors): the dense ops fwd and bwd take,
+after learnable_sink, mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx (int32,
+optional), block_size_q, block_size_k (ints, default 128), q_doc_ids, k_doc_ids and
+prefix_keys (int32, optional): flashattn::BlockSparseTensors, the CPU backend only; the
+varlen ops take the same after seqused_q (doc ids packed [total_q], [total_k]). They carry
+no gradient.
+
 Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
 generator (drawn by the caller from torch's default CPU generator); the forward's
 autograd formula hands the same tensor to the backward, which recomputes the same mask.
@@ -100,6 +107,7 @@ def _options(
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
     learnable_sink_grad: Optional[Tensor] = None,
+    block_sparse: tuple = (),
 ) -> dict:
     seed = offset = 0
     if dropout_p > 0.0:
@@ -120,7 +128,25 @@ def _options(
         stream=_stream(q),
         learnable_sink=_dl(_prepare(learnable_sink)),
         learnable_sink_grad=_dl(learnable_sink_grad),
+        **_block_sparse_kwargs(block_sparse),
     )
+
+
+_BS_TENSORS = ("mask_block_cnt", "mask_block_idx", "full_block_cnt", "full_block_idx")
+_BS_EXTRA = ("q_doc_ids", "k_doc_ids", "prefix_keys")
+
+
+def _block_sparse_kwargs(bs: tuple) -> dict:
+    """The binding's keywords of the block-sparse op arguments (mask_block_cnt, mask_block_idx,
+    full_block_cnt, full_block_idx, block_size_q, block_size_k, q_doc_ids, k_doc_ids,
+    prefix_keys), as the ops take them; () = none."""
+    if not bs or all(t is None for t in bs[:4]) and all(t is None for t in bs[6:]):
+        return {}
+    cnt, idx, fcnt, fidx, bq, bk, dq, dk, pre = bs
+    return dict(mask_block_cnt=_dl(_prepare(cnt)), mask_block_idx=_dl(_prepare(idx)),
+                full_block_cnt=_dl(_prepare(fcnt)), full_block_idx=_dl(_prepare(fidx)),
+                block_size_q=int(bq), block_size_k=int(bk), q_doc_ids=_dl(_prepare(dq)),
+                k_doc_ids=_dl(_prepare(dk)), prefix_keys=_dl(_prepare(pre)))
 
 
 # Checks shared by each op and its fake implementation: the ranks the outputs' shapes are
@@ -130,22 +156,30 @@ _DENSE = "[b, s, h, d]"
 _PACKED = "[total, h, d]"
 
 
-def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None):
+def _bs_devices(bs: tuple) -> dict:
+    if not bs:
+        return {}
+    names = _BS_TENSORS + ("block_size_q", "block_size_k") + _BS_EXTRA
+    return {n: t for n, t in zip(names, bs) if n.startswith(("mask", "full")) or n in _BS_EXTRA}
+
+
+def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None, bs=()):
     fn = "flashattn::fwd"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
-    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                 **_bs_devices(bs))
 
 
-def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None):
+def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None, bs=()):
     fn = "flashattn::bwd"
     for name, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out)):
         check_rank(fn, name, t, 4, _DENSE)
     check_rank(fn, "lse", lse, 3, "[b, h_q, s_q]")
     check_head_dim(fn, "q", q)
     check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
-                 learnable_sink=learnable_sink)
+                 learnable_sink=learnable_sink, **_bs_devices(bs))
 
 
 def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, **more):
@@ -281,13 +315,25 @@ def _fwd(
     deterministic: bool,
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
-    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them)."""
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
+    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them).
+    mask_block_cnt ... prefix_keys: a block-sparse mask (flashattn::BlockSparseTensors)."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, bs)
     out, lse, probs = _fwd_outputs(q, k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, None, bs)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
                return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
@@ -298,8 +344,8 @@ fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
-      softcap, dropout_p, deterministic, return_probs, learnable_sink=None):
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
+      softcap, dropout_p, deterministic, return_probs, learnable_sink=None, *bs):
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, bs)
     return _fwd_outputs(q, k, return_probs)
 
 
@@ -320,15 +366,26 @@ def _bwd(
     dropout_p: float,
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink); dk and dv are summed over each GQA group (shapes of k and v);
     dsink is fp32 [h_q] with a learnable_sink, else empty [0]."""
-    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink)
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, bs)
     dq, dk, dv = _like(q), _like(k), _like(v)
     dsink = _sink_grad_output(q, q.shape[2], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink,
-                    dsink if learnable_sink is not None else None)
+                    dsink if learnable_sink is not None else None, bs)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     workspace = None
     if q.is_cuda:
@@ -337,7 +394,8 @@ def _bwd(
             _dl(q), _dl(k), _dl(v),
             **dict(opts, alibi_slopes=_dl(_prepare(alibi_slopes)),
                    learnable_sink=_dl(_prepare(learnable_sink)),
-                   learnable_sink_grad=_dl(dsink) if learnable_sink is not None else None))
+                   learnable_sink_grad=_dl(dsink) if learnable_sink is not None else None,
+                   **_block_sparse_kwargs(bs)))
         if nbytes > 0:
             workspace = torch.empty(nbytes, dtype=torch.uint8, device=q.device)
     _C.backward(_dl(_prepare(dout)), _dl(q), _dl(k), _dl(v), _dl(_prepare(out)),
@@ -350,8 +408,8 @@ bwd = _register(torch.library.custom_op("flashattn::bwd", mutates_args=())(_bwd)
 
 @bwd.register_fake
 def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-      window_right, softcap, dropout_p, deterministic, learnable_sink=None):
-    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink)
+      window_right, softcap, dropout_p, deterministic, learnable_sink=None, *bs):
+    _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink, bs)
     return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[2], learnable_sink)
 
 
@@ -359,10 +417,14 @@ def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
      softcap, dropout_p, deterministic, _) = inputs[:13]
     learnable_sink = inputs[13] if len(inputs) > 13 else None
+    bs = tuple(inputs[14:23])
     out, lse, _ = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink)
+    # The block-sparse tensors (if any) are saved; block sizes ride with the scalars.
+    bs_tensors = (bs[0:4] + bs[6:9]) if bs else (None,) * 7
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink, *bs_tensors)
     ctx.scalars = (softmax_scale, causal, window_left, window_right, softcap, dropout_p,
                    deterministic)
+    ctx.block_sizes = (bs[4], bs[5]) if bs else (128, 128)
 
 
 def _sink_grad(ctx, learnable_sink, dsink, index=-1):
@@ -375,12 +437,23 @@ def _sink_grad(ctx, learnable_sink, dsink, index=-1):
 
 def _fwd_backward(ctx, dout, dlse, dprobs):
     # lse and probs are outputs without gradients (as in flash_attn): dlse, dprobs ignored.
-    q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink = saved[:8]
+    bs_t = saved[8:15]
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
-                             *ctx.scalars, learnable_sink)
-    return (dq, dk, dv) + (None,) * 10 + (_sink_grad(ctx, learnable_sink, dsink),)
+    if all(t is None for t in bs_t):
+        dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
+                                 *ctx.scalars, learnable_sink)
+    else:
+        dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
+                                 *ctx.scalars, learnable_sink, *bs_t[:4], *ctx.block_sizes,
+                                 *bs_t[4:])
+    n = len(ctx.needs_input_grad)  # the op's inputs: 13, 14 (a sink) or 23 (block sparse)
+    grads = (dq, dk, dv) + (None,) * 10
+    if n > 13:
+        grads += (_sink_grad(ctx, learnable_sink, dsink, 13),) + (None,) * (n - 14)
+    return grads
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -418,15 +491,28 @@ def _varlen_fwd(
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
     seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
-    rest: out 0, lse -inf)."""
+    rest: out 0, lse -inf). mask_block_cnt ... prefix_keys: a block-sparse mask over the
+    max_seqlen_q x max_seqlen_k grid of each sequence (doc ids packed: [total_q], [total_k])."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  **_bs_devices(bs))
     out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, None, bs)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
@@ -442,9 +528,10 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs, learnable_sink=None, seqused_q=None):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None, *bs):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  **_bs_devices(bs))
     return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
 
 
@@ -471,16 +558,27 @@ def _varlen_bwd(
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dsink); dsink fp32 [h_q] with a learnable_sink, else empty [0]."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
-                  seqused_q=seqused_q)
+                  seqused_q=seqused_q, **_bs_devices(bs))
     dq, dk, dv = _like(q), _like(k), _like(v)
     dsink = _sink_grad_output(q, q.shape[1], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink,
-                    dsink if learnable_sink is not None else None)
+                    dsink if learnable_sink is not None else None, bs)
     # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
     # would read cu_seqlens from the device a second time.
     _C.varlen_backward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
@@ -498,10 +596,10 @@ varlen_bwd = _register(
 @varlen_bwd.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state,
       max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
-      dropout_p, deterministic, learnable_sink=None, seqused_q=None):
+      dropout_p, deterministic, learnable_sink=None, seqused_q=None, *bs):
     _check_varlen("flashattn::varlen_bwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, dout=dout, out=out, lse=lse, learnable_sink=learnable_sink,
-                  seqused_q=seqused_q)
+                  seqused_q=seqused_q, **_bs_devices(bs))
     return _like(q), _like(k), _like(v), _sink_grad_output(q, q.shape[1], learnable_sink)
 
 
@@ -511,23 +609,33 @@ def _varlen_setup_context(ctx, inputs, output):
      deterministic, _) = inputs[:18]
     learnable_sink = inputs[18] if len(inputs) > 18 else None
     seqused_q = inputs[19] if len(inputs) > 19 else None
+    bs = tuple(inputs[20:29])
     out, lse, _ = output
+    bs_tensors = (bs[0:4] + bs[6:9]) if bs else (None,) * 7
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                          alibi_slopes, rng_state, learnable_sink, seqused_q)
+                          alibi_slopes, rng_state, learnable_sink, seqused_q, *bs_tensors)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left, window_right,
                    softcap, dropout_p, deterministic)
+    ctx.block_sizes = (bs[4], bs[5]) if bs else (128, 128)
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
+    saved = ctx.saved_tensors
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
-     rng_state, learnable_sink, seqused_q) = ctx.saved_tensors
+     rng_state, learnable_sink, seqused_q) = saved[:12]
+    bs_t = saved[12:19]
     if dout is None:
         dout = torch.zeros_like(out)
+    bs = ((*bs_t[:4], *ctx.block_sizes, *bs_t[4:]) if any(t is not None for t in bs_t)
+          else ())
     dq, dk, dv, dsink = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                              seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
-                             seqused_q)
-    return ((dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink, 18),)
-            + (None,))
+                             seqused_q, *bs)
+    n = len(ctx.needs_input_grad)  # 18, 19, 20 or 29 inputs
+    grads = (dq, dk, dv) + (None,) * 15
+    if n > 18:
+        grads += (_sink_grad(ctx, learnable_sink, dsink, 18),) + (None,) * (n - 19)
+    return grads
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

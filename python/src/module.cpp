@@ -238,6 +238,10 @@ struct CommonOptions {
   PyInt num_threads;
   OptIn learnable_sink;
   OptOut learnable_sink_grad;
+  // Block-sparse mask (fa::BlockSparseTensors; dense entry points on the CPU).
+  OptIn mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx;
+  PyInt block_size_q, block_size_k;
+  OptIn q_doc_ids, k_doc_ids, prefix_keys;
 
   fa::Options build() const {
     fa::Options o;
@@ -256,6 +260,16 @@ struct CommonOptions {
     o.return_probs = to_tensor(return_probs, "return_probs");
     o.learnable_sink = to_tensor(learnable_sink, "learnable_sink");
     o.learnable_sink_grad = to_tensor(learnable_sink_grad, "learnable_sink_grad");
+    fa::BlockSparseTensors& bs = o.block_sparse;
+    bs.mask_block_cnt = to_tensor(mask_block_cnt, "mask_block_cnt");
+    bs.mask_block_idx = to_tensor(mask_block_idx, "mask_block_idx");
+    bs.full_block_cnt = to_tensor(full_block_cnt, "full_block_cnt");
+    bs.full_block_idx = to_tensor(full_block_idx, "full_block_idx");
+    bs.block_size_q = int32_in(block_size_q, "block_size_q");
+    bs.block_size_k = int32_in(block_size_k, "block_size_k");
+    bs.q_doc_ids = to_tensor(q_doc_ids, "q_doc_ids");
+    bs.k_doc_ids = to_tensor(k_doc_ids, "k_doc_ids");
+    bs.prefix_keys = to_tensor(prefix_keys, "prefix_keys");
     o.kernel_family = static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
     o.smem_cap = g_smem_cap.load(std::memory_order_relaxed);
     return o;
@@ -336,13 +350,16 @@ void register_exceptions(nb::module_& m) {
   std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
       double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
       bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
-      OptIn learnable_sink, OptOut learnable_sink_grad
+      OptIn learnable_sink, OptOut learnable_sink_grad, OptIn mask_block_cnt,               \
+      OptIn mask_block_idx, OptIn full_block_cnt, OptIn full_block_idx, PyInt block_size_q, \
+      PyInt block_size_k, OptIn q_doc_ids, OptIn k_doc_ids, OptIn prefix_keys
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
         seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
-        learnable_sink_grad                                                             \
+        learnable_sink_grad, mask_block_cnt, mask_block_idx, full_block_cnt,            \
+        full_block_idx, block_size_q, block_size_k, q_doc_ids, k_doc_ids, prefix_keys   \
   }
 
 // The keyword arguments of CommonOptions, all optional.
@@ -353,7 +370,11 @@ void register_exceptions(nb::module_& m) {
       nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
       nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
       nb::arg("num_threads") = 0, nb::arg("learnable_sink") = nb::none(),                  \
-      nb::arg("learnable_sink_grad") = nb::none()
+      nb::arg("learnable_sink_grad") = nb::none(), nb::arg("mask_block_cnt") = nb::none(),  \
+      nb::arg("mask_block_idx") = nb::none(), nb::arg("full_block_cnt") = nb::none(),       \
+      nb::arg("full_block_idx") = nb::none(), nb::arg("block_size_q") = 128,                \
+      nb::arg("block_size_k") = 128, nb::arg("q_doc_ids") = nb::none(),                     \
+      nb::arg("k_doc_ids") = nb::none(), nb::arg("prefix_keys") = nb::none()
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
                            const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,

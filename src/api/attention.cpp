@@ -1,6 +1,9 @@
 // Dense-batch entry points and utilities: argument checking, then dispatch.
 #include "flashattn/attention.hpp"
 
+#include <cstdint>
+#include <vector>
+
 #include "api/check.hpp"
 #include "api/dispatch.hpp"
 #include "core/backend.hpp"
@@ -82,6 +85,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
   }
   FwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  std::vector<std::uint8_t> block_kinds;
+  detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
+                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   detail::api::fill_probs(c, opts, target == Target::kCPU, q.device,
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
@@ -112,6 +118,9 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
   c.like("dv", dv, "v", v);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  std::vector<std::uint8_t> block_kinds;
+  detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
+                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
   detail::api::fill_sink_grad(c, opts, q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
@@ -137,6 +146,9 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
   const DenseDims dims = check_qkv(c, q, k, v);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  std::vector<std::uint8_t> block_kinds;
+  detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
+                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
   set_dense_inputs(dims, q, k, v, p);
   return detail::api::backward_workspace_size(target, p);
 }

@@ -388,6 +388,208 @@ void fill_sink_grad(const Check& check, const Options& opts, Device device, int 
   p.dsink = static_cast<float*>(grad.data);
 }
 
+namespace {
+
+// Element (i0, i1, i2[, i3]) of a CPU int32 tensor through its strides.
+std::int32_t int32_at(const Tensor& t, std::int64_t i0, std::int64_t i1, std::int64_t i2 = 0,
+                      std::int64_t i3 = 0) {
+  const std::int64_t idx[kMaxRank] = {i0, i1, i2, i3};
+  std::int64_t off = 0;
+  for (int d = 0; d < t.rank; ++d) off += idx[d] * t.stride[d];
+  return static_cast<const std::int32_t*>(t.data)[off];
+}
+
+std::string list_index(std::string_view name, std::int64_t b, std::int64_t h, std::int64_t m,
+                       std::int64_t e = -1) {
+  std::string s = std::string(name) + "[" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                  std::to_string(m);
+  if (e >= 0) s += ", " + std::to_string(e);
+  return s + "]";
+}
+
+}  // namespace
+
+void decline_block_sparse(const Check& check, const Options& opts, std::string_view why) {
+  if (!opts.block_sparse.defined()) return;
+  check.unsupported("opts.block_sparse", "undefined lists (" + std::string(why) + ")",
+                    "a block-sparse mask");
+}
+
+void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
+                       const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
+                       FwdParams& p) {
+  const BlockSparseTensors& bs = opts.block_sparse;
+  const int batch = dims.batch, h_q = dims.h_q, s_q = dims.s_q, s_k = dims.s_k;
+  const std::string sq = dims.varlen ? "max_seqlen_q" : "s_q";
+  const std::string sk = dims.varlen ? "max_seqlen_k" : "s_k";
+  const bool any_extra = bs.q_doc_ids.defined() || bs.k_doc_ids.defined() || bs.prefix_keys.defined();
+  if (!bs.defined()) {
+    if (any_extra) {
+      check.fail(bs.q_doc_ids.defined()   ? "opts.block_sparse.q_doc_ids"
+                 : bs.k_doc_ids.defined() ? "opts.block_sparse.k_doc_ids"
+                                          : "opts.block_sparse.prefix_keys",
+                 "an undefined tensor when opts.block_sparse has no block lists",
+                 "a defined tensor");
+    }
+    return;
+  }
+  if (!cpu_backend) {
+    check.unsupported("opts.block_sparse",
+                      "undefined lists (block-sparse masks run on the CPU backend)",
+                      "a block-sparse mask with tensors on " + to_string(device));
+  }
+  if (bs.block_size_q < 1) {
+    check.fail("opts.block_sparse.block_size_q", ">= 1", std::to_string(bs.block_size_q));
+  }
+  if (bs.block_size_k < 1) {
+    check.fail("opts.block_sparse.block_size_k", ">= 1", std::to_string(bs.block_size_k));
+  }
+  const std::int64_t M = (std::int64_t(s_q) + bs.block_size_q - 1) / bs.block_size_q;
+  const std::int64_t N = (std::int64_t(s_k) + bs.block_size_k - 1) / bs.block_size_k;
+  const std::string mn = "M = ceil(" + sq + " / block_size_q) = ceil(" + std::to_string(s_q) + " / " +
+                         std::to_string(bs.block_size_q) + ") = " + std::to_string(M);
+  const std::string nn = "N = ceil(" + sk + " / block_size_k) = ceil(" + std::to_string(s_k) + " / " +
+                         std::to_string(bs.block_size_k) + ") = " + std::to_string(N);
+
+  struct Pair {
+    std::string_view cnt_name, idx_name;
+    const Tensor& cnt;
+    const Tensor& idx;
+    std::uint8_t kind;
+  };
+  const Pair pairs[2] = {
+      {"opts.block_sparse.mask_block_cnt", "opts.block_sparse.mask_block_idx", bs.mask_block_cnt,
+       bs.mask_block_idx, semantics::kBlockPartial},
+      {"opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx", bs.full_block_cnt,
+       bs.full_block_idx, semantics::kBlockFull}};
+  if (!bs.mask_block_cnt.defined()) check.required("opts.block_sparse.mask_block_cnt", bs.mask_block_cnt);
+  if (!bs.mask_block_idx.defined()) check.required("opts.block_sparse.mask_block_idx", bs.mask_block_idx);
+  if (bs.full_block_cnt.defined() != bs.full_block_idx.defined()) {
+    const bool cnt = bs.full_block_cnt.defined();
+    check.fail(cnt ? "opts.block_sparse.full_block_idx" : "opts.block_sparse.full_block_cnt",
+               std::string("a tensor, since opts.block_sparse.") +
+                   (cnt ? "full_block_cnt" : "full_block_idx") + " is given (both or neither)",
+               "an undefined tensor");
+  }
+  std::int64_t tb = 1, th = 1;  // the table's batch and head extents
+  for (const Pair& pr : pairs) {
+    if (!pr.cnt.defined()) continue;
+    check.rank(pr.cnt_name, pr.cnt, 3, "[B, H, M] (B = 1 or b, H = 1 or h_q)");
+    check.dtype(pr.cnt_name, pr.cnt, DType::kInt32, "");
+    check.device(pr.cnt_name, pr.cnt, device, "same as q");
+    check.layout(pr.cnt_name, pr.cnt);
+    const std::int64_t B = pr.cnt.shape[0], H = pr.cnt.shape[1];
+    if (B != 1 && B != batch) check.dim(pr.cnt_name, pr.cnt, 0, batch, "batch: 1 or b");
+    if (H != 1 && H != h_q) check.dim(pr.cnt_name, pr.cnt, 1, h_q, "heads: 1 or h_q");
+    check.dim(pr.cnt_name, pr.cnt, 2, M, "query blocks " + mn);
+    check.rank(pr.idx_name, pr.idx, 4, "[B, H, M, N]");
+    check.dtype(pr.idx_name, pr.idx, DType::kInt32, "");
+    check.device(pr.idx_name, pr.idx, device, "same as q");
+    check.layout(pr.idx_name, pr.idx);
+    check.shape(pr.idx_name, pr.idx, {B, H, M, N},
+                "[B, H, M, N] with B, H, M of " + std::string(pr.cnt_name) + " and " + nn);
+    tb = std::max(tb, B);
+    th = std::max(th, H);
+  }
+
+  const std::int64_t plane = M * N;
+  // The table has one byte per (batch, head, query block, key block) of the lists.
+  constexpr std::int64_t kMaxTable = std::int64_t{1} << 31;
+  if (plane > 0 && tb * th > kMaxTable / plane) {
+    check.fail("opts.block_sparse",
+               "at most 2^31 (batch, head, query block, key block) entries (larger blocks)",
+               std::to_string(tb) + " x " + std::to_string(th) + " x " + std::to_string(M) +
+                   " x " + std::to_string(N));
+  }
+  kinds.assign(std::size_t(tb * th * plane), semantics::kBlockSkip);
+  for (const Pair& pr : pairs) {
+    if (!pr.cnt.defined()) continue;
+    const std::int64_t B = pr.cnt.shape[0], H = pr.cnt.shape[1];
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t m = 0; m < M; ++m) {
+          const std::int32_t cnt = int32_at(pr.cnt, b, h, m);
+          if (cnt < 0 || cnt > N) {
+            check.fail(pr.cnt_name, "counts in [0, " + nn + "] at " + list_index("", b, h, m),
+                       std::to_string(cnt));
+          }
+          for (std::int32_t e = 0; e < cnt; ++e) {
+            const std::int32_t n = int32_at(pr.idx, b, h, m, e);
+            if (n < 0 || n >= N) {
+              check.fail(pr.idx_name,
+                         "key block indices in [0, N) (" + nn + ") at " + list_index("", b, h, m, e),
+                         std::to_string(n));
+            }
+            // Fill every table entry this (b, h) covers (a broadcast list covers several).
+            for (std::int64_t tbb = (B == tb ? b : 0); tbb < (B == tb ? b + 1 : tb); ++tbb)
+              for (std::int64_t thh = (H == th ? h : 0); thh < (H == th ? h + 1 : th); ++thh) {
+                std::uint8_t& k = kinds[std::size_t((tbb * th + thh) * plane + m * N + n)];
+                if (k != semantics::kBlockSkip) {
+                  check.fail(pr.idx_name,
+                             "each key block listed at most once per query block (in "
+                             "mask_block_idx and full_block_idx together); at " +
+                                 list_index("", b, h, m, e),
+                             "key block " + std::to_string(n) + " listed again");
+                }
+                k = pr.kind;
+              }
+          }
+        }
+  }
+
+  if (bs.q_doc_ids.defined() != bs.k_doc_ids.defined()) {
+    const bool q = bs.q_doc_ids.defined();
+    check.fail(q ? "opts.block_sparse.k_doc_ids" : "opts.block_sparse.q_doc_ids",
+               std::string("a tensor, since opts.block_sparse.") + (q ? "q_doc_ids" : "k_doc_ids") +
+                   " is given (both or neither)",
+               "an undefined tensor");
+  }
+  if (bs.q_doc_ids.defined() && dims.varlen) {  // packed, one id per row of q / k
+    check.tensor("opts.block_sparse.q_doc_ids", bs.q_doc_ids, {dims.total_q}, "[total_q]",
+                 DType::kInt32, device);
+    check.tensor("opts.block_sparse.k_doc_ids", bs.k_doc_ids, {dims.total_k}, "[total_k]",
+                 DType::kInt32, device);
+    p.doc_ids_q = static_cast<const int*>(bs.q_doc_ids.data);
+    p.doc_ids_k = static_cast<const int*>(bs.k_doc_ids.data);
+  } else if (bs.q_doc_ids.defined()) {
+    check.tensor("opts.block_sparse.q_doc_ids", bs.q_doc_ids, {batch, s_q}, "[b, s_q]",
+                 DType::kInt32, device);
+    check.tensor("opts.block_sparse.k_doc_ids", bs.k_doc_ids, {batch, s_k}, "[b, s_k]",
+                 DType::kInt32, device);
+    p.doc_ids_q = static_cast<const int*>(bs.q_doc_ids.data);
+    p.doc_ids_k = static_cast<const int*>(bs.k_doc_ids.data);
+    p.doc_q_batch_stride = bs.q_doc_ids.stride[0];
+    p.doc_k_batch_stride = bs.k_doc_ids.stride[0];
+  }
+  if (bs.prefix_keys.defined()) {
+    const Tensor& pk = bs.prefix_keys;
+    if (pk.rank != 1 || (pk.shape[0] != 1 && pk.shape[0] != batch)) {
+      check.fail("opts.block_sparse.prefix_keys",
+                 "shape [1] or [" + std::to_string(batch) + "] ([1] or [b])",
+                 flashattn::shape_string(pk));
+    }
+    check.dtype("opts.block_sparse.prefix_keys", pk, DType::kInt32, "");
+    check.device("opts.block_sparse.prefix_keys", pk, device, "same as q");
+    check.layout("opts.block_sparse.prefix_keys", pk);
+    for (std::int64_t b = 0; b < pk.shape[0]; ++b) {
+      const std::int32_t v = int32_at(pk, b, 0);
+      if (v < 0) {
+        check.fail("opts.block_sparse.prefix_keys", "values >= 0 at [" + std::to_string(b) + "]",
+                   std::to_string(v));
+      }
+    }
+    p.prefix_keys = static_cast<const int*>(pk.data);
+    p.prefix_batch_stride = pk.shape[0] > 1 ? pk.stride[0] : 0;
+  }
+  p.block_kinds = kinds.data();
+  p.bs_block_q = bs.block_size_q;
+  p.bs_block_k = bs.block_size_k;
+  p.bs_blocks_q = static_cast<int>(M);
+  p.bs_blocks_k = static_cast<int>(N);
+  p.bs_head_stride = th > 1 ? plane : 0;
+  p.bs_batch_stride = tb > 1 ? th * plane : 0;
+}
+
 void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,
                 const Shape& shape, FwdParams& p) {
   const Tensor& probs = opts.return_probs;

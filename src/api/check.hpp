@@ -84,6 +84,22 @@ void fill_sink_grad(const Check& check, const Options& opts, Device device, int 
 void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Device device,
                 const Shape& shape, FwdParams& p);
 
+// Validates opts.block_sparse (attention.hpp, BlockSparseTensors) of a call with the given
+// dims (varlen: s_q, s_k are max_seqlen_q / _k, and the doc ids are packed [total_q],
+// [total_k]): shapes, dtypes, devices, counts, indices (range, duplicates), doc ids and
+// prefix lengths, and builds the block-kind table into `kinds` (kept alive by the caller)
+// and the block-sparse fields of p. CUDA tensors get Unsupported. No-op when undefined.
+struct BlockSparseDims {
+  int batch = 0, h_q = 0, s_q = 0, s_k = 0;
+  bool varlen = false;
+  std::int64_t total_q = 0, total_k = 0;  // varlen only
+};
+void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
+                       const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
+                       FwdParams& p);
+// Entry points without block sparsity (KV cache): Unsupported when it is given.
+void decline_block_sparse(const Check& check, const Options& opts, std::string_view why);
+
 // h_q (q.shape[dim]) is at least 1.
 void check_query_heads(const Check& check, const Tensor& q, int dim);
 // h_k (t.shape[dim]) is at least 1 and divides h_q (grouped-query attention).

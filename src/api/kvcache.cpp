@@ -300,6 +300,7 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                       const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::decline_block_sparse(c, opts, "KV-cache calls take no block-sparse mask");
   if (opts.dropout_p > 0.0f) {
     c.unsupported("opts.dropout_p", "0 (kvcache_forward is inference only)",
                   std::to_string(opts.dropout_p));

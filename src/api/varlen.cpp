@@ -138,9 +138,15 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
 // Options, backend, backend support, CUDA layouts and index contents: what every
 // varlen entry point checks after the shapes.
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
-                         const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
+                         const Options& opts, FwdParams& p, std::vector<std::uint8_t>& block_kinds,
+                         bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
+  // Block sparsity: the grid of max_seqlen_q x max_seqlen_k, positions within a sequence.
+  detail::api::fill_block_sparse(c, opts, target == Target::kCPU, a.q.device,
+                                 {dims.b, dims.h_q, a.max_seqlen_q, a.max_seqlen_k, true,
+                                  dims.total_q, dims.total_k},
+                                 block_kinds, p);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   if (a.seqused_q.defined() && target == Target::kCUDA) {
@@ -188,7 +194,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   }
   FwdParams p;
   bool contents_read = true;
-  const Target target = check_varlen_rest(c, args, dims, opts, p, &contents_read);
+  std::vector<std::uint8_t> block_kinds;
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   detail::api::fill_probs(c, opts, target == Target::kCPU, args.q.device,
                           {dims.h_q, dims.total_q, args.max_seqlen_k}, p);
@@ -224,7 +231,8 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   c.like("dv", dv, "v", args.v);
   BwdParams p;
   bool contents_read = true;
-  const Target target = check_varlen_rest(c, args, dims, opts, p, &contents_read);
+  std::vector<std::uint8_t> block_kinds;
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds, &contents_read);
   detail::api::fill_sink_grad(c, opts, args.q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
@@ -253,7 +261,8 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
   const Check c("varlen_backward_workspace_size");
   const VarlenDims dims = check_varlen_shapes(c, args);
   BwdParams p;
-  const Target target = check_varlen_rest(c, args, dims, opts, p);
+  std::vector<std::uint8_t> block_kinds;
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds);
   set_varlen_inputs(args, dims, p);
   return detail::api::backward_workspace_size(target, p);
 }

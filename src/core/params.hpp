@@ -80,6 +80,25 @@ struct FwdParams {
   const std::uint32_t* tree_mask = nullptr;
   std::int64_t tree_batch_stride = 0, tree_row_stride = 0;
 
+  // Block-sparse mask (Options::block_sparse; CPU backend only), or null: the kind
+  // (semantics::BlockKind) of block (m, n) of sequence b, query head h is
+  //   block_kinds[b * bs_batch_stride + h * bs_head_stride + m * bs_blocks_k + n]
+  // (strides 0 where the mask broadcasts over batch or heads), a table the entry point
+  // builds from the count / index lists while checking them (varlen: positions i, j within
+  // sequence b, the grid of max_seqlen_q x max_seqlen_k). Partial blocks apply the element
+  // rule with doc_ids_q[b * doc_q_batch_stride + i] == doc_ids_k[b * .. + j] (varlen: the
+  // packed rows q_start(b) + i, k_start(b) + j) when doc_ids_q is non-null, and
+  // prefix_keys[b] when non-null.
+  const std::uint8_t* block_kinds = nullptr;
+  int bs_block_q = 0, bs_block_k = 0;    // block sizes
+  int bs_blocks_q = 0, bs_blocks_k = 0;  // blocks per sequence: ceil(s / block)
+  std::int64_t bs_batch_stride = 0, bs_head_stride = 0;
+  const int* doc_ids_q = nullptr;
+  const int* doc_ids_k = nullptr;
+  std::int64_t doc_q_batch_stride = 0, doc_k_batch_stride = 0;
+  const int* prefix_keys = nullptr;     // [1] or [b]
+  std::int64_t prefix_batch_stride = 0;  // 0 when [1]
+
   // Scores.
   float scale = 1.0f;
   float softcap = 0.0f;  // 0 = off
@@ -215,6 +234,23 @@ struct FwdParams {
   FA_HD std::int64_t kv_block(int b, std::int64_t j) const {
     if (block_table) return block_id(b, j / block_size);
     return cache_row(b);
+  }
+  // Block sparsity: the kind of the block holding (i, j) and the element rule.
+  FA_HD semantics::BlockKind block_kind(int b, int h, std::int64_t i, std::int64_t j) const {
+    return static_cast<semantics::BlockKind>(
+        block_kinds[std::int64_t(b) * bs_batch_stride + std::int64_t(h) * bs_head_stride +
+                    (i / bs_block_q) * bs_blocks_k + j / bs_block_k]);
+  }
+  FA_HD bool block_sparse_visible(int b, int h, std::int64_t i, std::int64_t j, int s_q,
+                                  int s_k) const {
+    if (i < 0 || i >= s_q || j < 0 || j >= s_k) return false;
+    const semantics::BlockKind kind = block_kind(b, h, i, j);
+    if (kind == semantics::kBlockSkip) return false;
+    const bool docs = doc_ids_q != nullptr;
+    return semantics::block_sparse_visible(
+        kind, i, j, s_q, s_k, mask, prefix_keys ? prefix_keys[std::int64_t(b) * prefix_batch_stride] : 0, docs,
+        docs ? doc_ids_q[cu_seqlens_q ? q_start(b) + i : std::int64_t(b) * doc_q_batch_stride + i] : 0,
+        docs ? doc_ids_k[cu_seqlens_k ? k_start(b) + j : std::int64_t(b) * doc_k_batch_stride + j] : 0);
   }
   FA_HD float sink_logit(int h) const { return sink ? sink[h] : -INFINITY; }
   FA_HD float alibi_slope(int b, int h) const {

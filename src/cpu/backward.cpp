@@ -19,10 +19,15 @@
 // P and dS are recomputed in both passes (the price of owning outputs without
 // races); no workspace is needed beyond the per-thread tiles.
 //
+// A block-sparse mask (cpu/block_sparse.hpp) restricts both passes to the listed blocks: pass
+// 1 skips the (head, query block) pairs that list none of its key block's keys, pass 2 the
+// key blocks its rows list none of; keys no row lists are not read (zero rows).
+//
 // A learnable sink needs nothing in passes 1 and 2: lse includes it, so P = exp(S - lse)
 // is already normalised with it, and D_i = sum_j P_ij dP_ij still equals rowsum(dO * O)
 // (the sink's dP is 0: it carries no value). Its own gradient is a third pass.
 #include "core/backend.hpp"
+#include "cpu/block_sparse.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -49,6 +54,8 @@ struct BackwardTile {
   std::vector<T> tr;      // [kBlockN][kBlockM] a transposed [rows][keys] tile
   std::vector<T> acc_a;   // [kBlockN][dp] dK (pass 1) or [kBlockM][dp] dQ (pass 2)
   std::vector<T> acc_b;   // [kBlockN][dp] dV (pass 1)
+  std::vector<std::uint8_t> used;  // [kBlockN] block sparsity: keys of the block read
+  std::vector<std::uint8_t> any;   // [kBlockN] block sparsity: their union (pass 1)
 
   explicit BackwardTile(int head_dim)
       : d(head_dim),
@@ -68,7 +75,9 @@ struct BackwardTile {
         ds(std::size_t(kBlockM) * kBlockN),
         tr(std::size_t(kBlockN) * kBlockM),
         acc_a(std::size_t(std::max(kBlockM, kBlockN)) * dp),
-        acc_b(std::size_t(kBlockN) * dp) {}
+        acc_b(std::size_t(kBlockN) * dp),
+        used(kBlockN),
+        any(kBlockN) {}
 };
 
 template <class E>
@@ -107,12 +116,21 @@ class Backward {
 
   // Keys j0 .. j0 + n of (b, g): k (row-major), kt and vt (zero beyond n). Rows are
   // converted with unit stride, then transposed blockwise.
-  void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n) const {
+  // With `used` (block sparsity), keys with used[j] == 0 are zero rows, never read.
+  void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n,
+               const std::uint8_t* used = nullptr) const {
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
     for (int j = 0; j < n; ++j) {
-      load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
-      load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
+      T* kr = &t.k[std::size_t(j) * t.dp];
+      T* vr = &t.v[std::size_t(j) * t.dp];
+      if (used && !used[j]) {
+        std::fill(kr, kr + t.dp, T(0));
+        std::fill(vr, vr + t.dp, T(0));
+        continue;
+      }
+      load_row<E>(kr, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+      load_row<E>(vr, v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     transpose<T>(t.v.data(), t.dp, n, t.d, t.vt.data(), kBlockN);
@@ -144,10 +162,17 @@ class Backward {
       T* sr = &t.s[std::size_t(r) * kBlockN];
       T* dsr = &t.ds[std::size_t(r) * kBlockN];
       T* cr = softcap > T(0) ? &t.capped[std::size_t(r) * kBlockN] : nullptr;
-      const semantics::KeyRange range =
-          interior ? semantics::KeyRange{0, 0} : semantics::visible_keys(i, s_q, s_k, p_.mask);
-      make_scores<T>(sr, cr, static_cast<T>(p_.scale), softcap, slope, i, j0, s_q, s_k, !interior,
-                     range.begin, range.end);
+      if (p_.block_kinds) {
+        // Block sparsity replaces the plain mask (semantics.hpp, block sparsity).
+        make_scores<T>(sr, cr, static_cast<T>(p_.scale), softcap, slope, i, j0, s_q, s_k, false, 0,
+                       0);
+        block_sparse_mask_row<T>(p_, b, h, i, j0, s_q, s_k, sr);
+      } else {
+        const semantics::KeyRange range =
+            interior ? semantics::KeyRange{0, 0} : semantics::visible_keys(i, s_q, s_k, p_.mask);
+        make_scores<T>(sr, cr, static_cast<T>(p_.scale), softcap, slope, i, j0, s_q, s_k,
+                       !interior, range.begin, range.end);
+      }
       const T lse = t.lse[r];
       if (lse == -static_cast<T>(INFINITY)) {
         std::fill(sr, sr + kBlockN, T(0));
@@ -183,15 +208,30 @@ class Backward {
     T* dv = t.acc_b.data();  // [kBlockN][dp]
     std::fill(dk, dk + std::size_t(kBlockN) * t.dp, T(0));
     std::fill(dv, dv + std::size_t(kBlockN) * t.dp, T(0));
-    if (n > 0) {
-      load_kv(t, b, g, j0, n);
+    const bool sparse = p_.block_kinds != nullptr;
+    bool any_visited = !sparse;
+    if (sparse && n > 0) {
+      // The keys any query row of the group visits: the others are not read.
+      std::fill(t.any.begin(), t.any.end(), std::uint8_t(0));
+      for (int hr = 0; hr < p_.h_ratio; ++hr) {
+        if (!block_sparse_keys(p_, b, g * p_.h_ratio + hr, 0, s_q, j0, n, t.used.data())) continue;
+        any_visited = true;
+        for (int j = 0; j < kBlockN; ++j) t.any[j] |= t.used[j];
+      }
+    }
+    if (n > 0 && any_visited) {
+      load_kv(t, b, g, j0, n, sparse ? t.any.data() : nullptr);
       for (int hr = 0; hr < p_.h_ratio; ++hr) {
         const int h = g * p_.h_ratio + hr;
         for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
           const int rows = std::min(kBlockM, s_q - i0);
-          const semantics::KeyRange keys =
-              semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
-          if (keys.empty() || keys.end <= j0 || keys.begin >= j0 + n) continue;
+          if (sparse) {
+            if (!block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, nullptr)) continue;
+          } else {
+            const semantics::KeyRange keys =
+                semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+            if (keys.empty() || keys.end <= j0 || keys.begin >= j0 + n) continue;
+          }
           load_rows(t, b, h, i0, rows);
           probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
           // dV[n][dp] += P^T[n][rows] dO[rows][dp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
@@ -219,13 +259,17 @@ class Backward {
     const int rows = std::min(kBlockM, s_q - i0);
     T* dq = t.acc_a.data();  // [kBlockM][dp]
     std::fill(dq, dq + std::size_t(rows) * t.dp, T(0));
-    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    const bool sparse = p_.block_kinds != nullptr;
+    const semantics::KeyRange keys =
+        sparse ? semantics::KeyRange{0, s_k}
+               : semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
     if (!keys.empty()) {
       load_rows(t, b, h, i0, rows);
       const int g = h / p_.h_ratio;
       for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
         const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
-        load_kv(t, b, g, j0, n);
+        if (sparse && !block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, t.used.data())) continue;
+        load_kv(t, b, g, j0, n, sparse ? t.used.data() : nullptr);
         probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
         // dQ[rows][dp] += dX[rows][n] K[n][dp]
         gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);

@@ -7,6 +7,10 @@
 // softmax (running max and sum per row, rescaling the accumulator when the max
 // grows), dropout, and O += P V. Extra memory is the per-thread tiles: O(kBlockM * d).
 //
+// A block-sparse mask (FwdParams::block_kinds, cpu/block_sparse.hpp) replaces the visible
+// key range: a task visits only the key blocks that hold a listed block of its rows, reads
+// only their listed keys, and masks by the block kinds and the partial blocks' rule.
+//
 // Split-KV (num_splits > 1) gives each task one chunk of the sequence's key blocks and
 // writes a normalised partial (o, lse) to the workspace; a second loop over row blocks
 // merges the partials by log-sum-exp (semantics::merged_lse / merge_weight).
@@ -14,6 +18,7 @@
 #include <limits>
 
 #include "core/backend.hpp"
+#include "cpu/block_sparse.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -38,7 +43,7 @@ int query_blocks(const FwdParams& p) { return (p.seqlen_q + kBlockM - 1) / kBloc
 // mask (their per-row inputs are written per query block).
 int heads_per_task(const FwdParams& p) {
   const bool pack = p.seqlen_q == 1 && p.h_ratio > 1 && p.h_ratio <= kBlockM && !p.probs &&
-                    !p.tree_mask && p.rng.threshold == 0u;
+                    !p.tree_mask && p.rng.threshold == 0u && !p.block_kinds;
   return pack ? p.h_ratio : 1;
 }
 
@@ -89,6 +94,7 @@ struct ForwardTile {
   std::vector<T> row_max;       // [kBlockM]          running max of the scores
   std::vector<T> row_sum;       // [kBlockM]          running sum of exp(score - max)
   std::vector<T> lse;           // [kBlockM]          final log-sum-exp (probs pass)
+  std::vector<std::uint8_t> used;  // [kBlockN]       block sparsity: keys of the block read
 
   explicit ForwardTile(int head_dim)
       : d(head_dim),
@@ -102,7 +108,8 @@ struct ForwardTile {
         acc(std::size_t(kBlockM) * dp),
         row_max(kBlockM),
         row_sum(kBlockM),
-        lse(kBlockM) {}
+        lse(kBlockM),
+        used(kBlockN) {}
 };
 
 template <class E>
@@ -124,7 +131,12 @@ class Forward {
 
   // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
   // with_v, the values into tile.v.
-  void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v) const {
+  void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
+               const std::uint8_t* used = nullptr) const {
+    if (used) {
+      load_kv_used(t, b, g, j0, n, with_v, used);
+      return;
+    }
     if (p_.kv_dtype == DType::kFloat8E4M3) {
       load_kv_fp8(t, b, g, j0, n, with_v);
       return;
@@ -135,6 +147,28 @@ class Forward {
     for (int j = 0; j < n; ++j) {
       load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
       if (with_v) load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
+    }
+    transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
+    for (int c = 0; c < t.d; ++c)
+      for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
+  }
+
+  // load_kv for a block-sparse call: keys whose block no row of the task visits
+  // (used[j] == 0) are zero rows, never read. (Block sparsity has no fp8 cache.)
+  void load_kv_used(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
+                    const std::uint8_t* used) const {
+    const S* k = static_cast<const S*>(p_.k);
+    const S* v = static_cast<const S*>(p_.v);
+    for (int j = 0; j < n; ++j) {
+      T* kr = &t.k[std::size_t(j) * t.dp];
+      T* vr = &t.v[std::size_t(j) * t.dp];
+      if (used[j]) {
+        load_row<E>(kr, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+        if (with_v) load_row<E>(vr, v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
+      } else {
+        std::fill(kr, kr + t.dp, T(0));
+        if (with_v) std::fill(vr, vr + t.dp, T(0));
+      }
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
@@ -188,6 +222,18 @@ class Forward {
               std::int64_t j0) const {
     const int rows = rs.rows;
     gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    if (p_.block_kinds) {
+      // Block sparsity: the block kinds and the partial blocks' element rule replace the
+      // plain mask (a full block is not causal / window masked).
+      for (int r = 0; r < rows; ++r) {
+        const std::int64_t i = rs.i(r);
+        T* sr = &t.s[std::size_t(r) * kBlockN];
+        make_scores<T>(sr, nullptr, static_cast<T>(p_.scale), static_cast<T>(p_.softcap),
+                       static_cast<T>(p_.alibi_slope(b, rs.h(r))), i, j0, s_q, s_k, false, 0, 0);
+        block_sparse_mask_row<T>(p_, b, rs.h(r), i, j0, s_q, s_k, sr);
+      }
+      return;
+    }
     // Ranges are monotone in i, so the block is inside every row's range when it is
     // inside the first row's end and the last row's begin.
     const semantics::KeyRange first = semantics::visible_keys(rs.i0, s_q, s_k, p_.mask);
@@ -213,18 +259,24 @@ class Forward {
     std::fill(t.acc.begin(), t.acc.begin() + std::size_t(rows) * t.dp, T(0));
     std::fill(t.row_max.begin(), t.row_max.end(), -static_cast<T>(INFINITY));
     std::fill(t.row_sum.begin(), t.row_sum.end(), T(0));
-    const semantics::KeyRange keys =
-        semantics::visible_keys_of_rows(rs.i0, rs.i_end(), s_q, s_k, p_.mask);
-    if (keys.empty()) return;
-    block_begin = std::max(block_begin, static_cast<int>(keys.begin / kBlockN));
-    block_end = std::min(block_end, static_cast<int>((keys.end + kBlockN - 1) / kBlockN));
+    const bool sparse = p_.block_kinds != nullptr;
+    if (!sparse) {
+      const semantics::KeyRange keys =
+          semantics::visible_keys_of_rows(rs.i0, rs.i_end(), s_q, s_k, p_.mask);
+      if (keys.empty()) return;
+      block_begin = std::max(block_begin, static_cast<int>(keys.begin / kBlockN));
+      block_end = std::min(block_end, static_cast<int>((keys.end + kBlockN - 1) / kBlockN));
+    }
     const int g = rs.h0 / p_.h_ratio;
     const std::uint32_t bh = p_.dropout_bh(b, rs.h0);  // dropout is never packed
     const bool dropout = p_.rng.threshold != 0u;
     for (int kb = block_begin; kb < block_end; ++kb) {
       const std::int64_t j0 = std::int64_t(kb) * kBlockN;
       const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
-      load_kv(t, b, g, j0, n, true);
+      // Block sparsity: only tiles with a listed block, and only its listed keys, are read.
+      if (sparse && !block_sparse_keys(p_, b, rs.h0, rs.i0, rs.i_end(), j0, n, t.used.data()))
+        continue;
+      load_kv(t, b, g, j0, n, true, sparse ? t.used.data() : nullptr);
       scores(t, b, rs, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
       online_softmax(t, rows, dropout);
@@ -305,7 +357,9 @@ class Forward {
                   std::int64_t(h) * p_.probs_head_stride;
     auto row_ptr = [&](int r) { return base + (p_.q_row0(b) + i0 + r) * p_.probs_row_stride; };
     for (int r = 0; r < rows; ++r) std::fill(row_ptr(r), row_ptr(r) + width, 0.0f);
-    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    const semantics::KeyRange keys =
+        p_.block_kinds ? semantics::KeyRange{0, s_k}
+                       : semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
     if (keys.empty()) return;
     const int g = h / p_.h_ratio;
     const std::uint32_t bh = p_.dropout_bh(b, h);
@@ -313,7 +367,9 @@ class Forward {
     for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
       const int n = static_cast<int>(std::min<std::int64_t>({kBlockN, s_k - j0, width - j0}));
       if (n <= 0) break;
-      load_kv(t, b, g, j0, n, false);
+      const bool sparse = p_.block_kinds != nullptr;
+      if (sparse && !block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, t.used.data())) continue;
+      load_kv(t, b, g, j0, n, false, sparse ? t.used.data() : nullptr);
       scores(t, b, TaskRows{h, i0, rows, false}, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, i0, rows, j0, n, t.keep.data(), kBlockN);
       for (int r = 0; r < rows; ++r) {

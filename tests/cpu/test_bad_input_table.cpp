@@ -53,6 +53,11 @@ class Pool {
     std::memcpy(t.data, v.data(), v.size() * 4);
     return t;
   }
+  fa::Tensor int32_shaped(std::initializer_list<std::int64_t> shape, const std::vector<std::int32_t>& v) {
+    fa::Tensor t = alloc(fa::DType::kInt32, shape);
+    if (!v.empty()) std::memcpy(t.data, v.data(), v.size() * 4);
+    return t;
+  }
   std::vector<std::vector<std::byte>> snapshot() const {
     std::vector<std::vector<std::byte>> copy;
     for (const auto& b : buffers_) copy.push_back(*b);
@@ -192,6 +197,17 @@ constexpr auto i32 = fa::DType::kInt32;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// A valid block-sparse mask for the dense baseline (s_q = 5, s_k = 7): 4 x 4 blocks, so
+// M = 2 query blocks and N = 2 key blocks; query block 0 visits key blocks 1 and 0, query
+// block 1 visits key block 0 (entries past the count are never read).
+void block_sparse(Call& c, std::vector<std::int32_t> cnt = {2, 1},
+                  std::vector<std::int32_t> idx = {1, 0, 0, -5}) {
+  c.opts.block_sparse.block_size_q = 4;
+  c.opts.block_sparse.block_size_k = 4;
+  c.opts.block_sparse.mask_block_cnt = c.pool.int32_shaped({1, 1, 2}, cnt);
+  c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 2}, idx);
+}
+
 std::vector<Row> rows() {
   using C = Call;
   return {
@@ -246,6 +262,34 @@ std::vector<Row> rows() {
       {"alibi_shape_h_k", F, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {2}); }, I, "opts.alibi_slopes", "shape [4] or [2, 4]", "[2]"},
       {"alibi_shape_transposed", F, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {4, 2}); }, I, "opts.alibi_slopes", "shape [4] or [2, 4]", "[4, 2]"},
       {"varlen_alibi_shape", VF, [](C& c) { c.opts.alibi_slopes = c.pool.input(f32, {2, 4}); }, I, "opts.alibi_slopes", "shape [4] or [3, 4]", "[2, 4]"},
+      // ---------------------------------------------------------------- block-sparse masks
+      {"bs_cnt_float32", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_cnt = c.pool.input(f32, {1, 1, 2}); }, I, "opts.block_sparse.mask_block_cnt", "dtype int32", "float32"},
+      {"bs_cnt_rank2", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_cnt = c.pool.int32_shaped({1, 2}, {2, 1}); }, I, "opts.block_sparse.mask_block_cnt", "rank 3", "2"},
+      {"bs_idx_missing", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_idx = {}; }, I, "opts.block_sparse.mask_block_idx", "", ""},
+      {"bs_cnt_batch_3", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_cnt = c.pool.int32_shaped({3, 1, 2}, {0, 0, 0, 0, 0, 0}); }, I, "opts.block_sparse.mask_block_cnt", "shape[0] == 2 (batch: 1 or b)", "3"},
+      {"bs_cnt_heads_2", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_cnt = c.pool.int32_shaped({1, 2, 2}, {0, 0, 0, 0}); }, I, "opts.block_sparse.mask_block_cnt", "shape[1] == 4 (heads: 1 or h_q)", "2"},
+      {"bs_block_size_q_disagrees", F, [](C& c) { block_sparse(c); c.opts.block_sparse.block_size_q = 2; }, I, "opts.block_sparse.mask_block_cnt", "M = ceil(s_q / block_size_q) = ceil(5 / 2) = 3", "2"},
+      {"bs_block_size_k_disagrees", F, [](C& c) { block_sparse(c); c.opts.block_sparse.block_size_k = 8; }, I, "opts.block_sparse.mask_block_idx", "N = ceil(s_k / block_size_k) = ceil(7 / 8) = 1", "[1, 1, 2, 2]"},
+      {"bs_block_size_zero", F, [](C& c) { block_sparse(c); c.opts.block_sparse.block_size_k = 0; }, I, "opts.block_sparse.block_size_k", ">= 1", "0"},
+      {"bs_idx_shape", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 3}, {1, 0, 0, 0, 0, 0}); }, I, "opts.block_sparse.mask_block_idx", "shape [1, 1, 2, 2]", "[1, 1, 2, 3]"},
+      {"bs_count_above_n", F, [](C& c) { block_sparse(c, {3, 1}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N = ceil(s_k / block_size_k) = ceil(7 / 4) = 2] at [0, 0, 0]", "3"},
+      {"bs_count_negative", F, [](C& c) { block_sparse(c, {2, -1}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N", "-1"},
+      {"bs_index_out_of_range", F, [](C& c) { block_sparse(c, {2, 1}, {1, 2, 0, 0}); }, I, "opts.block_sparse.mask_block_idx", "key block indices in [0, N) (N = ceil(s_k / block_size_k) = ceil(7 / 4) = 2) at [0, 0, 0, 1]", "2"},
+      {"bs_index_negative", F, [](C& c) { block_sparse(c, {2, 1}, {1, 0, -1, 0}); }, I, "opts.block_sparse.mask_block_idx", "key block indices in [0, N)", "-1"},
+      {"bs_index_duplicated", F, [](C& c) { block_sparse(c, {2, 1}, {1, 1, 0, 0}); }, I, "opts.block_sparse.mask_block_idx", "each key block listed at most once", "key block 1 listed again"},
+      {"bs_full_and_mask_same_block", F, [](C& c) { block_sparse(c); c.opts.block_sparse.full_block_cnt = c.pool.int32_shaped({1, 1, 2}, {0, 1}); c.opts.block_sparse.full_block_idx = c.pool.int32_shaped({1, 1, 2, 2}, {0, 0, 0, 0}); }, I, "opts.block_sparse.full_block_idx", "each key block listed at most once", "key block 0 listed again"},
+      {"bs_full_cnt_without_idx", F, [](C& c) { block_sparse(c); c.opts.block_sparse.full_block_cnt = c.pool.int32_shaped({1, 1, 2}, {0, 0}); }, I, "opts.block_sparse.full_block_idx", "a tensor, since opts.block_sparse.full_block_cnt is given", "an undefined tensor"},
+      {"bs_cnt_device_cuda", F, [](C& c) { block_sparse(c); c.opts.block_sparse.mask_block_cnt.device = fa::Device::cuda(0); }, I, "opts.block_sparse.mask_block_cnt", "device cpu (same as q)", "cuda:0"},
+      {"bs_q_doc_ids_only", F, [](C& c) { block_sparse(c); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); }, I, "opts.block_sparse.k_doc_ids", "both or neither", "an undefined tensor"},
+      {"bs_doc_ids_shape", F, [](C& c) { block_sparse(c); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); c.opts.block_sparse.k_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); }, I, "opts.block_sparse.k_doc_ids", "shape [2, 7]", "[2, 5]"},
+      {"bs_prefix_negative", F, [](C& c) { block_sparse(c); c.opts.block_sparse.prefix_keys = c.pool.int32({3, -2}); }, I, "opts.block_sparse.prefix_keys", "values >= 0 at [1]", "-2"},
+      {"bs_prefix_shape", F, [](C& c) { block_sparse(c); c.opts.block_sparse.prefix_keys = c.pool.int32({1, 2, 3}); }, I, "opts.block_sparse.prefix_keys", "shape [1] or [2] ([1] or [b])", "[3]"},
+      {"bs_prefix_without_lists", F, [](C& c) { c.opts.block_sparse.prefix_keys = c.pool.int32({3, 2}); }, I, "opts.block_sparse.prefix_keys", "an undefined tensor when opts.block_sparse has no block lists", "a defined tensor"},
+      {"bwd_bs_count_above_n", B, [](C& c) { block_sparse(c, {1, 5}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N", "5"},
+      {"varlen_bs_block_size_disagrees", VF, [](C& c) { block_sparse(c); }, I, "opts.block_sparse.mask_block_idx", "N = ceil(max_seqlen_k / block_size_k) = ceil(4 / 4) = 1", "[1, 1, 2, 2]"},
+      {"varlen_bwd_bs_doc_ids_shape", VB, [](C& c) { block_sparse(c, {1, 1}, {0, 0}); c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 1}, {0, 0}); c.opts.block_sparse.q_doc_ids = c.pool.int32_2d(2, 5, std::vector<std::int32_t>(10, 0)); c.opts.block_sparse.k_doc_ids = c.pool.int32(std::vector<std::int32_t>(8, 0)); }, I, "opts.block_sparse.q_doc_ids", "shape [7] ([total_q])", "[2, 5]"},
+      {"varlen_bs_count_above_n", VF, [](C& c) { block_sparse(c, {2, 0}, {0, 0}); c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 1}, {0, 0}); }, I, "opts.block_sparse.mask_block_cnt", "counts in [0, N = ceil(max_seqlen_k / block_size_k) = ceil(4 / 4) = 1]", "2"},
+      {"kv_bs_unsupported", KV, [](C& c) { block_sparse(c); }, U, "opts.block_sparse", "undefined lists (KV-cache calls take no block-sparse mask)", "a block-sparse mask"},
       // ---------------------------------------------------------------- learnable sink
       {"sink_float64", F, [](C& c) { c.opts.learnable_sink = c.pool.input(f64, {4}); }, I, "opts.learnable_sink", "dtype float32", "float64"},
       {"kv_sink_float16", KV, [](C& c) { c.opts.learnable_sink = c.pool.input(f16, {4}); }, I, "opts.learnable_sink", "dtype float32", "float16"},

@@ -70,7 +70,8 @@ def visible(s_q, s_k, causal=False, window=(-1, -1)):
 class Head:
     """One (sequence, query head): q [s_q, d], k, v [s_k, d] in fp64, and its forward."""
 
-    def __init__(self, q, k, v, scale, causal, window, softcap, slope, keep, p, sink=None):
+    def __init__(self, q, k, v, scale, causal, window, softcap, slope, keep, p, sink=None,
+                 mask=None):
         self.q, self.k, self.v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
         s_q, s_k = self.q.shape[0], self.k.shape[0]
         self.scale, self.softcap, self.p, self.keep = scale, softcap, p, keep
@@ -82,7 +83,7 @@ class Head:
             i = np.arange(s_q)[:, None]
             j = np.arange(s_k)[None, :]
             x = x - slope * np.abs(i + s_k - s_q - j)
-        self.mask = visible(s_q, s_k, causal, window)
+        self.mask = visible(s_q, s_k, causal, window) if mask is None else np.asarray(mask, bool)
         x = np.where(self.mask, x, -np.inf)
         self.sink = None if sink is None or sink == -np.inf else float(sink)
         if self.sink is not None:
@@ -123,11 +124,14 @@ class Head:
 
 def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, seed=0, offset=0, dout=None,
-              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, learnable_sink=None):
+              cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, learnable_sink=None,
+              element_mask=None):
     """Dense q [b, s_q, h_q, d], k, v [b, s_k, h_k, d], or varlen (cu_seqlens given)
     q [total_q, h_q, d], k, v [total_k, h_k, d]. Returns a dict with out, lse, probs
     (dense [b, h_q, s_q, s_k]; varlen [h_q, total_q, max_seqlen_k]) and, with dout, dq,
-    dk, dv (dk, dv summed over GQA groups) and, with learnable_sink [h_q], dsink [h_q]."""
+    dk, dv (dk, dv summed over GQA groups) and, with learnable_sink [h_q], dsink [h_q].
+    element_mask (dense only): bool [b, h_q, s_q, s_k] visibility replacing causal / window
+    (a block-sparse mask's element mask)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     varlen = cu_seqlens_q is not None
     if varlen:
@@ -173,7 +177,8 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
                 qs, ks, vs = q[bi, :, h], k[bi, :, hk], v[bi, :, hk]
             keep = dropout_keep(dropout_p, seed, offset, bi * h_q + h, qs.shape[0], ks.shape[0])
             head = Head(qs, ks, vs, scale, causal, window, softcap, slope, keep, dropout_p,
-                        None if sinks is None else sinks[h])
+                        None if sinks is None else sinks[h],
+                        None if element_mask is None else element_mask[bi, h])
             if varlen:
                 out[q0:q1, h] = head.out
                 lse[h, q0:q1] = head.lse

@@ -100,6 +100,17 @@ def then(*mutations):
     return mutate
 
 
+def block_mask(cnt=(2, 1), idx=((1, 0), (0, -5)), block_size=(4, 4), **extra):
+    """A block-sparse mask for the func baseline (s_q = 5, s_k = 7, 4 x 4 blocks: M = N = 2)."""
+    from flashattn.block_sparse import BlockSparseTensorsTorch
+
+    def make(kw):
+        return BlockSparseTensorsTorch(torch.tensor([[list(cnt)]], dtype=torch.int32),
+                                       torch.tensor([[list(map(list, idx))]], dtype=torch.int32),
+                                       block_size=block_size, **extra)
+    return make
+
+
 META = torch.device("meta")
 E = InvalidArgumentError
 U = UnsupportedError
@@ -126,6 +137,16 @@ ROWS = [
     ("head_dim_0", "func", with_head_dim(0), E, "q", "shape[3] >= 1 (head dim)", "0"),
     ("head_dim_264", "func", with_head_dim(264), U, "q", "head dim d in [1, 256]", "d = 264"),
     ("varlen_head_dim_512", "varlen", with_head_dim(512), U, "q", "head dim d in [1, 256]", "d = 512"),
+    # -------------------------------------------------------------- block-sparse masks
+    ("bs_count_above_n", "func", setter(block_sparse_tensors=block_mask(cnt=(3, 1))), E, "block_sparse_tensors.mask_block_cnt", "counts in [0, N = ceil(s_k / block_size_k) = ceil(7 / 4) = 2]", "3"),
+    ("bs_index_out_of_range", "func", setter(block_sparse_tensors=block_mask(idx=((1, 2), (0, 0)))), E, "block_sparse_tensors.mask_block_idx", "key block indices in [0, N)", "2"),
+    ("bs_index_duplicated", "func", setter(block_sparse_tensors=block_mask(idx=((0, 0), (0, 0)))), E, "block_sparse_tensors.mask_block_idx", "listed at most once", "key block 0 listed again"),
+    ("bs_block_size_disagrees", "func", setter(block_sparse_tensors=block_mask(block_size=(2, 4))), E, "block_sparse_tensors.mask_block_cnt", "M = ceil(s_q / block_size_q) = ceil(5 / 2) = 3", "2"),
+    ("bs_block_size_bad", "func", setter(block_sparse_tensors=block_mask(block_size=(1, 2, 3))), E, "block_sparse_tensors.block_size", "(block_q, block_k)", "(1, 2, 3)"),
+    ("bs_cnt_int64", "func", setter(block_sparse_tensors=lambda kw: block_mask()(kw)._replace(mask_block_cnt=torch.tensor([[[2, 1]]]))), E, "block_sparse_tensors.mask_block_cnt", "dtype int32", "int64"),
+    ("bs_cnt_list", "func", setter(block_sparse_tensors=lambda kw: block_mask()(kw)._replace(mask_block_cnt=[2, 1])), E, "block_sparse_tensors.mask_block_cnt", "a torch.Tensor (int32) or None", "list"),
+    ("bs_not_a_mask", "func", setter(block_sparse_tensors=(1, 2)), E, "block_sparse_tensors", "BlockSparseTensorsTorch", "tuple"),
+    ("bs_prefix_negative", "func", setter(block_sparse_tensors=block_mask(prefix_keys=i32(1, -1))), E, "block_sparse_tensors.prefix_keys", "values >= 0 at [1]", "-1"),
     # -------------------------------------------------------------- windows
     ("window_left_-2", "func", setter(window_size=(-2, -1)), E, "window_size", "ints in [-1, 2147483647]", "(-2, -1)"),
     ("window_right_-5", "func", setter(window_size=(0, -5)), E, "window_size", "ints in [-1, 2147483647]", "(0, -5)"),

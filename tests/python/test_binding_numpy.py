@@ -571,3 +571,44 @@ def test_out_of_range_block_table_is_a_runtime_error():
         _C.kvcache_forward(q, cache, cache.copy(), np.array([6], np.int32),
                            np.array([[1, 7]], np.int32), None, None, None, 0, np.zeros_like(q),
                            None)
+
+
+# ---------------------------------------------------------------- block-sparse masks (numpy only)
+
+
+def test_block_sparse_builders_and_binding_without_torch():
+    """flashattn.block_sparse works on numpy arrays alone: a sliding window + sinks mask, a
+    prefix-LM mask and a document mask, each run through the binding (dense) against the
+    oracle with the pattern's dense element mask."""
+    from flashattn import block_sparse as bsm
+
+    rng = np.random.default_rng(5)
+    b, s, h, d = 2, 53, 2, 8
+    q, k, v = dense_problem(rng, b, s, s, h, h, d)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    docs = np.stack([np.repeat(np.arange(4), 14)[:s], np.repeat(np.arange(2), 27)[:s]]).astype(np.int32)
+    cases = [
+        (bsm.sliding_window_mask(s, s, 9, 0, 3, (8, 16)), dict(window_left=9, window_right=0),
+         np.broadcast_to((j < 3) | ((j >= i - 9) & (j <= i)), (b, s, s))),
+        (bsm.prefix_lm_mask([5, 30], s, s, (16, 8)), dict(causal=True),
+         np.stack([(j < p) | (j <= i) for p in (5, 30)])),
+        (bsm.document_mask(docs, (8, 8), causal=True), dict(causal=True),
+         (docs[:, :, None] == docs[:, None, :]) & (j <= i)[None]),
+    ]
+    for m, opts, pattern in cases:
+        assert isinstance(m.mask_block_cnt, np.ndarray)
+        bq, bk = bsm.block_sizes(m.block_size)
+        out, lse = poisoned((b, s, h, d)), poisoned((b, h, s), np.float32)
+        kw = dict(mask_block_cnt=m.mask_block_cnt, mask_block_idx=m.mask_block_idx,
+                  full_block_cnt=m.full_block_cnt, full_block_idx=m.full_block_idx,
+                  block_size_q=bq, block_size_k=bk, q_doc_ids=m.q_doc_ids, k_doc_ids=m.k_doc_ids,
+                  prefix_keys=m.prefix_keys)
+        _C.forward(q, k, v, out, lse, **opts, **kw)
+        dense = np.broadcast_to(pattern[:, None], (b, h, s, s))
+        want = ref.attention(q, k, v, element_mask=dense)
+        np.testing.assert_allclose(out, want["out"], **TOL64)
+        np.testing.assert_allclose(lse, want["lse"], rtol=1e-6)
+        np.testing.assert_array_equal(
+            bsm.to_dense(m, s, s, batch=b, heads=h, causal=opts.get("causal", False),
+                         window_size=(opts.get("window_left", -1), opts.get("window_right", -1))),
+            dense)

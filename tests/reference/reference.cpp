@@ -43,7 +43,13 @@ void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_do
   score.assign(sz(s.s_k), static_cast<Acc>(kNegInf));
   const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
   for (std::int64_t j = 0; j < s.s_k; ++j) {
-    if (!semantics::key_visible(i, j, s.s_q, s.s_k, p.mask)) continue;
+    if (!s.element_mask.empty()) {
+      if (s.element_mask.size() != sz(std::int64_t(p.h_q) * s.s_q * s.s_k))
+        throw std::invalid_argument("reference: element mask size");
+      if (!s.element_mask[sz((std::int64_t(h) * s.s_q + i) * s.s_k + j)]) continue;
+    } else if (!semantics::key_visible(i, j, s.s_q, s.s_k, p.mask)) {
+      continue;
+    }
     if (!tree_allows(s, i, j)) continue;
     const double* kj = &s.k[sz((j * p.h_k + g) * p.d)];
     Acc acc = 0;

@@ -25,6 +25,9 @@ struct RefSeq {
   std::vector<double> dout;  // [s_q, h_q, d]; backward only
   // Draft-tree mask [s_q][ceil(s_q / 32)] words (semantics::tree_key_visible), or empty.
   std::vector<std::uint32_t> tree;
+  // Element visibility [h_q][s_q][s_k] (1 = visible) that replaces the plain mask (the
+  // block-sparse tests derive it from the block lists), or empty.
+  std::vector<std::uint8_t> element_mask;
 };
 
 // The oracle's own e4m3 decode (the OCP definition, independent of semantics.hpp):

@@ -137,7 +137,14 @@ void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResu
     const RefSeq& s = p.seqs[b];
     for (int j = 0; j < s.s_k; ++j) {
       bool seen = false;
-      for (int i = 0; i < s.s_q && !seen; ++i) seen = semantics::key_visible(i, j, s.s_q, s.s_k, p.mask);
+      for (int i = 0; i < s.s_q && !seen; ++i) {
+        if (s.element_mask.empty()) {
+          seen = semantics::key_visible(i, j, s.s_q, s.s_k, p.mask);
+        } else {  // a block-sparse mask: seen by any head
+          for (int h = 0; h < p.h_q && !seen; ++h)
+            seen = s.element_mask[sz((std::int64_t(h) * s.s_q + i) * s.s_k + j)] != 0;
+        }
+      }
       if (seen) continue;
       for (int e = 0; e < p.h_k * p.d; ++e) {
         const std::size_t at = kv + sz(std::int64_t(j) * p.h_k * p.d + e);
