@@ -190,6 +190,7 @@ struct KVCacheArgs {
   int num_splits = 0;
   Tensor k_scale, v_scale;  // fp8 cache only
   Tensor tree_mask;         // optional
+  Tensor qv;                // optional (MLA decode), CPU backend only for now
 };
 
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
