@@ -56,10 +56,14 @@ def _call(op, *args):
         raise renamed.with_traceback(e.__traceback__) from None
 
 
-def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
+def _scale(q: Tensor, softmax_scale: Optional[float], qv: Optional[Tensor] = None) -> float:
+    """softmax_scale, or 1/sqrt(d) of q's head dim (1/sqrt(d + d_v) with qv, as
+    FlashAttention-3: the score is one dot product over [q | qv] . [k | v])."""
     if softmax_scale is not None:
         return float(softmax_scale)
     d = q.shape[-1] if q.dim() > 0 else 0
+    if qv is not None and isinstance(qv, Tensor) and qv.dim() > 0 and d > 0:
+        d += qv.shape[-1]
     # d == 0: any value; the op refuses the head dim, naming q.
     return d ** -0.5 if d > 0 else 1.0
 
@@ -224,11 +228,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None,
-                            tree_mask=None, learnable_sink=None):
+                            tree_mask=None, learnable_sink=None, qv=None):
     """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
 
     k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
-    block_table int32 [b, max_blocks_per_seq] (paged). k, v [b, s_new, h_k, d] (optional)
+    block_table int32 [b, max_blocks_per_seq] (paged); v_cache (and v, and out) may have
+    another head dim d_v, as in FlashAttention-3. k, v [b, s_new, h_k, d] (optional)
     are written into the caches in place at cache_seqlens .. cache_seqlens + s_new - 1
     first; cache_seqlens (int or int32 [b]) is not advanced. Sequence i attends to
     cache_seqlens[i] + s_new keys.
@@ -249,6 +254,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
 
     learnable_sink: [h_q] sink logits (gpt-oss), in every row's denominator.
+
+    qv (keyword, FlashAttention-3's qv, multi-head latent attention decode): [b, s_q, h_q,
+    d_v] in q's dtype; each score becomes softmax_scale * (q . k + qv . v), so that one
+    latent cache (v_cache, d_v = 512 in DeepSeek) serves the score and the value while
+    k_cache holds the rope part (d = 64); many query heads over h_k = 1. The default
+    softmax_scale is then 1/sqrt(d + d_v). Inference only (no gradient); CPU tensors only
+    for now (CUDA raises UnsupportedError naming qv).
     """
     if cache_leftpad is not None:
         raise UnsupportedError(
@@ -258,9 +270,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise invalid(fn, "v" if v is None else "k", "k and v given together (or neither)",
                       "only " + ("k" if v is None else "v"))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("qv", qv)):
         check_rank(fn, name, t, 4, "[b, s, h, d]")
     check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
+    if (isinstance(qv, Tensor) and qv.requires_grad and torch.is_grad_enabled()):
+        # kvcache_fwd has no backward; for qv say so before the call (FlashAttention-3's qv
+        # has no backward either).
+        raise invalid(fn, "qv", "a tensor that does not require grad (qv has no backward, as "
+                      "in FlashAttention-3; call under torch.no_grad() or detach it)",
+                      "a tensor with requires_grad=True", cls=UnsupportedError)
     batch = q.shape[0]
     if cache_seqlens is None:
         if k is not None:
@@ -291,9 +310,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
-                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
+                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale, qv),
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask, _sink(fn, learnable_sink))
+                        v_scale, tree_mask, _sink(fn, learnable_sink), qv)
     return (out, lse) if return_softmax_lse else out
 
 

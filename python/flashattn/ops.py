@@ -15,6 +15,11 @@ uses: the op's implementation called directly where torch's dispatcher would add
 (no autograd to record, no torch.compile / tracing, no mode, transform, tensor subclass
 or profiler), else the op; the same outputs and errors, some 15-20 us less per call.
 
+Head dims: v (and out, dout, dv) may have another head dim d_v than q and k (d), as in
+FlashAttention-3 (DeepSeek-V3's (192, 128)); the outputs' shapes follow v. kvcache_fwd takes
+an optional qv [b, s_q, h_q, d_v] (MLA decode, FlashAttention-3's qv: each score is
+scale * (q . k + qv . v)); it has no backward (kvcache_fwd has no autograd formula).
+
 Learnable sinks (FlashAttention-4's learnable_sink): the forward ops take an optional
 fp32 [h_q] learnable_sink as their last argument; the backward ops take it too and return
 its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq, dk, dv.
@@ -135,6 +140,7 @@ def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
 
 
@@ -144,6 +150,7 @@ def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None):
         check_rank(fn, name, t, 4, _DENSE)
     check_rank(fn, "lse", lse, 3, "[b, h_q, s_q]")
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                  learnable_sink=learnable_sink)
 
@@ -152,21 +159,24 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(fn, name, t, 3, _PACKED)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, alibi_slopes=alibi_slopes, **more)
 
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None):
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None,
+                   qv=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                    ("v_new", v_new)):
+                    ("v_new", v_new), ("qv", qv)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v_cache", v_cache)
     check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
                  v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask, learnable_sink=learnable_sink)
+                 tree_mask=tree_mask, learnable_sink=learnable_sink, qv=qv)
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -176,6 +186,13 @@ def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> 
 
 def _empty(shape, like: Tensor, dtype=None) -> Tensor:
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def _with_head_dim(q: Tensor, v: Tensor) -> Tensor:
+    """The output for q's rows and heads with v's head dim d_v (q's shape when d_v == d)."""
+    if v.shape[-1] == q.shape[-1]:
+        return _like(q)
+    return _empty(tuple(q.shape[:-1]) + (v.shape[-1],), q)
 
 
 def _like(t: Tensor) -> Tensor:
@@ -258,9 +275,9 @@ def _register(op, impl, mutated=()):
 # ---------------------------------------------------------------- dense
 
 
-def _fwd_outputs(q: Tensor, k: Tensor, return_probs: bool):
+def _fwd_outputs(q: Tensor, k: Tensor, v: Tensor, return_probs: bool):
     b, s_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     probs = _empty((b, h_q, s_q, k.shape[1]) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
@@ -282,10 +299,10 @@ def _fwd(
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
+    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
     learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them)."""
     _check_fwd(q, k, v, alibi_slopes, learnable_sink)
-    out, lse, probs = _fwd_outputs(q, k, return_probs)
+    out, lse, probs = _fwd_outputs(q, k, v, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
@@ -300,7 +317,7 @@ fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
       softcap, dropout_p, deterministic, return_probs, learnable_sink=None):
     _check_fwd(q, k, v, alibi_slopes, learnable_sink)
-    return _fwd_outputs(q, k, return_probs)
+    return _fwd_outputs(q, k, v, return_probs)
 
 
 def _bwd(
@@ -389,9 +406,9 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # ---------------------------------------------------------------- varlen
 
 
-def _varlen_fwd_outputs(q: Tensor, max_seqlen_k: int, return_probs: bool):
+def _varlen_fwd_outputs(q: Tensor, v: Tensor, max_seqlen_k: int, return_probs: bool):
     total_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v)
     lse = _empty((h_q, total_q), q, torch.float32)
     probs = _empty((h_q, total_q, max_seqlen_k) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
@@ -419,12 +436,12 @@ def _varlen_fwd(
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
+    """(out [total_q, h_q, d_v], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
     seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
     rest: out 0, lse -inf)."""
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
-    out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+    out, lse, probs = _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
@@ -445,7 +462,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, m
       deterministic, return_probs, learnable_sink=None, seqused_q=None):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
-    return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+    return _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
 
 
 def _varlen_bwd(
@@ -556,16 +573,19 @@ def _kvcache_fwd(
     v_scale: Optional[Tensor] = None,
     tree_mask: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
+    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
-    learnable_sink fp32 [h_q] (lse includes it)."""
+    learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA, CPU only for
+    now) adds qv . v to every score (softmax_scale is given: the interface's default with
+    qv is 1/sqrt(d + d_v))."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
     b, s_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v_cache)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
                     softcap, 0.0, False, learnable_sink)
@@ -575,7 +595,7 @@ def _kvcache_fwd(
                        _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
                        _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
-                       tree_mask=_dl(_prepare(tree_mask)))
+                       tree_mask=_dl(_prepare(tree_mask)), qv=_dl(_prepare(qv)))
     return out, lse
 
 
@@ -588,8 +608,8 @@ kvcache_fwd = _register(
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
-      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None):
+      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, qv=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
     b, s_q, h_q, _ = q.shape
-    return _like(q), _empty((b, h_q, s_q), q, torch.float32)
+    return _with_head_dim(q, v_cache), _empty((b, h_q, s_q), q, torch.float32)
