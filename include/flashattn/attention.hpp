@@ -44,7 +44,7 @@ enum class KernelFamily : std::uint8_t {
 
 struct Options {
   // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d) with d the head dim
-  // of q and k (not of v); with KVCacheArgs::qv, 1/sqrt(d + d_v) (FlashAttention-3).
+  // of q and k (not of v); with qv, 1/sqrt(d + d_v) (FlashAttention-3).
   std::optional<float> softmax_scale;
   // Causal masking, aligned to the bottom-right corner: the same as window (-1, 0).
   bool causal = false;
@@ -94,6 +94,17 @@ struct Options {
   // max_seqlen_k]), written with the attention probabilities after dropout and before
   // the 1/(1-p) scaling: a dropped element is 0, a kept one is P(i, j). Undefined = off.
   Tensor return_probs;
+  // Multi-head latent attention (MLA), FlashAttention-3's qv: [b, s_q, h_q, d_v] (varlen:
+  // [total_q, h_q, d_v]), q's dtype and device, last dim contiguous; forward entry points
+  // only (forward, varlen_forward, kvcache_forward). The score of query i and key j becomes
+  //   softmax_scale * (q_i . k_j + qv_i . v_j)
+  // (then softcap, ALiBi, masks as usual) and the output stays sum_j P_ij v_j: v holds one
+  // latent per token that serves both the score and the value. DeepSeek-V3's decode:
+  // k_cache holds the rope keys (d = 64), v_cache the latent (d_v = 512), h_k = 1 under
+  // many query heads, paged. The default scale is then 1/sqrt(d + d_v). There is no
+  // backward with qv (as in FlashAttention-3): backward / varlen_backward reject it
+  // (Unsupported). CPU backend only for now (CUDA: Unsupported). Undefined = none.
+  Tensor qv;
 };
 
 // Optional caller-provided scratch memory on the call's device. When absent
@@ -188,15 +199,9 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // are ignored). Earlier keys follow the other masks only; the tree rule is and-ed with
 // causal / window. On q's device; the last dim contiguous, other strides free.
 //
-// Multi-head latent attention (MLA) decode, FlashAttention-3's qv: qv [b, s_q, h_q, d_v]
-// (q's dtype and device, last dim contiguous). The score of query i and key j becomes
-//   softmax_scale * (q_i . k_j + qv_i . v_j)
-// (then softcap, ALiBi, masks as usual) and the output is sum_j P_ij v_j: v_cache holds one
-// latent per token that serves both the score and the value. DeepSeek-V3: k_cache holds the
-// rope keys (d = 64), v_cache the latent (d_v = 512), h_k = 1 under h_q = 16 .. 128 query
-// heads, paged. The default scale is then 1/sqrt(d + d_v). Inference only (there is no
-// backward with qv, as in FlashAttention-3); CPU backend only for now (CUDA: Unsupported,
-// naming qv). An fp8 cache dequantizes v with v_scale in both uses.
+// MLA decode (Options::qv, FlashAttention-3's qv [b, s_q, h_q, d_v]): k_cache holds the
+// rope keys, v_cache the latent, which serves both the score (q . k + qv . v) and the
+// value; an fp8 cache dequantizes v with v_scale in both uses.
 struct KVCacheArgs {
   Tensor q;
   Tensor k_cache, v_cache;
@@ -207,7 +212,6 @@ struct KVCacheArgs {
   int num_splits = 0;
   Tensor k_scale, v_scale;  // fp8 cache only
   Tensor tree_mask;         // optional
-  Tensor qv;                // optional (MLA decode), CPU backend only for now
 };
 
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,

@@ -37,6 +37,7 @@ _KEYWORD_OF_OPTION = {
     "opts.alibi_slopes": "alibi_slopes",
     "opts.window_left": "window_size[0]",
     "opts.window_right": "window_size[1]",
+    "opts.qv": "qv",
 }
 
 
@@ -91,13 +92,13 @@ def _sink(fn: str, learnable_sink) -> Optional[Tensor]:
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
-               learnable_sink=None):
+               learnable_sink=None, qv=None):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
-                               _scale(q, softmax_scale), bool(causal), left, right,
+                               _scale(q, softmax_scale, qv), bool(causal), left, right,
                                float(softcap), float(dropout_p), bool(deterministic), want_probs,
-                               _sink(fn, learnable_sink))
+                               _sink(fn, learnable_sink), qv)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -107,17 +108,17 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None):
+                      seqused_q=None, qv=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = _call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
-                               int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
+                               int(max_seqlen_k), _scale(q, softmax_scale, qv), bool(causal),
                                left, right, float(softcap), float(dropout_p),
                                bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q)
+                               seqused_q, qv)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -132,17 +133,20 @@ def _check_packed(fn, name, t, rank, dim, count, layout):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, learnable_sink=None):
-    """q [b, s_q, h_q, d], k, v [b, s_k, h_k, d] (h_q % h_k == 0) -> out [b, s_q, h_q, d].
+                    return_attn_probs=False, *, learnable_sink=None, qv=None):
+    """q [b, s_q, h_q, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v] (h_q % h_k == 0; d_v may
+    differ from d, as in FlashAttention-3) -> out [b, s_q, h_q, d_v].
 
     causal and window_size (left, right) are bottom-right aligned: query i sees key j when
     i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1 = unbounded). alibi_slopes:
     fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32. learnable_sink: [h_q] sink
-    logits (FlashAttention-4), differentiable.
+    logits (FlashAttention-4), differentiable. qv [b, s_q, h_q, d_v] (FlashAttention-3's,
+    MLA): scores softmax_scale * (q . k + qv . v), default scale 1/sqrt(d + d_v); forward
+    only (differentiating such a call raises UnsupportedError naming qv); CPU only for now.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs,
-                      learnable_sink=learnable_sink)
+                      learnable_sink=learnable_sink, qv=qv)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -174,9 +178,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False,
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
-                           learnable_sink=None, seqused_q=None, seqused_k=None):
-    """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
-    -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
+                           learnable_sink=None, seqused_q=None, seqused_k=None, qv=None):
+    """q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v], cu_seqlens_q/_k int32
+    [b + 1] -> out [total_q, h_q, d_v] (qv [total_q, h_q, d_v]: as flash_attn_func's); softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
     is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
     names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
     query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
@@ -187,7 +191,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
-                             learnable_sink=learnable_sink, seqused_q=seqused_q)
+                             learnable_sink=learnable_sink, seqused_q=seqused_q, qv=qv)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

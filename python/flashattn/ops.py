@@ -16,9 +16,10 @@ uses: the op's implementation called directly where torch's dispatcher would add
 or profiler), else the op; the same outputs and errors, some 15-20 us less per call.
 
 Head dims: v (and out, dout, dv) may have another head dim d_v than q and k (d), as in
-FlashAttention-3 (DeepSeek-V3's (192, 128)); the outputs' shapes follow v. kvcache_fwd takes
-an optional qv [b, s_q, h_q, d_v] (MLA decode, FlashAttention-3's qv: each score is
-scale * (q . k + qv . v)); it has no backward (kvcache_fwd has no autograd formula).
+FlashAttention-3 (DeepSeek-V3's (192, 128)); the outputs' shapes follow v. fwd, varlen_fwd
+and kvcache_fwd take an optional qv (q's shape with d_v; MLA, FlashAttention-3's qv: each
+score is scale * (q . k + qv . v)) as their last argument; it has no backward: the autograd
+formulas of fwd and varlen_fwd raise UnsupportedError naming qv (kvcache_fwd has none).
 
 Learnable sinks (FlashAttention-4's learnable_sink): the forward ops take an optional
 fp32 [h_q] learnable_sink as their last argument; the backward ops take it too and return
@@ -35,7 +36,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_device, check_head_dim, check_rank
+from ._C import UnsupportedError
+from ._checks import check_device, check_head_dim, check_rank, invalid
 
 _U64 = (1 << 64) - 1
 
@@ -105,6 +107,7 @@ def _options(
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
     learnable_sink_grad: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
 ) -> dict:
     seed = offset = 0
     if dropout_p > 0.0:
@@ -125,6 +128,7 @@ def _options(
         stream=_stream(q),
         learnable_sink=_dl(_prepare(learnable_sink)),
         learnable_sink_grad=_dl(learnable_sink_grad),
+        qv=_dl(_prepare(qv)),
     )
 
 
@@ -135,13 +139,14 @@ _DENSE = "[b, s, h, d]"
 _PACKED = "[total, h, d]"
 
 
-def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None):
+def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None, qv=None):
     fn = "flashattn::fwd"
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("qv", qv)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
     check_head_dim(fn, "v", v)
-    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                 qv=qv)
 
 
 def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None):
@@ -156,7 +161,7 @@ def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None):
 
 
 def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, **more):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("qv", more.get("qv"))):
         check_rank(fn, name, t, 3, _PACKED)
     check_head_dim(fn, "q", q)
     check_head_dim(fn, "v", v)
@@ -298,13 +303,15 @@ def _fwd(
     deterministic: bool,
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
-    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them)."""
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
+    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them);
+    qv [b, s_q, h_q, d_v]: MLA's qv (forward only)."""
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, qv)
     out, lse, probs = _fwd_outputs(q, k, v, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, qv=qv)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
                return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
@@ -315,8 +322,8 @@ fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
-      softcap, dropout_p, deterministic, return_probs, learnable_sink=None):
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink)
+      softcap, dropout_p, deterministic, return_probs, learnable_sink=None, qv=None):
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, qv)
     return _fwd_outputs(q, k, v, return_probs)
 
 
@@ -376,6 +383,7 @@ def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
      softcap, dropout_p, deterministic, _) = inputs[:13]
     learnable_sink = inputs[13] if len(inputs) > 13 else None
+    ctx.has_qv = len(inputs) > 14 and inputs[14] is not None
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink)
     ctx.scalars = (softmax_scale, causal, window_left, window_right, softcap, dropout_p,
@@ -390,14 +398,23 @@ def _sink_grad(ctx, learnable_sink, dsink, index=-1):
     return dsink.to(learnable_sink.dtype)
 
 
+def _no_qv_backward(ctx, fn):
+    """qv has no backward (as in FlashAttention-3): a clear error naming it."""
+    if ctx.has_qv:
+        raise invalid(fn, "qv", "None for a call that is differentiated (qv has no backward, "
+                      "as in FlashAttention-3; run the forward with qv under torch.no_grad())",
+                      "a tensor", cls=UnsupportedError)
+
+
 def _fwd_backward(ctx, dout, dlse, dprobs):
     # lse and probs are outputs without gradients (as in flash_attn): dlse, dprobs ignored.
+    _no_qv_backward(ctx, "flashattn::bwd")
     q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
                              *ctx.scalars, learnable_sink)
-    return (dq, dk, dv) + (None,) * 10 + (_sink_grad(ctx, learnable_sink, dsink),)
+    return (dq, dk, dv) + (None,) * 10 + (_sink_grad(ctx, learnable_sink, dsink, 13), None)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -435,15 +452,16 @@ def _varlen_fwd(
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [total_q, h_q, d_v], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
     seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
-    rest: out 0, lse -inf)."""
+    rest: out 0, lse -inf). qv [total_q, h_q, d_v]: MLA's qv (forward only)."""
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q, qv=qv)
     out, lse, probs = _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, qv=qv)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
@@ -459,9 +477,9 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs, learnable_sink=None, seqused_q=None):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None, qv=None):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q)
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q, qv=qv)
     return _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
 
 
@@ -528,6 +546,7 @@ def _varlen_setup_context(ctx, inputs, output):
      deterministic, _) = inputs[:18]
     learnable_sink = inputs[18] if len(inputs) > 18 else None
     seqused_q = inputs[19] if len(inputs) > 19 else None
+    ctx.has_qv = len(inputs) > 20 and inputs[20] is not None
     out, lse, _ = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
                           alibi_slopes, rng_state, learnable_sink, seqused_q)
@@ -536,6 +555,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
+    _no_qv_backward(ctx, "flashattn::varlen_bwd")
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
      rng_state, learnable_sink, seqused_q) = ctx.saved_tensors
     if dout is None:
@@ -544,7 +564,7 @@ def _varlen_backward(ctx, dout, dlse, dprobs):
                              seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
                              seqused_q)
     return ((dq, dk, dv) + (None,) * 15 + (_sink_grad(ctx, learnable_sink, dsink, 18),)
-            + (None,))
+            + (None, None))
 
 
 varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -588,14 +608,14 @@ def _kvcache_fwd(
     out = _with_head_dim(q, v_cache)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
-                    softcap, 0.0, False, learnable_sink)
+                    softcap, 0.0, False, learnable_sink, qv=qv)
     # The caches are written in place: they go as they are (no copy).
     _C.kvcache_forward(_dl(_prepare(q)), _dl(k_cache.detach()), _dl(v_cache.detach()),
                        _dl(_prepare(cache_seqlens)), _dl(_prepare(block_table)),
                        _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
                        _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
-                       tree_mask=_dl(_prepare(tree_mask)), qv=_dl(_prepare(qv)))
+                       tree_mask=_dl(_prepare(tree_mask)))
     return out, lse
 
 

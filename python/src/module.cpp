@@ -238,6 +238,7 @@ struct CommonOptions {
   PyInt num_threads;
   OptIn learnable_sink;
   OptOut learnable_sink_grad;
+  OptIn qv;
 
   fa::Options build() const {
     fa::Options o;
@@ -256,6 +257,7 @@ struct CommonOptions {
     o.return_probs = to_tensor(return_probs, "return_probs");
     o.learnable_sink = to_tensor(learnable_sink, "learnable_sink");
     o.learnable_sink_grad = to_tensor(learnable_sink_grad, "learnable_sink_grad");
+    o.qv = to_tensor(qv, "qv");
     o.kernel_family = static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
     o.smem_cap = g_smem_cap.load(std::memory_order_relaxed);
     return o;
@@ -336,13 +338,13 @@ void register_exceptions(nb::module_& m) {
   std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
       double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
       bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
-      OptIn learnable_sink, OptOut learnable_sink_grad
+      OptIn learnable_sink, OptOut learnable_sink_grad, OptIn qv
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
         seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
-        learnable_sink_grad                                                             \
+        learnable_sink_grad, qv                                                         \
   }
 
 // The keyword arguments of CommonOptions, all optional.
@@ -353,7 +355,7 @@ void register_exceptions(nb::module_& m) {
       nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
       nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
       nb::arg("num_threads") = 0, nb::arg("learnable_sink") = nb::none(),                  \
-      nb::arg("learnable_sink_grad") = nb::none()
+      nb::arg("learnable_sink_grad") = nb::none(), nb::arg("qv") = nb::none()
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
                            const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,
@@ -377,7 +379,7 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
                              const In& cache_seqlens, const OptIn& block_table,
                              const OptIn& cache_batch_idx, const OptIn& k_new,
                              const OptIn& v_new, const PyInt& num_splits, const OptIn& k_scale,
-                             const OptIn& v_scale, const OptIn& tree_mask, const OptIn& qv) {
+                             const OptIn& v_scale, const OptIn& tree_mask) {
   fa::KVCacheArgs a;
   a.q = to_tensor(q, "q");
   a.k_cache = to_tensor(k_cache, "k_cache");
@@ -391,15 +393,13 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
   a.k_scale = to_tensor(k_scale, "k_scale");
   a.v_scale = to_tensor(v_scale, "v_scale");
   a.tree_mask = to_tensor(tree_mask, "tree_mask");
-  a.qv = to_tensor(qv, "qv");
   return a;
 }
 
-// The fp8-cache scales, the draft-tree mask and qv (MLA): keyword-only, after the common
-// options.
+// The fp8-cache scales and the draft-tree mask: keyword-only, after the common options.
 #define FA_KVCACHE_KWARGS                                                        \
   nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), \
-      nb::arg("tree_mask").none() = nb::none(), nb::arg("qv").none() = nb::none()
+      nb::arg("tree_mask").none() = nb::none()
 
 }  // namespace
 
@@ -553,12 +553,12 @@ NB_MODULE(_C, m) {
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, const PyInt& num_splits, const Out& out, const OptOut& lse,
          const OptOut& workspace, FA_COMMON_ARGS, const OptIn& k_scale, const OptIn& v_scale,
-         const OptIn& tree_mask, const OptIn& qv) {
+         const OptIn& tree_mask) {
         const Entry entry("kvcache_forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,
-                                               v_scale, tree_mask, qv);
+                                               v_scale, tree_mask);
         const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const fa::Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
@@ -573,19 +573,20 @@ NB_MODULE(_C, m) {
       "takes k_scale, v_scale (float32 [h_k] or [k_cache.shape[0], h_k]); tree_mask (int32 "
       "[b, s_q, ceil(s_q / 32)]) restricts which of the last s_q keys (the drafts) each query "
       "sees. v_cache / v_new / out may have another head dim d_v than q / k_cache; qv ([b, s_q, "
-      "h_q, d_v], MLA decode as FlashAttention-3's qv) adds qv . v to each score.");
+      "h_q, d_v], a common option: MLA decode as FlashAttention-3's qv) adds qv . v to each "
+      "score.");
 
   m.def(
       "kvcache_workspace_size",
       [](const In& q, const In& k_cache, const In& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, const PyInt& num_splits, FA_COMMON_ARGS, const OptIn& k_scale,
-         const OptIn& v_scale, const OptIn& tree_mask, const OptIn& qv) {
+         const OptIn& v_scale, const OptIn& tree_mask) {
         const Entry entry("kvcache_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,
-                                               v_scale, tree_mask, qv);
+                                               v_scale, tree_mask);
         return fa::kvcache_workspace_size(a, o);
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),

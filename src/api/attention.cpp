@@ -46,9 +46,11 @@ DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tens
 // entry point checks after the shapes.
 Target check_dense_options(const Check& c, const Options& opts, const DenseDims& dims,
                            const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
-  detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q,
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
   detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;
 }
@@ -77,6 +79,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
   const Check c("forward");
   const DenseDims dims = check_qkv(c, q, k, v);
   c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_qv(c, opts, q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
              q.device);
@@ -88,9 +91,10 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
 
   set_dense_inputs(dims, q, k, v, p);
+  detail::api::set_qv(opts.qv, p);
   detail::api::set_out(out, p);
   set_dense_lse(lse, p);
   Scratch scratch;
@@ -104,6 +108,7 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
               const Tensor& dv, const Options& opts, Workspace workspace) {
   const Check c("backward");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::reject_qv(c, opts);
   c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
   c.like_head_dim("dout", dout, "q", q, dims.d_v, "same as q but the head dim d_v of v");
   c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
@@ -136,6 +141,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
                                     const Options& opts) {
   const Check c("backward_workspace_size");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::reject_qv(c, opts);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
   set_dense_inputs(dims, q, k, v, p);

@@ -308,9 +308,23 @@ void set_qv(const Tensor& qv, FwdParams& p) {
   p.qv_batch_stride = s.batch, p.qv_row_stride = s.row, p.qv_head_stride = s.head;
 }
 
-void check_qv(const Check& check, const Tensor& qv, const Tensor& q, std::int64_t d_v) {
-  if (!qv.defined()) return;
-  check.like_head_dim("qv", qv, "q", q, d_v, "same as q but the head dim d_v of v");
+void check_qv(const Check& check, const Options& opts, const Tensor& q, std::int64_t d_v) {
+  if (!opts.qv.defined()) return;
+  check.like_head_dim("opts.qv", opts.qv, "q", q, d_v, "same as q but the head dim d_v of v");
+}
+
+void reject_qv(const Check& check, const Options& opts) {
+  if (!opts.qv.defined()) return;
+  check.unsupported("opts.qv",
+                    "an undefined tensor (qv has no backward, as in FlashAttention-3: the "
+                    "forward with qv is for inference)",
+                    "a tensor of shape " + flashattn::shape_string(opts.qv));
+}
+
+void check_qv_target(const Check& check, const Options& opts, bool cuda) {
+  if (!opts.qv.defined() || !cuda) return;
+  check.unsupported("opts.qv", "an undefined tensor on CUDA (qv, MLA, runs on the CPU backend)",
+                    "a tensor on " + to_string(opts.qv.device));
 }
 
 void set_out(const Tensor& out, FwdParams& p) {

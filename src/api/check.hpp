@@ -107,8 +107,17 @@ RowStrides row_strides(const Tensor& t);
 void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p);
 // qv (MLA decode, [b, s_q, h_q, d_v] or packed [total_q, h_q, d_v]) into p; no-op when undefined.
 void set_qv(const Tensor& qv, FwdParams& p);
-// The checks of an optional qv ([shape of q with last dim d_v], q's dtype and device).
-void check_qv(const Check& check, const Tensor& qv, const Tensor& q, std::int64_t d_v);
+// opts.qv of a forward entry point: undefined, or the shape of q with the last dim d_v,
+// q's dtype and device.
+void check_qv(const Check& check, const Options& opts, const Tensor& q, std::int64_t d_v);
+// The head dim of the default scale 1/sqrt(.): d, or d + d_v with opts.qv.
+inline int scale_dim(const Options& opts, int d, int d_v) {
+  return opts.qv.defined() ? d + d_v : d;
+}
+// A backward entry point: opts.qv undefined (qv has no backward), else Unsupported.
+void reject_qv(const Check& check, const Options& opts);
+// With qv on a CUDA target: Unsupported naming opts.qv.
+void check_qv_target(const Check& check, const Options& opts, bool cuda);
 void set_out(const Tensor& out, FwdParams& p);
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                    BwdParams& p);

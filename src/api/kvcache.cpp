@@ -71,7 +71,7 @@ std::string indexed(std::string_view name, std::size_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
 }
 
-CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
+CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Options& opts) {
   const Tensor& q = a.q;
   c.rank("q", q, 4, "[b, s_q, h_q, d]");
   c.layout("q", q);
@@ -96,7 +96,7 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
   c.like_head_dim("v_cache", a.v_cache, "k_cache", a.k_cache, a.v_cache.shape[3],
                   "same as k_cache but any head dim d_v");
   const std::int64_t h_k = a.k_cache.shape[2], d_v = a.v_cache.shape[3];
-  detail::api::check_qv(c, a.qv, q, d_v);
+  detail::api::check_qv(c, opts, q, d_v);
 
   c.tensor("cache_seqlens", a.cache_seqlens, {b}, "[b]", DType::kInt32, q.device);
 
@@ -166,7 +166,7 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
     c.fail("block_table", "max_blocks_per_seq * block_size < 2^31", std::to_string(capacity));
   }
   return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
-          to_int(d),     to_int(d_v),              a.qv.defined(),  to_int(s_new),
+          to_int(d),     to_int(d_v),              opts.qv.defined(), to_int(s_new),
           paged,         to_int(a.k_cache.shape[0]),
           to_int(a.k_cache.shape[1]), to_int(capacity), fp8, scale_per_block};
 }
@@ -317,10 +317,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
                                "v_cache");
-  if (dims.qv && target == Target::kCUDA) {
-    c.unsupported("qv", "an undefined tensor on CUDA (qv, MLA decode, runs on the CPU backend)",
-                  "a tensor on " + to_string(a.q.device));
-  }
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
@@ -330,7 +327,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                           {dims.b, dims.h_q, dims.s_q, longest}, p);
 
   detail::api::set_qkv(a.q, a.k_cache, a.v_cache, p);
-  detail::api::set_qv(a.qv, p);
+  detail::api::set_qv(opts.qv, p);
   p.batch = dims.b;
   p.seqlen_q = dims.s_q;
   // Per-sequence key counts come from cache_seqlens; seqlen_k is their upper bound
@@ -367,7 +364,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
                      const Options& opts, Workspace workspace) {
   const Check c("kvcache_forward");
-  const CacheDims dims = check_kvcache_shapes(c, args);
+  const CacheDims dims = check_kvcache_shapes(c, args, opts);
   c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v_cache");
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
@@ -378,7 +375,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   const Target target = check_and_fill(c, args, dims, opts, p, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
-               {{"q", args.q}, {"qv", args.qv}, {"k_cache", args.k_cache}, {"v_cache", args.v_cache},
+               {{"q", args.q}, {"opts.qv", opts.qv}, {"k_cache", args.k_cache},
+                {"v_cache", args.v_cache},
                 {"k_new", args.k_new}, {"v_new", args.v_new}, {"cache_seqlens", args.cache_seqlens},
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
@@ -393,7 +391,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     // k_cache and v_cache may share one buffer (interleaved), so they are checked apart.
     for (const detail::api::Arg cache : {detail::api::Arg{"k_cache", args.k_cache},
                                          detail::api::Arg{"v_cache", args.v_cache}}) {
-      c.no_overlap({cache}, {{"q", args.q}, {"qv", args.qv}, {"k_new", args.k_new}, {"v_new", args.v_new},
+      c.no_overlap({cache}, {{"q", args.q}, {"opts.qv", opts.qv}, {"k_new", args.k_new},
+                             {"v_new", args.v_new},
                              {"cache_seqlens", args.cache_seqlens},
                              {"block_table", args.block_table},
                              {"cache_batch_idx", args.cache_batch_idx},
@@ -440,7 +439,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
 
 std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts) {
   const Check c("kvcache_workspace_size");
-  const CacheDims dims = check_kvcache_shapes(c, args);
+  const CacheDims dims = check_kvcache_shapes(c, args, opts);
   FwdParams p;
   const Target target = check_and_fill(c, args, dims, opts, p);
   return detail::api::forward_workspace_size(target, p);

@@ -141,9 +141,11 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
 // varlen entry point checks after the shapes.
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                          const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
-  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   if (a.seqused_q.defined() && target == Target::kCUDA) {
     c.unsupported("seqused_q", "an undefined tensor on CUDA (seqused_q runs on the CPU backend)",
@@ -184,6 +186,7 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   const Check c("varlen_forward");
   const VarlenDims dims = check_varlen_shapes(c, args);
   c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_qv(c, opts, args.q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
              args.q.device);
@@ -199,9 +202,10 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
                 {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
 
   set_varlen_inputs(args, dims, p);
+  detail::api::set_qv(opts.qv, p);
   set_varlen_outputs(out, lse, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
@@ -217,6 +221,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
                      const Options& opts, Workspace workspace) {
   const Check c("varlen_backward");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::reject_qv(c, opts);
   c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
   c.like_head_dim("dout", dout, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
   c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
@@ -254,6 +259,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
 std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options& opts) {
   const Check c("varlen_backward_workspace_size");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::reject_qv(c, opts);
   BwdParams p;
   const Target target = check_varlen_rest(c, args, dims, opts, p);
   set_varlen_inputs(args, dims, p);

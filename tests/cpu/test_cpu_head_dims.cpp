@@ -6,6 +6,7 @@
 // joins the dot product); the default scale (1/sqrt(d), and 1/sqrt(d + d_v) with qv).
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -376,6 +377,38 @@ TEST(CpuMla, DefaultScaleIsOneOverSqrtOfBothHeadDims) {
   c.poison_outputs();
   c.run();
   EXPECT_FALSE(c.out.bitwise_equal(by_default));
+}
+
+// qv in the dense and varlen forward (FlashAttention-3's flash_attn_func / varlen take it too).
+TEST(CpuMla, DenseAndVarlenForwardWithQv) {
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : kAllDtypes) {
+    DenseCase c = DenseCase::random(rng, shape_of(2, 21, 37, 8, 1, 16, 48), dtype);
+    c.set_qv(rng);
+    c.opts.causal = dtype != DType::kFloat64;
+    if (dtype == DType::kBFloat16) c.sink.set(random_sink(rng, 8));
+    check_dense(c, false);
+    const std::vector<int> lq = {0, 5, 17, 1}, lk = {7, 0, 23, 40};
+    VarlenCase v = VarlenCase::make(rng, offsets(lq), offsets(lk), 4, 2, 8, dtype, 2, 1, 24);
+    v.set_qv(rng);
+    v.opts.window_left = 9;
+    v.opts.causal = true;
+    v.poison_forward();
+    ASSERT_NO_THROW(v.run_forward());
+    expect_forward_matches(v.problem(), dtype, forward_results(v));
+  }
+}
+
+TEST(CpuMla, DenseDefaultScaleWithQv) {
+  FA_SEEDED_RNG(rng);
+  DenseCase c = DenseCase::random(rng, shape_of(1, 5, 9, 2, 1, 8, 32), DType::kFloat32);
+  c.set_qv(rng);
+  c.run_forward();
+  const HostTensor by_default = c.out;
+  c.opts.softmax_scale = 1.0f / std::sqrt(40.0f);
+  c.poison_forward();
+  c.run_forward();
+  EXPECT_TRUE(c.out.bitwise_equal(by_default));
 }
 
 }  // namespace

@@ -207,6 +207,50 @@ def test_mla_qv_shape_error_names_qv():
                                 qv=qv[..., :64])
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True, window_size=(6, 0))], ids=["full", "causal_window"])
+def test_flash_attn_func_and_varlen_with_qv(seed, kw):
+    """FlashAttention-3's flash_attn_func / varlen take qv too (forward only)."""
+    g = gen(seed)
+    q, k = randn(g, 2, 7, 8, 16), randn(g, 2, 19, 1, 16)
+    v, qv = randn(g, 2, 19, 1, 48), randn(g, 2, 7, 8, 48)
+    out, lse, _ = flash_attn_func(q, k, v, qv=qv, return_attn_probs=True, **kw)
+    assert out.shape == (2, 7, 8, 48)
+    want = ref.attention(np64(q), np64(k), np64(v), qv=np64(qv), softmax_scale=(16 + 48) ** -0.5,
+                         causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
+    close(out, want["out"], 1e-9)
+    close(lse, want["lse"], 1e-6)
+    cu_q = torch.tensor([0, 7, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 19, 38], dtype=torch.int32)
+    vout = flash_attn_varlen_func(q.reshape(14, 8, 16), k.reshape(38, 1, 16), v.reshape(38, 1, 48),
+                                  cu_q, cu_k, 7, 19, qv=qv.reshape(14, 8, 48), **kw)
+    close(vout, want["out"].reshape(14, 8, 48), 1e-9)
+
+
+def test_backward_through_qv_is_a_clear_error():
+    g = gen(4)
+    q, k = randn(g, 1, 3, 2, 8, requires_grad=True), randn(g, 1, 5, 1, 8, requires_grad=True)
+    v, qv = randn(g, 1, 5, 1, 16, requires_grad=True), randn(g, 1, 3, 2, 16)
+    out = flash_attn_func(q, k, v, qv=qv)
+    with pytest.raises(UnsupportedError, match="argument 'qv': expected None for a call that is "
+                                               "differentiated") as info:
+        out.sum().backward()
+    assert info.value.argument == "qv"
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5], dtype=torch.int32)
+    out = flash_attn_varlen_func(q[0], k[0], v[0], cu, cu_k, 3, 5, qv=qv[0])
+    with pytest.raises(UnsupportedError, match="argument 'qv'"):
+        out.sum().backward()
+    with torch.no_grad():
+        flash_attn_func(q, k, v, qv=qv)  # inference: fine
+    # The library's backward refuses qv too (the numpy binding reaches it directly).
+    x = np.zeros((1, 3, 2, 8))
+    with pytest.raises(NotImplementedError, match="argument 'opts.qv': expected an undefined "
+                                                  r"tensor \(qv has no backward"):
+        _C.backward(x, x, np.zeros((1, 5, 1, 8)), np.zeros((1, 5, 1, 8)), x,
+                    np.zeros((1, 2, 3), dtype=np.float32), np.zeros_like(x),
+                    np.zeros((1, 5, 1, 8)), np.zeros((1, 5, 1, 8)), None, qv=x)
+
+
 # ---------------------------------------------------------------- ops: opcheck, compile
 
 
@@ -234,6 +278,11 @@ def test_opcheck_d_v_differs():
     torch.library.opcheck(ops.kvcache_fwd, (q.detach(), kc, vc, lens, None, None, None, None,
                                             None, 0.25, True, -1, -1, 0.0, 1))
     qv = randn(g, 1, 5, 2, 12)
+    torch.library.opcheck(ops.fwd, (q.detach(), k.detach(), v.detach(), None, None, 0.25, True,
+                                    -1, -1, 0.0, 0.0, False, False, None, qv))
+    torch.library.opcheck(ops.varlen_fwd, (q[0].detach(), k[0].detach(), v[0].detach(), cu, cu_k,
+                                           None, None, None, 5, 6, 0.25, True, -1, -1, 0.0, 0.0,
+                                           False, False, None, None, qv[0]))
     torch.library.opcheck(ops.kvcache_fwd, (q.detach(), kc, vc, lens, None, None, None, None,
                                             None, 0.25, True, -1, -1, 0.0, 1, None, None, None,
                                             None, qv))

@@ -86,6 +86,10 @@ DenseCase DenseCase::random(Rng& rng, const Shape& shape, DType dtype, double st
   return c;
 }
 
+void DenseCase::set_qv(Rng& rng) {
+  qv = random_normal(dtype, {shape.batch, shape.s_q, shape.h_q, shape.dv()}, rng);
+}
+
 void DenseCase::set_alibi(std::vector<float> slopes, bool per_batch) {
   alibi = std::move(slopes);
   alibi_per_batch = per_batch;
@@ -99,6 +103,7 @@ void DenseCase::want_probs() {
 Options DenseCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (!qv.empty()) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -111,12 +116,15 @@ RefProblem DenseCase::problem() const {
   p.d = shape.d;
   p.d_v = shape.dv();
   p.set_options(opts, alibi, alibi_per_batch);
+  // With qv the default scale is 1/sqrt(d + d_v) (FlashAttention-3).
+  if (!qv.empty()) p.scale = RefProblem::resolve_scale(opts.softmax_scale, shape.d + shape.dv());
   p.sink = sink.as_double();
   for (int b = 0; b < shape.batch; ++b) {
     RefSeq s;
     s.s_q = shape.s_q;
     s.s_k = shape.s_k;
     s.q = rows_of(q, std::int64_t(b) * shape.s_q, shape.s_q);
+    if (!qv.empty()) s.qv = rows_of(qv, std::int64_t(b) * shape.s_q, shape.s_q);
     s.dout = rows_of(dout, std::int64_t(b) * shape.s_q, shape.s_q);
     s.k = rows_of(k, std::int64_t(b) * shape.s_k, shape.s_k);
     s.v = rows_of(v, std::int64_t(b) * shape.s_k, shape.s_k);
@@ -187,6 +195,8 @@ VarlenCase VarlenCase::make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu
   return c;
 }
 
+void VarlenCase::set_qv(Rng& rng) { qv = random_normal(dtype, {total_q, h_q, d_v}, rng); }
+
 void VarlenCase::set_seqused_k(std::vector<int> used) {
   seqused_k = std::move(used);
   seqused_t = int_tensor(seqused_k);
@@ -208,6 +218,7 @@ void VarlenCase::want_probs() { probs = HostTensor(DType::kFloat32, {h_q, total_
 Options VarlenCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (!qv.empty()) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -234,12 +245,14 @@ RefProblem VarlenCase::problem() const {
   p.d = d;
   p.d_v = d_v;
   p.set_options(opts, alibi, alibi_per_batch);
+  if (!qv.empty()) p.scale = RefProblem::resolve_scale(opts.softmax_scale, d + d_v);
   p.sink = sink.as_double();
   for (int b = 0; b < batch(); ++b) {
     RefSeq s;
     s.s_q = used_q(b);
     s.s_k = used_k(b);
     s.q = rows_of(q, cu_q[b], s.s_q);
+    if (!qv.empty()) s.qv = rows_of(qv, cu_q[b], s.s_q);
     s.dout = rows_of(dout, cu_q[b], s.s_q);
     s.k = rows_of(k, cu_k[b], s.s_k);
     s.v = rows_of(v, cu_k[b], s.s_k);
@@ -525,6 +538,7 @@ void KVCacheCase::set_alibi(std::vector<float> slopes, bool per_batch) {
 Options KVCacheCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (cfg.qv) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   return o;
 }
@@ -550,7 +564,6 @@ KVCacheArgs KVCacheCase::args() const {
     a.tree_mask = Tensor::strided(const_cast<void*>(tree_mask.data()), DType::kInt32,
                                   {cfg.batch, cfg.s_q, W}, {cfg.s_q * Wp, Wp, 1});
   }
-  if (cfg.qv) a.qv = qv.view();
   a.num_splits = num_splits;
   return a;
 }

@@ -46,9 +46,11 @@ struct DenseCase {
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
   SinkInputs sink;            // learnable sink (and its gradient), filled in by call_options()
-  Options opts;               // alibi_slopes / return_probs are filled in by call_options()
+  HostTensor qv;              // MLA's qv [b, s_q, h_q, d_v] (forward only) after set_qv
+  Options opts;               // alibi_slopes / return_probs / qv are filled in by call_options()
 
   static DenseCase random(Rng& rng, const Shape& shape, DType dtype, double stddev = 1.0);
+  void set_qv(Rng& rng);  // a random qv
   void set_alibi(std::vector<float> slopes, bool per_batch);
   void want_probs();
   Options call_options() const;
@@ -75,9 +77,11 @@ struct VarlenCase {
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
   SinkInputs sink;
+  HostTensor qv;  // MLA's qv [total_q, h_q, d_v] (forward only) after set_qv
   Options opts;
 
   int batch() const { return static_cast<int>(cu_q.size()) - 1; }
+  void set_qv(Rng& rng);
   int len_q(int b) const { return cu_q[b + 1] - cu_q[b]; }
   int len_k(int b) const { return cu_k[b + 1] - cu_k[b]; }
   int used_k(int b) const { return seqused_k.empty() ? len_k(b) : seqused_k[b]; }
