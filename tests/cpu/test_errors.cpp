@@ -537,6 +537,31 @@ TEST(ErrorsCudaRules, HeadDimsOfKAndVMustAgree) {
   }
 }
 
+TEST(ErrorsCudaRules, KVCacheNamesVCache) {
+  const fa::detail::api::Check check("kvcache_forward");
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
+                                     "v_cache");
+    FAIL() << "d_v != d accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA backend"));
+  }
+}
+
+TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {
+  const fa::detail::api::Check check("kvcache_forward");
+  alignas(16) static std::uint16_t buf[64];
+  fa::Options opts;
+  opts.qv = fa::Tensor::contiguous(buf, fa::DType::kFloat16, {1, 1, 1, 64}, fa::Device::cuda(0));
+  EXPECT_NO_THROW(fa::detail::api::check_qv_target(check, opts, false));
+  try {
+    fa::detail::api::check_qv_target(check, opts, true);
+    FAIL() << "qv accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'opts.qv': expected an undefined tensor on CUDA (qv, MLA, runs on the CPU backend), got a tensor on cuda:0"));
+  }
+}
+
 TEST(ErrorsCudaRules, HeadDimAbove256) {
   const fa::detail::api::Check check("backward");
   try {
