@@ -162,6 +162,26 @@ def test_mla_paged_decode_matches_oracle(seed, num_splits):
     close(lse, want["lse"], 1e-6)
 
 
+def test_mla_deepseek_shapes_bf16(seed):
+    """DeepSeek-V3's decode shapes (rope d = 64, latent d_v = 512, 128 query heads over one
+    latent head, 64-row blocks) in bf16 against a torch fp64 computation of its own."""
+    g = gen(seed)
+    b, h_q, d, d_v, bs, nb = 2, 128, 64, 512, 64, 12
+    q, qv = randn(g, b, 1, h_q, d, dtype=torch.bfloat16), randn(g, b, 1, h_q, d_v, dtype=torch.bfloat16)
+    kc, vc = randn(g, nb, bs, 1, d, dtype=torch.bfloat16), randn(g, nb, bs, 1, d_v, dtype=torch.bfloat16)
+    table = torch.randperm(nb, generator=g)[:10].reshape(b, 5).to(torch.int32)
+    lens = torch.tensor([300, 77], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, qv=qv)
+    for i in range(b):
+        n = int(lens[i])
+        rows = [(int(table[i][t // bs]), t % bs) for t in range(n)]
+        k = torch.stack([kc[r, c, 0] for r, c in rows]).double()
+        v = torch.stack([vc[r, c, 0] for r, c in rows]).double()
+        s = (q[i, 0].double() @ k.T + qv[i, 0].double() @ v.T) * (d + d_v) ** -0.5
+        want = torch.softmax(s, -1) @ v
+        torch.testing.assert_close(out[i, 0].double(), want, rtol=0, atol=4e-3)
+
+
 def test_mla_default_scale_is_one_over_sqrt_of_both_dims(seed):
     g = gen(seed)
     q, qv, k_cache, v_cache, table, lens = mla_inputs(g, dtype=torch.float32)
