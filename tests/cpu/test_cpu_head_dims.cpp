@@ -5,7 +5,9 @@
 // split-KV, append, fp8) against the fp64 oracle (reference.hpp: v, out, dout of d_v; qv
 // joins the dot product); the default scale (1/sqrt(d), and 1/sqrt(d + d_v) with qv).
 #include <cmath>
+#include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -120,6 +122,60 @@ TEST(CpuHeadDims, DefaultScaleIsOneOverSqrtOfQKHeadDim) {
   c.poison_forward();
   c.run_forward();
   EXPECT_FALSE(c.out.bitwise_equal(by_default));
+}
+
+// Central differences of the public fp64 forward for dq, dk, dv with d_v != d: checks the
+// backward independently of the oracle's formulas (which this change extended too).
+TEST(CpuHeadDims, FiniteDifferencesFp64) {
+  FA_SEEDED_RNG(rng);
+  struct Fd {
+    int s_q, s_k, h_q, h_k, d, d_v;
+    bool causal;
+    float softcap, dropout;
+  };
+  for (const Fd& f : {Fd{4, 5, 2, 1, 3, 6, false, 0, 0}, Fd{6, 4, 4, 2, 5, 2, true, 1.5f, 0},
+                      Fd{7, 8, 2, 1, 2, 4, false, 0, 0.3f}}) {
+    DenseCase c = DenseCase::random(rng, shape_of(2, f.s_q, f.s_k, f.h_q, f.h_k, f.d, f.d_v),
+                                    DType::kFloat64);
+    c.opts.causal = f.causal;
+    c.opts.softcap = f.softcap;
+    c.opts.dropout_p = f.dropout;
+    c.opts.seed = rng();
+    c.opts.num_threads = 1;  // thousands of tiny forwards: no team start-up each
+    SCOPED_TRACE(c.shape.str() + " " + describe(c.call_options()));
+    auto loss = [&] {
+      c.run_forward();
+      double l = 0;
+      for (std::int64_t e = 0; e < c.out.numel(); ++e) l += c.out.get(e) * c.dout.get(e);
+      return l;
+    };
+    ASSERT_NO_THROW(c.run_forward());
+    c.poison_backward();
+    ASSERT_NO_THROW(c.run_backward());
+    constexpr double kStep = 1e-5;
+    const std::pair<HostTensor*, HostTensor*> pairs[] = {{&c.q, &c.dq}, {&c.k, &c.dk}, {&c.v, &c.dv}};
+    const char* names[] = {"dq", "dk", "dv"};
+    for (int t = 0; t < 3; ++t) {
+      HostTensor& x = *pairs[t].first;
+      const std::vector<double> analytic = pairs[t].second->to_double();
+      ASSERT_EQ(analytic.size(), static_cast<std::size_t>(x.numel()));
+      std::vector<double> fd(analytic.size());
+      for (std::int64_t e = 0; e < x.numel(); ++e) {
+        const double x0 = x.get(e);
+        x.set(e, x0 + kStep);
+        const double lp = loss();
+        x.set(e, x0 - kStep);
+        const double lm = loss();
+        x.set(e, x0);
+        fd[static_cast<std::size_t>(e)] = (lp - lm) / (2 * kStep);
+      }
+      const ErrorStats s = error_stats(analytic, fd);
+      EXPECT_TRUE(fully_written(names[t], analytic));
+      EXPECT_LE(s.max_abs_err, 1e-6 * std::max(1.0, s.max_abs_ref))
+          << names[t] << " worst [" << s.worst << "]: backward " << analytic[s.worst] << " vs FD " << fd[s.worst];
+      EXPECT_GT(s.max_abs_ref, 0.0) << names[t] << " vanishes: vacuous check";
+    }
+  }
 }
 
 // ------------------------------------------------------------------ head dims up to 512
