@@ -105,7 +105,8 @@ RowStrides row_strides(const Tensor& t);
 
 // Pointers and strides of q, k, v (and dtype, heads, head dim, h_ratio) into p.
 void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p);
-// qv (MLA decode, [b, s_q, h_q, d_v] or packed [total_q, h_q, d_v]) into p; no-op when undefined.
+// opts.qv (MLA, [b, s_q, h_q, d_v] or packed [total_q, h_q, d_v]) into p; no-op when
+// undefined.
 void set_qv(const Tensor& qv, FwdParams& p);
 // opts.qv of a forward entry point: undefined, or the shape of q with the last dim d_v,
 // q's dtype and device.

@@ -26,8 +26,7 @@ constexpr int kMaxSplits = 256;
 
 struct CacheDims {
   int b, s_q, h_q, h_k, d;
-  int d_v;         // head dim of v_cache / v_new / out (and qv)
-  bool qv;         // MLA: qv given
+  int d_v;         // head dim of v_cache / v_new / out (and opts.qv)
   int s_new;       // rows of k_new / v_new (0 without them)
   bool paged;
   int cache_rows;  // b_cache (dense) or num_blocks (paged): k_cache.shape[0]
@@ -138,7 +137,8 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
     c.device("k_new", a.k_new, q.device, "same as q");
     c.layout("k_new", a.k_new);
     c.rank("v_new", a.v_new, 4, "[b, s_new, h_k, d_v]");
-    c.like_head_dim("v_new", a.v_new, "k_new", a.k_new, d_v, "same as k_new but the head dim d_v of v_cache");
+    c.like_head_dim("v_new", a.v_new, "k_new", a.k_new, d_v,
+                    "same as k_new but the head dim d_v of v_cache");
   }
   bool scale_per_block = false;
   if (fp8) {
@@ -166,9 +166,9 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
     c.fail("block_table", "max_blocks_per_seq * block_size < 2^31", std::to_string(capacity));
   }
   return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
-          to_int(d),     to_int(d_v),              opts.qv.defined(), to_int(s_new),
-          paged,         to_int(a.k_cache.shape[0]),
-          to_int(a.k_cache.shape[1]), to_int(capacity), fp8, scale_per_block};
+          to_int(d),     to_int(d_v),              to_int(s_new),   paged,
+          to_int(a.k_cache.shape[0]), to_int(a.k_cache.shape[1]), to_int(capacity), fp8,
+          scale_per_block};
 }
 
 // The cache slots one sequence reads as cached keys or writes by the append: slots
@@ -309,7 +309,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                       const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   // With qv the score is one dot product over d + d_v (FlashAttention-3's default scale).
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
-                            dims.qv ? dims.d + dims.d_v : dims.d, p);
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   if (opts.dropout_p > 0.0f) {
     c.unsupported("opts.dropout_p", "0 (kvcache_forward is inference only)",
                   std::to_string(opts.dropout_p));
