@@ -443,6 +443,7 @@ TEST(CpuMla, DenseAndVarlenForwardWithQv) {
     c.set_qv(rng);
     c.opts.causal = dtype != DType::kFloat64;
     if (dtype == DType::kBFloat16) c.sink.set(random_sink(rng, 8));
+    if (dtype == DType::kFloat32) c.want_probs();  // the debug probabilities see qv . v too
     check_dense(c, false);
     const std::vector<int> lq = {0, 5, 17, 1}, lk = {7, 0, 23, 40};
     VarlenCase v = VarlenCase::make(rng, offsets(lq), offsets(lk), 4, 2, 8, dtype, 2, 1, 24);
