@@ -5,9 +5,13 @@
 // backend, CUDA tensors on the best CUDA path built for that GPU). CUDA calls
 // are ordered on `Options::stream` and return without synchronising.
 //
-// Shapes (b = batch, s = sequence length, h = heads, d = head dim):
-//   q   [b, s_q, h_q, d]      k, v [b, s_k, h_k, d]       out [b, s_q, h_q, d]
+// Shapes (b = batch, s = sequence length, h = heads, d = head dim of q and k, d_v = head
+// dim of v, which may differ from d as in FlashAttention-3, e.g. DeepSeek-V3's (192, 128)):
+//   q   [b, s_q, h_q, d]      k [b, s_k, h_k, d]      v [b, s_k, h_k, d_v]
+//   out [b, s_q, h_q, d_v]    (dout, dv have d_v; dq, dk have d)
 //   lse [b, h_q, s_q] fp32, natural log of the softmax denominator
+// Head dims: the CPU backend takes any d, d_v in [1, 512]; the CUDA kernels need d_v == d,
+// d % 8 == 0 and d <= 256 (else Unsupported, naming q or v).
 // The semantics (visibility, order of operations, empty rows, dropout) are in
 // semantics.hpp and docs/semantics.md; every backend computes that function.
 #pragma once
@@ -78,7 +82,8 @@ struct BlockSparseTensors {
 };
 
 struct Options {
-  // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d).
+  // Scale applied to q·k, finite; unset (the default) means 1/sqrt(d) with d the head dim
+  // of q and k (not of v); with qv, 1/sqrt(d + d_v) (FlashAttention-3).
   std::optional<float> softmax_scale;
   // Causal masking, aligned to the bottom-right corner: the same as window (-1, 0).
   bool causal = false;
@@ -130,6 +135,17 @@ struct Options {
   // max_seqlen_k]), written with the attention probabilities after dropout and before
   // the 1/(1-p) scaling: a dropped element is 0, a kept one is P(i, j). Undefined = off.
   Tensor return_probs;
+  // Multi-head latent attention (MLA), FlashAttention-3's qv: [b, s_q, h_q, d_v] (varlen:
+  // [total_q, h_q, d_v]), q's dtype and device, last dim contiguous; forward entry points
+  // only (forward, varlen_forward, kvcache_forward). The score of query i and key j becomes
+  //   softmax_scale * (q_i . k_j + qv_i . v_j)
+  // (then softcap, ALiBi, masks as usual) and the output stays sum_j P_ij v_j: v holds one
+  // latent per token that serves both the score and the value. DeepSeek-V3's decode:
+  // k_cache holds the rope keys (d = 64), v_cache the latent (d_v = 512), h_k = 1 under
+  // many query heads, paged. The default scale is then 1/sqrt(d + d_v). There is no
+  // backward with qv (as in FlashAttention-3): backward / varlen_backward reject it
+  // (Unsupported). CPU backend only for now (CUDA: Unsupported). Undefined = none.
+  Tensor qv;
 };
 
 // Optional caller-provided scratch memory on the call's device. When absent
@@ -159,7 +175,8 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
 
 // ------------------------------------------------------- variable length (packed)
 
-// q [total_q, h_q, d], k/v [total_k, h_k, d], out [total_q, h_q, d], lse [h_q, total_q].
+// q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v], out [total_q, h_q, d_v],
+// lse [h_q, total_q].
 // cu_seqlens_q/_k: int32 [b + 1], non-decreasing, starting at 0, ending at most at the
 // tensor's first dimension. seqused_k (optional, int32 [b]): keys used per sequence
 // (the first seqused_k[i] keys of sequence i), at most its length.
@@ -188,7 +205,8 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // ------------------------------------------------------------------ KV cache
 
 // Inference against a KV cache.
-//   q [b, s_q, h_q, d]
+//   q [b, s_q, h_q, d]; out [b, s_q, h_q, d_v]; v_cache and v_new have d_v, k_cache and
+//                 k_new d (d_v == d unless v_cache says otherwise)
 //   dense cache:  k_cache, v_cache [b_cache, s_cache, h_k, d]
 //   paged cache:  k_cache, v_cache [num_blocks, block_size, h_k, d] and
 //                 block_table int32 [b, max_blocks_per_seq]; key t of sequence i lives in
@@ -221,6 +239,10 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // s_k - s_q + t) only when bit t % 32 of tree_mask[b][i][t / 32] is set (bits t >= s_q
 // are ignored). Earlier keys follow the other masks only; the tree rule is and-ed with
 // causal / window. On q's device; the last dim contiguous, other strides free.
+//
+// MLA decode (Options::qv, FlashAttention-3's qv [b, s_q, h_q, d_v]): k_cache holds the
+// rope keys, v_cache the latent, which serves both the score (q . k + qv . v) and the
+// value; an fp8 cache dequantizes v with v_scale in both uses.
 struct KVCacheArgs {
   Tensor q;
   Tensor k_cache, v_cache;

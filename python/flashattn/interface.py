@@ -43,6 +43,7 @@ _KEYWORD_OF_OPTION = {
     "opts.alibi_slopes": "alibi_slopes",
     "opts.window_left": "window_size[0]",
     "opts.window_right": "window_size[1]",
+    "opts.qv": "qv",
 }
 
 
@@ -65,10 +66,14 @@ def _call(op, *args):
         raise renamed.with_traceback(e.__traceback__) from None
 
 
-def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
+def _scale(q: Tensor, softmax_scale: Optional[float], qv: Optional[Tensor] = None) -> float:
+    """softmax_scale, or 1/sqrt(d) of q's head dim (1/sqrt(d + d_v) with qv, as
+    FlashAttention-3: the score is one dot product over [q | qv] . [k | v])."""
     if softmax_scale is not None:
         return float(softmax_scale)
     d = q.shape[-1] if q.dim() > 0 else 0
+    if qv is not None and isinstance(qv, Tensor) and qv.dim() > 0 and d > 0:
+        d += qv.shape[-1]
     # d == 0: any value; the op refuses the head dim, naming q.
     return d ** -0.5 if d > 0 else 1.0
 
@@ -125,15 +130,15 @@ def _block_sparse(fn: str, bst) -> tuple:
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
-               learnable_sink=None, block_sparse_tensors=None):
+               learnable_sink=None, block_sparse_tensors=None, qv=None):
     left, right = _checked_window(fn, window_size)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     bs = _block_sparse(fn, block_sparse_tensors)
     sink = _sink(fn, learnable_sink)
     out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
-                               _scale(q, softmax_scale), bool(causal), left, right,
+                               _scale(q, softmax_scale, qv), bool(causal), left, right,
                                float(softcap), float(dropout_p), bool(deterministic), want_probs,
-                               *((sink,) + bs if bs else (sink,)))
+                               sink, qv, *bs)
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -143,17 +148,17 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None, block_sparse_tensors=None):
+                      seqused_q=None, block_sparse_tensors=None, qv=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = _call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                                alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
-                               int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
+                               int(max_seqlen_k), _scale(q, softmax_scale, qv), bool(causal),
                                left, right, float(softcap), float(dropout_p),
                                bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q, *_block_sparse(fn, block_sparse_tensors))
+                               seqused_q, qv, *_block_sparse(fn, block_sparse_tensors))
     if return_attn_probs:
         return out, lse, probs if want_probs else None
     return out
@@ -168,17 +173,22 @@ def _check_packed(fn, name, t, rank, dim, count, layout):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False, *, learnable_sink=None, block_sparse_tensors=None):
-    """q [b, s_q, h_q, d], k, v [b, s_k, h_k, d] (h_q % h_k == 0) -> out [b, s_q, h_q, d].
+                    return_attn_probs=False, *, learnable_sink=None, block_sparse_tensors=None,
+                    qv=None):
+    """q [b, s_q, h_q, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v] (h_q % h_k == 0; d_v may
+    differ from d, as in FlashAttention-3) -> out [b, s_q, h_q, d_v].
 
     causal and window_size (left, right) are bottom-right aligned: query i sees key j when
     i + s_k - s_q - left <= j <= i + s_k - s_q + right (-1 = unbounded). alibi_slopes:
     fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32. learnable_sink: [h_q] sink
-    logits (FlashAttention-4), differentiable.
+    logits (FlashAttention-4), differentiable. qv [b, s_q, h_q, d_v] (FlashAttention-3's,
+    MLA): scores softmax_scale * (q . k + qv . v), default scale 1/sqrt(d + d_v); forward
+    only (differentiating such a call raises UnsupportedError naming qv); CPU only for now.
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs,
-                      learnable_sink=learnable_sink, block_sparse_tensors=block_sparse_tensors)
+                      learnable_sink=learnable_sink, block_sparse_tensors=block_sparse_tensors,
+                      qv=qv)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -213,9 +223,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
                            learnable_sink=None, seqused_q=None, seqused_k=None,
-                           block_sparse_tensors=None):
-    """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
-    -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
+                           block_sparse_tensors=None, qv=None):
+    """q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v], cu_seqlens_q/_k int32
+    [b + 1] -> out [total_q, h_q, d_v] (qv [total_q, h_q, d_v]: as flash_attn_func's);
+    softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
     is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
     names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
     query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend.
@@ -229,7 +240,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
                              learnable_sink=learnable_sink, seqused_q=seqused_q,
-                             block_sparse_tensors=block_sparse_tensors)
+                             block_sparse_tensors=block_sparse_tensors, qv=qv)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -270,11 +281,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None,
-                            tree_mask=None, learnable_sink=None):
+                            tree_mask=None, learnable_sink=None, qv=None):
     """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
 
     k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
-    block_table int32 [b, max_blocks_per_seq] (paged). k, v [b, s_new, h_k, d] (optional)
+    block_table int32 [b, max_blocks_per_seq] (paged); v_cache (and v, and out) may have
+    another head dim d_v, as in FlashAttention-3. k, v [b, s_new, h_k, d] (optional)
     are written into the caches in place at cache_seqlens .. cache_seqlens + s_new - 1
     first; cache_seqlens (int or int32 [b]) is not advanced. Sequence i attends to
     cache_seqlens[i] + s_new keys.
@@ -295,6 +307,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
 
     learnable_sink: [h_q] sink logits (gpt-oss), in every row's denominator.
+
+    qv (keyword, FlashAttention-3's qv, multi-head latent attention decode): [b, s_q, h_q,
+    d_v] in q's dtype; each score becomes softmax_scale * (q . k + qv . v), so that one
+    latent cache (v_cache, d_v = 512 in DeepSeek) serves the score and the value while
+    k_cache holds the rope part (d = 64); many query heads over h_k = 1. The default
+    softmax_scale is then 1/sqrt(d + d_v). Inference only (no gradient); CPU tensors only
+    for now (CUDA raises UnsupportedError naming qv).
     """
     if cache_leftpad is not None:
         raise UnsupportedError(
@@ -304,9 +323,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if (k is None) != (v is None):
         raise invalid(fn, "v" if v is None else "k", "k and v given together (or neither)",
                       "only " + ("k" if v is None else "v"))
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("qv", qv)):
         check_rank(fn, name, t, 4, "[b, s, h, d]")
     check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
+    if (isinstance(qv, Tensor) and qv.requires_grad and torch.is_grad_enabled()):
+        # kvcache_fwd has no backward; for qv say so before the call (FlashAttention-3's qv
+        # has no backward either).
+        raise invalid(fn, "qv", "a tensor that does not require grad (qv has no backward, as "
+                      "in FlashAttention-3; call under torch.no_grad() or detach it)",
+                      "a tensor with requires_grad=True", cls=UnsupportedError)
     batch = q.shape[0]
     if cache_seqlens is None:
         if k is not None:
@@ -337,9 +363,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
-                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
+                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale, qv),
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask, _sink(fn, learnable_sink))
+                        v_scale, tree_mask, _sink(fn, learnable_sink), qv)
     return (out, lse) if return_softmax_lse else out
 
 

@@ -15,15 +15,21 @@ uses: the op's implementation called directly where torch's dispatcher would add
 (no autograd to record, no torch.compile / tracing, no mode, transform, tensor subclass
 or profiler), else the op; the same outputs and errors, some 15-20 us less per call.
 
+Head dims: v (and out, dout, dv) may have another head dim d_v than q and k (d), as in
+FlashAttention-3 (DeepSeek-V3's (192, 128)); the outputs' shapes follow v. fwd, varlen_fwd
+and kvcache_fwd take an optional qv (q's shape with d_v; MLA, FlashAttention-3's qv: each
+score is scale * (q . k + qv . v)) as their last argument; it has no backward: the autograd
+formulas of fwd and varlen_fwd raise UnsupportedError naming qv (kvcache_fwd has none).
+
 Learnable sinks (FlashAttention-4's learnable_sink): the forward ops take an optional
 fp32 [h_q] learnable_sink as their last argument; the backward ops take it too and return
 its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq, dk, dv.
 
 Block-sparse masks (FlashAttention-4's BlockSparseTensors): the dense ops fwd and bwd take,
-after learnable_sink, mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx (int32,
+after learnable_sink (and fwd after qv), mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx (int32,
 optional), block_size_q, block_size_k (ints, default 128), q_doc_ids, k_doc_ids and
 prefix_keys (int32, optional): flashattn::BlockSparseTensors, the CPU backend only; the
-varlen ops take the same after seqused_q (doc ids packed [total_q], [total_k]). They carry
+varlen ops take the same after seqused_q (varlen_fwd after qv; doc ids packed [total_q], [total_k]). They carry
 no gradient.
 
 Dropout: rng_state is an int64 CPU tensor [2] = (seed, offset) for the library's Philox
@@ -37,7 +43,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._checks import check_device, check_head_dim, check_rank
+from ._C import UnsupportedError
+from ._checks import check_device, check_head_dim, check_rank, invalid
 
 _U64 = (1 << 64) - 1
 
@@ -107,6 +114,7 @@ def _options(
     deterministic: bool,
     learnable_sink: Optional[Tensor] = None,
     learnable_sink_grad: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
     block_sparse: tuple = (),
 ) -> dict:
     seed = offset = 0
@@ -128,6 +136,7 @@ def _options(
         stream=_stream(q),
         learnable_sink=_dl(_prepare(learnable_sink)),
         learnable_sink_grad=_dl(learnable_sink_grad),
+        qv=_dl(_prepare(qv)),
         **_block_sparse_kwargs(block_sparse),
     )
 
@@ -163,13 +172,14 @@ def _bs_devices(bs: tuple) -> dict:
     return {n: t for n, t in zip(names, bs) if n.startswith(("mask", "full")) or n in _BS_EXTRA}
 
 
-def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None, bs=()):
+def _check_fwd(q, k, v, alibi_slopes, learnable_sink=None, qv=None, bs=()):
     fn = "flashattn::fwd"
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("qv", qv)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, k=k, v=v, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
-                 **_bs_devices(bs))
+                 qv=qv, **_bs_devices(bs))
 
 
 def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None, bs=()):
@@ -178,29 +188,33 @@ def _check_bwd(dout, q, k, v, out, lse, alibi_slopes, learnable_sink=None, bs=()
         check_rank(fn, name, t, 4, _DENSE)
     check_rank(fn, "lse", lse, 3, "[b, h_q, s_q]")
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, dout=dout, k=k, v=v, out=out, lse=lse, alibi_slopes=alibi_slopes,
                  learnable_sink=learnable_sink, **_bs_devices(bs))
 
 
 def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, **more):
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("q", q), ("k", k), ("v", v), ("qv", more.get("qv"))):
         check_rank(fn, name, t, 3, _PACKED)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
     check_device(fn, q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                  seqused_k=seqused_k, alibi_slopes=alibi_slopes, **more)
 
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None):
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None,
+                   qv=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                    ("v_new", v_new)):
+                    ("v_new", v_new), ("qv", qv)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v_cache", v_cache)
     check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
                  v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask, learnable_sink=learnable_sink)
+                 tree_mask=tree_mask, learnable_sink=learnable_sink, qv=qv)
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -210,6 +224,13 @@ def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> 
 
 def _empty(shape, like: Tensor, dtype=None) -> Tensor:
     return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+
+
+def _with_head_dim(q: Tensor, v: Tensor) -> Tensor:
+    """The output for q's rows and heads with v's head dim d_v (q's shape when d_v == d)."""
+    if v.shape[-1] == q.shape[-1]:
+        return _like(q)
+    return _empty(tuple(q.shape[:-1]) + (v.shape[-1],), q)
 
 
 def _like(t: Tensor) -> Tensor:
@@ -292,9 +313,9 @@ def _register(op, impl, mutated=()):
 # ---------------------------------------------------------------- dense
 
 
-def _fwd_outputs(q: Tensor, k: Tensor, return_probs: bool):
+def _fwd_outputs(q: Tensor, k: Tensor, v: Tensor, return_probs: bool):
     b, s_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     probs = _empty((b, h_q, s_q, k.shape[1]) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
@@ -315,6 +336,7 @@ def _fwd(
     deterministic: bool,
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
     mask_block_cnt: Optional[Tensor] = None,
     mask_block_idx: Optional[Tensor] = None,
     full_block_cnt: Optional[Tensor] = None,
@@ -325,15 +347,17 @@ def _fwd(
     k_doc_ids: Optional[Tensor] = None,
     prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
-    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them).
+    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k] fp32 or [0]).
+    learnable_sink: fp32 [h_q] logits in every row's softmax denominator (lse includes them);
+    qv [b, s_q, h_q, d_v]: MLA's qv (forward only);
     mask_block_cnt ... prefix_keys: a block-sparse mask (flashattn::BlockSparseTensors)."""
     bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
           block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink, bs)
-    out, lse, probs = _fwd_outputs(q, k, return_probs)
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, qv, bs)
+    out, lse, probs = _fwd_outputs(q, k, v, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink, None, bs)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, qv=qv,
+                    block_sparse=bs)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
                return_probs=_dl(probs) if return_probs else None, **opts)
     return out, lse, probs
@@ -344,9 +368,9 @@ fwd = _register(torch.library.custom_op("flashattn::fwd", mutates_args=())(_fwd)
 
 @fwd.register_fake
 def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
-      softcap, dropout_p, deterministic, return_probs, learnable_sink=None, *bs):
-    _check_fwd(q, k, v, alibi_slopes, learnable_sink, bs)
-    return _fwd_outputs(q, k, return_probs)
+      softcap, dropout_p, deterministic, return_probs, learnable_sink=None, qv=None, *bs):
+    _check_fwd(q, k, v, alibi_slopes, learnable_sink, qv, bs)
+    return _fwd_outputs(q, k, v, return_probs)
 
 
 def _bwd(
@@ -385,7 +409,7 @@ def _bwd(
     dsink = _sink_grad_output(q, q.shape[2], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink,
-                    dsink if learnable_sink is not None else None, bs)
+                    dsink if learnable_sink is not None else None, block_sparse=bs)
     q, k, v = _prepare(q), _prepare(k), _prepare(v)
     workspace = None
     if q.is_cuda:
@@ -417,7 +441,8 @@ def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, window_right,
      softcap, dropout_p, deterministic, _) = inputs[:13]
     learnable_sink = inputs[13] if len(inputs) > 13 else None
-    bs = tuple(inputs[14:23])
+    ctx.has_qv = len(inputs) > 14 and inputs[14] is not None
+    bs = tuple(inputs[15:24])
     out, lse, _ = output
     # The block-sparse tensors (if any) are saved; block sizes ride with the scalars.
     bs_tensors = (bs[0:4] + bs[6:9]) if bs else (None,) * 7
@@ -435,8 +460,17 @@ def _sink_grad(ctx, learnable_sink, dsink, index=-1):
     return dsink.to(learnable_sink.dtype)
 
 
+def _no_qv_backward(ctx, fn):
+    """qv has no backward (as in FlashAttention-3): a clear error naming it."""
+    if ctx.has_qv:
+        raise invalid(fn, "qv", "None for a call that is differentiated (qv has no backward, "
+                      "as in FlashAttention-3; run the forward with qv under torch.no_grad())",
+                      "a tensor", cls=UnsupportedError)
+
+
 def _fwd_backward(ctx, dout, dlse, dprobs):
     # lse and probs are outputs without gradients (as in flash_attn): dlse, dprobs ignored.
+    _no_qv_backward(ctx, "flashattn::bwd")
     saved = ctx.saved_tensors
     q, k, v, out, lse, alibi_slopes, rng_state, learnable_sink = saved[:8]
     bs_t = saved[8:15]
@@ -449,7 +483,7 @@ def _fwd_backward(ctx, dout, dlse, dprobs):
         dq, dk, dv, dsink = call(bwd, dout, q, k, v, out, lse, alibi_slopes, rng_state,
                                  *ctx.scalars, learnable_sink, *bs_t[:4], *ctx.block_sizes,
                                  *bs_t[4:])
-    n = len(ctx.needs_input_grad)  # the op's inputs: 13, 14 (a sink) or 23 (block sparse)
+    n = len(ctx.needs_input_grad)  # the op's inputs: 13, 14 (a sink), 15 (qv) or 24 (block sparse)
     grads = (dq, dk, dv) + (None,) * 10
     if n > 13:
         grads += (_sink_grad(ctx, learnable_sink, dsink, 13),) + (None,) * (n - 14)
@@ -462,9 +496,9 @@ fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # ---------------------------------------------------------------- varlen
 
 
-def _varlen_fwd_outputs(q: Tensor, max_seqlen_k: int, return_probs: bool):
+def _varlen_fwd_outputs(q: Tensor, v: Tensor, max_seqlen_k: int, return_probs: bool):
     total_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v)
     lse = _empty((h_q, total_q), q, torch.float32)
     probs = _empty((h_q, total_q, max_seqlen_k) if return_probs else (0,), q, torch.float32)
     return out, lse, probs
@@ -491,6 +525,7 @@ def _varlen_fwd(
     return_probs: bool,
     learnable_sink: Optional[Tensor] = None,
     seqused_q: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
     mask_block_cnt: Optional[Tensor] = None,
     mask_block_idx: Optional[Tensor] = None,
     full_block_cnt: Optional[Tensor] = None,
@@ -501,18 +536,20 @@ def _varlen_fwd(
     k_doc_ids: Optional[Tensor] = None,
     prefix_keys: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(out [total_q, h_q, d], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
+    """(out [total_q, h_q, d_v], lse [h_q, total_q] fp32, probs [h_q, total_q, max_seqlen_k] or [0]).
     seqused_q int32 [b]: only the first seqused_q[b] queries of sequence b are computed (the
-    rest: out 0, lse -inf). mask_block_cnt ... prefix_keys: a block-sparse mask over the
-    max_seqlen_q x max_seqlen_k grid of each sequence (doc ids packed: [total_q], [total_k])."""
+    rest: out 0, lse -inf). qv [total_q, h_q, d_v]: MLA's qv (forward only).
+    mask_block_cnt ... prefix_keys: a block-sparse mask over the max_seqlen_q x max_seqlen_k
+    grid of each sequence (doc ids packed: [total_q], [total_k])."""
     bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
           block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q, qv=qv,
                   **_bs_devices(bs))
-    out, lse, probs = _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+    out, lse, probs = _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
-                    window_right, softcap, dropout_p, deterministic, learnable_sink, None, bs)
+                    window_right, softcap, dropout_p, deterministic, learnable_sink, qv=qv,
+                    block_sparse=bs)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
@@ -528,11 +565,11 @@ varlen_fwd = _register(
 @varlen_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-      deterministic, return_probs, learnable_sink=None, seqused_q=None, *bs):
+      deterministic, return_probs, learnable_sink=None, seqused_q=None, qv=None, *bs):
     _check_varlen("flashattn::varlen_fwd", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q,
+                  alibi_slopes, learnable_sink=learnable_sink, seqused_q=seqused_q, qv=qv,
                   **_bs_devices(bs))
-    return _varlen_fwd_outputs(q, max_seqlen_k, return_probs)
+    return _varlen_fwd_outputs(q, v, max_seqlen_k, return_probs)
 
 
 def _varlen_bwd(
@@ -578,7 +615,7 @@ def _varlen_bwd(
     dsink = _sink_grad_output(q, q.shape[1], learnable_sink)
     opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
                     window_right, softcap, dropout_p, deterministic, learnable_sink,
-                    dsink if learnable_sink is not None else None, bs)
+                    dsink if learnable_sink is not None else None, block_sparse=bs)
     # Scratch, when needed, is allocated by the library (stream-ordered): sizing it here
     # would read cu_seqlens from the device a second time.
     _C.varlen_backward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
@@ -609,7 +646,8 @@ def _varlen_setup_context(ctx, inputs, output):
      deterministic, _) = inputs[:18]
     learnable_sink = inputs[18] if len(inputs) > 18 else None
     seqused_q = inputs[19] if len(inputs) > 19 else None
-    bs = tuple(inputs[20:29])
+    ctx.has_qv = len(inputs) > 20 and inputs[20] is not None
+    bs = tuple(inputs[21:30])
     out, lse, _ = output
     bs_tensors = (bs[0:4] + bs[6:9]) if bs else (None,) * 7
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
@@ -620,6 +658,7 @@ def _varlen_setup_context(ctx, inputs, output):
 
 
 def _varlen_backward(ctx, dout, dlse, dprobs):
+    _no_qv_backward(ctx, "flashattn::varlen_bwd")
     saved = ctx.saved_tensors
     (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
      rng_state, learnable_sink, seqused_q) = saved[:12]
@@ -631,7 +670,7 @@ def _varlen_backward(ctx, dout, dlse, dprobs):
     dq, dk, dv, dsink = call(varlen_bwd, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                              seqused_k, alibi_slopes, rng_state, *ctx.scalars, learnable_sink,
                              seqused_q, *bs)
-    n = len(ctx.needs_input_grad)  # 18, 19, 20 or 29 inputs
+    n = len(ctx.needs_input_grad)  # 18, 19, 20, 21 or 30 inputs
     grads = (dq, dk, dv) + (None,) * 15
     if n > 18:
         grads += (_sink_grad(ctx, learnable_sink, dsink, 18),) + (None,) * (n - 19)
@@ -664,19 +703,22 @@ def _kvcache_fwd(
     v_scale: Optional[Tensor] = None,
     tree_mask: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    qv: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
+    """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
-    learnable_sink fp32 [h_q] (lse includes it)."""
+    learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA, CPU only for
+    now) adds qv . v to every score (softmax_scale is given: the interface's default with
+    qv is 1/sqrt(d + d_v))."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
     b, s_q, h_q, _ = q.shape
-    out = _like(q)
+    out = _with_head_dim(q, v_cache)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
-                    softcap, 0.0, False, learnable_sink)
+                    softcap, 0.0, False, learnable_sink, qv=qv)
     # The caches are written in place: they go as they are (no copy).
     _C.kvcache_forward(_dl(_prepare(q)), _dl(k_cache.detach()), _dl(v_cache.detach()),
                        _dl(_prepare(cache_seqlens)), _dl(_prepare(block_table)),
@@ -696,8 +738,8 @@ kvcache_fwd = _register(
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
-      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None):
+      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, qv=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
     b, s_q, h_q, _ = q.shape
-    return _like(q), _empty((b, h_q, s_q), q, torch.float32)
+    return _with_head_dim(q, v_cache), _empty((b, h_q, s_q), q, torch.float32)

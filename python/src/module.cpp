@@ -238,6 +238,7 @@ struct CommonOptions {
   PyInt num_threads;
   OptIn learnable_sink;
   OptOut learnable_sink_grad;
+  OptIn qv;  // (the order of FA_COMMON_VALUES: aggregate initialisation)
   // Block-sparse mask (fa::BlockSparseTensors; dense entry points on the CPU).
   OptIn mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx;
   PyInt block_size_q, block_size_k;
@@ -270,6 +271,7 @@ struct CommonOptions {
     bs.q_doc_ids = to_tensor(q_doc_ids, "q_doc_ids");
     bs.k_doc_ids = to_tensor(k_doc_ids, "k_doc_ids");
     bs.prefix_keys = to_tensor(prefix_keys, "prefix_keys");
+    o.qv = to_tensor(qv, "qv");
     o.kernel_family = static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
     o.smem_cap = g_smem_cap.load(std::memory_order_relaxed);
     return o;
@@ -350,7 +352,7 @@ void register_exceptions(nb::module_& m) {
   std::optional<double> softmax_scale, bool causal, PyInt window_left, PyInt window_right,  \
       double softcap, OptIn alibi_slopes, double dropout_p, PyInt seed, PyInt offset,       \
       bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
-      OptIn learnable_sink, OptOut learnable_sink_grad, OptIn mask_block_cnt,               \
+      OptIn learnable_sink, OptOut learnable_sink_grad, OptIn qv, OptIn mask_block_cnt,     \
       OptIn mask_block_idx, OptIn full_block_cnt, OptIn full_block_idx, PyInt block_size_q, \
       PyInt block_size_k, OptIn q_doc_ids, OptIn k_doc_ids, OptIn prefix_keys
 
@@ -358,7 +360,7 @@ void register_exceptions(nb::module_& m) {
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
         seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
-        learnable_sink_grad, mask_block_cnt, mask_block_idx, full_block_cnt,            \
+        learnable_sink_grad, qv, mask_block_cnt, mask_block_idx, full_block_cnt,        \
         full_block_idx, block_size_q, block_size_k, q_doc_ids, k_doc_ids, prefix_keys   \
   }
 
@@ -370,7 +372,8 @@ void register_exceptions(nb::module_& m) {
       nb::arg("seed") = 0, nb::arg("offset") = 0, nb::arg("deterministic") = false,        \
       nb::arg("return_probs") = nb::none(), nb::arg("stream") = 0,                         \
       nb::arg("num_threads") = 0, nb::arg("learnable_sink") = nb::none(),                  \
-      nb::arg("learnable_sink_grad") = nb::none(), nb::arg("mask_block_cnt") = nb::none(),  \
+      nb::arg("learnable_sink_grad") = nb::none(), nb::arg("qv") = nb::none(),              \
+      nb::arg("mask_block_cnt") = nb::none(),                                               \
       nb::arg("mask_block_idx") = nb::none(), nb::arg("full_block_cnt") = nb::none(),       \
       nb::arg("full_block_idx") = nb::none(), nb::arg("block_size_q") = 128,                \
       nb::arg("block_size_k") = 128, nb::arg("q_doc_ids") = nb::none(),                     \
@@ -591,7 +594,9 @@ NB_MODULE(_C, m) {
       "cache in place at cache_seqlens (which is not advanced). An fp8 cache (float8_e4m3fn) "
       "takes k_scale, v_scale (float32 [h_k] or [k_cache.shape[0], h_k]); tree_mask (int32 "
       "[b, s_q, ceil(s_q / 32)]) restricts which of the last s_q keys (the drafts) each query "
-      "sees.");
+      "sees. v_cache / v_new / out may have another head dim d_v than q / k_cache; qv ([b, s_q, "
+      "h_q, d_v], a common option: MLA decode as FlashAttention-3's qv) adds qv . v to each "
+      "score.");
 
   m.def(
       "kvcache_workspace_size",

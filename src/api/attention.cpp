@@ -24,10 +24,10 @@ using detail::api::Target;
 using detail::api::to_int;
 
 struct DenseDims {
-  int b, s_q, s_k, h_q, h_k, d;
+  int b, s_q, s_k, h_q, h_k, d, d_v;
 };
 
-// q [b, s_q, h_q, d]; k, v [b, s_k, h_k, d] with h_q % h_k == 0.
+// q [b, s_q, h_q, d]; k [b, s_k, h_k, d]; v [b, s_k, h_k, d_v] with h_q % h_k == 0.
 DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tensor& v) {
   c.rank("q", q, 4, "[b, s_q, h_q, d]");
   c.layout("q", q);
@@ -39,18 +39,21 @@ DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tens
   detail::api::check_kv_heads(c, "k", k, 2, q.shape[2]);
   c.dtype("k", k, q.dtype, "same as q");
   c.device("k", k, q.device, "same as q");
-  c.like("v", v, "k", k);
+  c.rank("v", v, 4, "[b, s_k, h_k, d_v]");
+  c.like_head_dim("v", v, "k", k, v.shape[3], "same as k but any head dim d_v");
   return {to_int(q.shape[0]), to_int(q.shape[1]), to_int(k.shape[1]),
-          to_int(q.shape[2]), to_int(k.shape[2]), to_int(q.shape[3])};
+          to_int(q.shape[2]), to_int(k.shape[2]), to_int(q.shape[3]), to_int(v.shape[3])};
 }
 
 // Options, backend, backend support and CUDA layouts of q, k, v: what every dense
 // entry point checks after the shapes.
 Target check_dense_options(const Check& c, const Options& opts, const DenseDims& dims,
                            const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
-  detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q,
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
-  detail::api::check_supported(c, target, q.dtype, dims.d, dims.b, dims.h_q);
+  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;
 }
@@ -78,7 +81,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
              const Tensor& lse, const Options& opts) {
   const Check c("forward");
   const DenseDims dims = check_qkv(c, q, k, v);
-  c.like("out", out, "q", q);
+  c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_qv(c, opts, q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
              q.device);
@@ -93,9 +97,10 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
 
   set_dense_inputs(dims, q, k, v, p);
+  detail::api::set_qv(opts.qv, p);
   detail::api::set_out(out, p);
   set_dense_lse(lse, p);
   Scratch scratch;
@@ -109,8 +114,9 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
               const Tensor& dv, const Options& opts, Workspace workspace) {
   const Check c("backward");
   const DenseDims dims = check_qkv(c, q, k, v);
-  c.like("out", out, "q", q);
-  c.like("dout", dout, "q", q);
+  detail::api::reject_qv(c, opts);
+  c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
+  c.like_head_dim("dout", dout, "q", q, dims.d_v, "same as q but the head dim d_v of v");
   c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
            q.device);
   c.like("dq", dq, "q", q);
@@ -144,6 +150,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
                                     const Options& opts) {
   const Check c("backward_workspace_size");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::reject_qv(c, opts);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
   std::vector<std::uint8_t> block_kinds;

@@ -220,6 +220,17 @@ void Check::like(std::string_view name, const Tensor& t, std::string_view ref_na
   layout(name, t);
 }
 
+void Check::like_head_dim(std::string_view name, const Tensor& t, std::string_view ref_name,
+                          const Tensor& ref, std::int64_t head_dim,
+                          std::string_view why) const {
+  Shape expected = shape_of(ref);
+  if (!expected.empty()) expected.back() = head_dim;
+  shape(name, t, expected, why);
+  dtype(name, t, ref.dtype, "same as " + std::string(ref_name));
+  device(name, t, ref.device, "same as " + std::string(ref_name));
+  layout(name, t);
+}
+
 void Check::tensor(std::string_view name, const Tensor& t, const Shape& expected_shape,
                    std::string_view why, DType expected_dtype, Device expected_device) const {
   shape(name, t, expected_shape, why);
@@ -279,6 +290,7 @@ void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   p.h_q = to_int(q.shape[head_dim]);
   p.h_k = to_int(k.shape[head_dim]);
   p.d = to_int(q.shape[head_dim + 1]);
+  p.d_v = to_int(v.shape[head_dim + 1]);
   p.h_ratio = p.h_q / p.h_k;
   const RowStrides qs = row_strides(q), ks = row_strides(k), vs = row_strides(v);
   p.q = q.data;
@@ -287,6 +299,32 @@ void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   p.k_batch_stride = ks.batch, p.k_row_stride = ks.row, p.k_head_stride = ks.head;
   p.v = v.data;
   p.v_batch_stride = vs.batch, p.v_row_stride = vs.row, p.v_head_stride = vs.head;
+}
+
+void set_qv(const Tensor& qv, FwdParams& p) {
+  if (!qv.defined()) return;
+  const RowStrides s = row_strides(qv);
+  p.qv = qv.data;
+  p.qv_batch_stride = s.batch, p.qv_row_stride = s.row, p.qv_head_stride = s.head;
+}
+
+void check_qv(const Check& check, const Options& opts, const Tensor& q, std::int64_t d_v) {
+  if (!opts.qv.defined()) return;
+  check.like_head_dim("opts.qv", opts.qv, "q", q, d_v, "same as q but the head dim d_v of v");
+}
+
+void reject_qv(const Check& check, const Options& opts) {
+  if (!opts.qv.defined()) return;
+  check.unsupported("opts.qv",
+                    "an undefined tensor (qv has no backward, as in FlashAttention-3: the "
+                    "forward with qv is for inference)",
+                    "a tensor of shape " + flashattn::shape_string(opts.qv));
+}
+
+void check_qv_target(const Check& check, const Options& opts, bool cuda) {
+  if (!opts.qv.defined() || !cuda) return;
+  check.unsupported("opts.qv", "an undefined tensor on CUDA (qv, MLA, runs on the CPU backend)",
+                    "a tensor on " + to_string(opts.qv.device));
 }
 
 void set_out(const Tensor& out, FwdParams& p) {

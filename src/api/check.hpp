@@ -56,6 +56,11 @@ class Check {
   // `t` has the shape, dtype and device of `ref` and a valid layout.
   void like(std::string_view name, const Tensor& t, std::string_view ref_name,
             const Tensor& ref) const;
+  // `t` has the shape of `ref` except for its last dimension (a head dim), which is
+  // `head_dim`, and ref's dtype and device and a valid layout: v against k, out and dout
+  // against q when v's head dim d_v differs from q's. `why` explains the shape.
+  void like_head_dim(std::string_view name, const Tensor& t, std::string_view ref_name,
+                     const Tensor& ref, std::int64_t head_dim, std::string_view why) const;
   // `t` is defined with this shape, dtype and device and a valid layout.
   void tensor(std::string_view name, const Tensor& t, const Shape& shape, std::string_view why,
               DType dtype, Device device) const;
@@ -70,7 +75,8 @@ class Check {
 
 // Validates the options every entry point shares (window, softmax scale, softcap, ALiBi,
 // dropout, threads) and fills the score, mask, dropout and execution fields of p.
-// `batch` and `h_q` give the ALiBi shapes; d the default scale.
+// `batch` and `h_q` give the ALiBi shapes; d the default scale 1/sqrt(d) (the head dim of
+// q and k, or d + d_v with qv).
 void fill_options(const Check& check, const Options& opts, Device device, int batch, int h_q,
                   int d, FwdParams& p);
 
@@ -115,6 +121,20 @@ RowStrides row_strides(const Tensor& t);
 
 // Pointers and strides of q, k, v (and dtype, heads, head dim, h_ratio) into p.
 void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p);
+// opts.qv (MLA, [b, s_q, h_q, d_v] or packed [total_q, h_q, d_v]) into p; no-op when
+// undefined.
+void set_qv(const Tensor& qv, FwdParams& p);
+// opts.qv of a forward entry point: undefined, or the shape of q with the last dim d_v,
+// q's dtype and device.
+void check_qv(const Check& check, const Options& opts, const Tensor& q, std::int64_t d_v);
+// The head dim of the default scale 1/sqrt(.): d, or d + d_v with opts.qv.
+inline int scale_dim(const Options& opts, int d, int d_v) {
+  return opts.qv.defined() ? d + d_v : d;
+}
+// A backward entry point: opts.qv undefined (qv has no backward), else Unsupported.
+void reject_qv(const Check& check, const Options& opts);
+// With qv on a CUDA target: Unsupported naming opts.qv.
+void check_qv_target(const Check& check, const Options& opts, bool cuda);
 void set_out(const Tensor& out, FwdParams& p);
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                    BwdParams& p);

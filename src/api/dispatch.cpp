@@ -11,7 +11,8 @@ namespace flashattn::detail::api {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = 256;     // CUDA kernels
+constexpr int kMaxHeadDimCpu = 512;  // CPU backend (tiles sized at run time)
 constexpr std::size_t kCudaAlignBytes = 16;
 constexpr std::int64_t kCudaStrideMultiple = 8;
 constexpr std::size_t kWorkspaceAlignBytes = 16;
@@ -91,7 +92,8 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
   }
 }
 
-void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q) {
+void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
+                     int h_q, std::string_view v_name) {
   if (dtype == DType::kFloat8E4M3) {
     check.unsupported("q", "dtype float16, bfloat16, float32 or float64 (float8_e4m3 is reserved)",
                       dtype_name(dtype));
@@ -100,8 +102,12 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
     check.fail("q", "a floating-point dtype", dtype_name(dtype));
   }
   if (target == Target::kCPU) {
-    if (d < 1 || d > kMaxHeadDim) {
-      check.unsupported("q", "head dim d in [1, 256] (CPU backend)", "d = " + std::to_string(d));
+    if (d < 1 || d > kMaxHeadDimCpu) {
+      check.unsupported("q", "head dim d in [1, 512] (CPU backend)", "d = " + std::to_string(d));
+    }
+    if (d_v < 1 || d_v > kMaxHeadDimCpu) {
+      check.unsupported(v_name, "head dim d_v in [1, 512] (CPU backend)",
+                        "d_v = " + std::to_string(d_v));
     }
     return;
   }
@@ -119,6 +125,11 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
   if (d < 1 || d % 8 != 0 || d > kMaxHeadDim) {
     check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend)",
                       "d = " + std::to_string(d));
+  }
+  if (d_v != d) {
+    check.unsupported(v_name, "head dim d_v == d = " + std::to_string(d) +
+                               " (CUDA backend; d_v != d runs on the CPU backend)",
+                      "d_v = " + std::to_string(d_v));
   }
   if (!cuda::supports_head_dim(d)) {
     check.unsupported("q", "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",

@@ -27,7 +27,10 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
-void check_supported(const Check& check, Target target, DType dtype, int d, int batch, int h_q);
+// d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512];
+// CUDA kernels need d_v == d). v_name names v's tensor in errors ("v", or "v_cache").
+void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
+                     int h_q, std::string_view v_name = "v");
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

@@ -26,6 +26,7 @@ constexpr int kMaxSplits = 256;
 
 struct CacheDims {
   int b, s_q, h_q, h_k, d;
+  int d_v;         // head dim of v_cache / v_new / out (and opts.qv)
   int s_new;       // rows of k_new / v_new (0 without them)
   bool paged;
   int cache_rows;  // b_cache (dense) or num_blocks (paged): k_cache.shape[0]
@@ -69,7 +70,7 @@ std::string indexed(std::string_view name, std::size_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
 }
 
-CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
+CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Options& opts) {
   const Tensor& q = a.q;
   c.rank("q", q, 4, "[b, s_q, h_q, d]");
   c.layout("q", q);
@@ -89,8 +90,12 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
            dtype_name(a.k_cache.dtype));
   }
   c.device("k_cache", a.k_cache, q.device, "same as q");
-  c.like("v_cache", a.v_cache, "k_cache", a.k_cache);
-  const std::int64_t h_k = a.k_cache.shape[2];
+  c.rank("v_cache", a.v_cache, 4,
+         paged ? "[num_blocks, block_size, h_k, d_v]" : "[b_cache, s_cache, h_k, d_v]");
+  c.like_head_dim("v_cache", a.v_cache, "k_cache", a.k_cache, a.v_cache.shape[3],
+                  "same as k_cache but any head dim d_v");
+  const std::int64_t h_k = a.k_cache.shape[2], d_v = a.v_cache.shape[3];
+  detail::api::check_qv(c, opts, q, d_v);
 
   c.tensor("cache_seqlens", a.cache_seqlens, {b}, "[b]", DType::kInt32, q.device);
 
@@ -131,7 +136,9 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
     c.dtype("k_new", a.k_new, q.dtype, "same as q");
     c.device("k_new", a.k_new, q.device, "same as q");
     c.layout("k_new", a.k_new);
-    c.like("v_new", a.v_new, "k_new", a.k_new);
+    c.rank("v_new", a.v_new, 4, "[b, s_new, h_k, d_v]");
+    c.like_head_dim("v_new", a.v_new, "k_new", a.k_new, d_v,
+                    "same as k_new but the head dim d_v of v_cache");
   }
   bool scale_per_block = false;
   if (fp8) {
@@ -159,8 +166,9 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a) {
     c.fail("block_table", "max_blocks_per_seq * block_size < 2^31", std::to_string(capacity));
   }
   return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
-          to_int(d),     to_int(s_new),            paged,           to_int(a.k_cache.shape[0]),
-          to_int(a.k_cache.shape[1]), to_int(capacity), fp8, scale_per_block};
+          to_int(d),     to_int(d_v),              to_int(s_new),   paged,
+          to_int(a.k_cache.shape[0]), to_int(a.k_cache.shape[1]), to_int(capacity), fp8,
+          scale_per_block};
 }
 
 // The cache slots one sequence reads as cached keys or writes by the append: slots
@@ -299,14 +307,18 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 // or device checks only): the call then checks them on the device.
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                       const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
-  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  // With qv the score is one dot product over d + d_v (FlashAttention-3's default scale).
+  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   detail::api::decline_block_sparse(c, opts, "KV-cache calls take no block-sparse mask");
   if (opts.dropout_p > 0.0f) {
     c.unsupported("opts.dropout_p", "0 (kvcache_forward is inference only)",
                   std::to_string(opts.dropout_p));
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
+                               "v_cache");
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
@@ -316,6 +328,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                           {dims.b, dims.h_q, dims.s_q, longest}, p);
 
   detail::api::set_qkv(a.q, a.k_cache, a.v_cache, p);
+  detail::api::set_qv(opts.qv, p);
   p.batch = dims.b;
   p.seqlen_q = dims.s_q;
   // Per-sequence key counts come from cache_seqlens; seqlen_k is their upper bound
@@ -352,8 +365,8 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
                      const Options& opts, Workspace workspace) {
   const Check c("kvcache_forward");
-  const CacheDims dims = check_kvcache_shapes(c, args);
-  c.like("out", out, "q", args.q);
+  const CacheDims dims = check_kvcache_shapes(c, args, opts);
+  c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v_cache");
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
              args.q.device);
@@ -363,7 +376,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   const Target target = check_and_fill(c, args, dims, opts, p, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
-               {{"q", args.q}, {"k_cache", args.k_cache}, {"v_cache", args.v_cache},
+               {{"q", args.q}, {"opts.qv", opts.qv}, {"k_cache", args.k_cache},
+                {"v_cache", args.v_cache},
                 {"k_new", args.k_new}, {"v_new", args.v_new}, {"cache_seqlens", args.cache_seqlens},
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
@@ -378,7 +392,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     // k_cache and v_cache may share one buffer (interleaved), so they are checked apart.
     for (const detail::api::Arg cache : {detail::api::Arg{"k_cache", args.k_cache},
                                          detail::api::Arg{"v_cache", args.v_cache}}) {
-      c.no_overlap({cache}, {{"q", args.q}, {"k_new", args.k_new}, {"v_new", args.v_new},
+      c.no_overlap({cache}, {{"q", args.q}, {"opts.qv", opts.qv}, {"k_new", args.k_new},
+                             {"v_new", args.v_new},
                              {"cache_seqlens", args.cache_seqlens},
                              {"block_table", args.block_table},
                              {"cache_batch_idx", args.cache_batch_idx},
@@ -408,6 +423,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     ap.batch = dims.b;
     ap.h_k = dims.h_k;
     ap.d = dims.d;
+    ap.d_v = dims.d_v;
     ap.seqlen_new = dims.s_new;
     const auto ks = detail::api::row_strides(args.k_new), vs = detail::api::row_strides(args.v_new);
     ap.k_new = args.k_new.data;
@@ -424,7 +440,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
 
 std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts) {
   const Check c("kvcache_workspace_size");
-  const CacheDims dims = check_kvcache_shapes(c, args);
+  const CacheDims dims = check_kvcache_shapes(c, args, opts);
   FwdParams p;
   const Target target = check_and_fill(c, args, dims, opts, p);
   return detail::api::forward_workspace_size(target, p);

@@ -21,10 +21,10 @@ using detail::api::Target;
 using detail::api::to_int;
 
 struct VarlenDims {
-  int b, total_q, total_k, h_q, h_k, d;
+  int b, total_q, total_k, h_q, h_k, d, d_v;
 };
 
-// q [total_q, h_q, d]; k, v [total_k, h_k, d]; cu_seqlens_q/_k int32 [b + 1];
+// q [total_q, h_q, d]; k [total_k, h_k, d]; v [total_k, h_k, d_v]; cu_seqlens_q/_k int32 [b + 1];
 // seqused_k int32 [b]; max_seqlen_q/_k >= 0. Contents are checked later.
 VarlenDims check_varlen_shapes(const Check& c, const VarlenArgs& a) {
   const Tensor& q = a.q;
@@ -37,7 +37,8 @@ VarlenDims check_varlen_shapes(const Check& c, const VarlenArgs& a) {
   detail::api::check_kv_heads(c, "k", a.k, 1, q.shape[1]);
   c.dtype("k", a.k, q.dtype, "same as q");
   c.device("k", a.k, q.device, "same as q");
-  c.like("v", a.v, "k", a.k);
+  c.rank("v", a.v, 3, "[total_k, h_k, d_v]");
+  c.like_head_dim("v", a.v, "k", a.k, a.v.shape[2], "same as k but any head dim d_v");
 
   c.rank("cu_seqlens_q", a.cu_seqlens_q, 1, "[b + 1]");
   c.dtype("cu_seqlens_q", a.cu_seqlens_q, DType::kInt32, "");
@@ -58,7 +59,8 @@ VarlenDims check_varlen_shapes(const Check& c, const VarlenArgs& a) {
   if (a.max_seqlen_q < 0) c.fail("max_seqlen_q", ">= 0", std::to_string(a.max_seqlen_q));
   if (a.max_seqlen_k < 0) c.fail("max_seqlen_k", ">= 0", std::to_string(a.max_seqlen_k));
   return {to_int(b),          to_int(q.shape[0]), to_int(a.k.shape[0]),
-          to_int(q.shape[1]), to_int(a.k.shape[1]), to_int(q.shape[2])};
+          to_int(q.shape[1]), to_int(a.k.shape[1]), to_int(q.shape[2]),
+          to_int(a.v.shape[2])};
 }
 
 // cu_seqlens values: start at 0, non-decreasing, end at most at `total` (the packed
@@ -140,14 +142,16 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                          const Options& opts, FwdParams& p, std::vector<std::uint8_t>& block_kinds,
                          bool* contents_read = nullptr) {
-  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q, dims.d, p);
+  detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
+                            detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   // Block sparsity: the grid of max_seqlen_q x max_seqlen_k, positions within a sequence.
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, a.q.device,
                                  {dims.b, dims.h_q, a.max_seqlen_q, a.max_seqlen_k, true,
                                   dims.total_q, dims.total_k},
                                  block_kinds, p);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.b, dims.h_q);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   if (a.seqused_q.defined() && target == Target::kCUDA) {
     c.unsupported("seqused_q", "an undefined tensor on CUDA (seqused_q runs on the CPU backend)",
@@ -187,7 +191,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                     const Options& opts) {
   const Check c("varlen_forward");
   const VarlenDims dims = check_varlen_shapes(c, args);
-  c.like("out", out, "q", args.q);
+  c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_qv(c, opts, args.q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
              args.q.device);
@@ -204,9 +209,10 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
                 {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
 
   set_varlen_inputs(args, dims, p);
+  detail::api::set_qv(opts.qv, p);
   set_varlen_outputs(out, lse, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
@@ -222,8 +228,9 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
                      const Options& opts, Workspace workspace) {
   const Check c("varlen_backward");
   const VarlenDims dims = check_varlen_shapes(c, args);
-  c.like("out", out, "q", args.q);
-  c.like("dout", dout, "q", args.q);
+  detail::api::reject_qv(c, opts);
+  c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
+  c.like_head_dim("dout", dout, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
   c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
            args.q.device);
   c.like("dq", dq, "q", args.q);
@@ -260,6 +267,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
 std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options& opts) {
   const Check c("varlen_backward_workspace_size");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::reject_qv(c, opts);
   BwdParams p;
   std::vector<std::uint8_t> block_kinds;
   const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds);

@@ -18,7 +18,8 @@ namespace flashattn::detail {
 struct FwdParams {
   DType dtype = DType::kFloat16;  // of q, k, v, out (and dout, dq, dk, dv)
   int batch = 0;                  // sequences
-  int h_q = 0, h_k = 0, d = 0;    // heads and head dim; h_q % h_k == 0
+  int h_q = 0, h_k = 0, d = 0;    // heads and head dim of q, k; h_q % h_k == 0
+  int d_v = 0;                    // head dim of v, out (and dout, dv); may differ from d
   int h_ratio = 1;                // h_q / h_k: query head h uses KV head h / h_ratio
 
   // q, out: element (seq b, row i, head h, dim c) is at
@@ -28,6 +29,11 @@ struct FwdParams {
   std::int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
   void* out = nullptr;
   std::int64_t o_batch_stride = 0, o_row_stride = 0, o_head_stride = 0;
+  // MLA decode (FlashAttention-3's qv): [b, s_q, h_q, d_v] laid out like q (same batch /
+  // row / head addressing with its own strides), or null. With it the raw score of
+  // (i, j) is q_i . k_j + qv_i . v_j (scaled as one dot product). Forward only.
+  const void* qv = nullptr;
+  std::int64_t qv_batch_stride = 0, qv_row_stride = 0, qv_head_stride = 0;
   // lse (fp32, may be null): element (b, h, i) at b * lse_batch_stride + h * lse_head_stride + i
   // (dense [b, h_q, s_q]) or h * lse_head_stride + cu_seqlens_q[b] + i (varlen [h_q, total_q]).
   float* lse = nullptr;
@@ -196,6 +202,9 @@ struct FwdParams {
   FA_HD std::int64_t q_offset(int b) const {
     return cu_seqlens_q ? std::int64_t(q_start(b)) * q_row_stride : std::int64_t(b) * q_batch_stride;
   }
+  FA_HD std::int64_t qv_offset(int b) const {
+    return cu_seqlens_q ? std::int64_t(q_start(b)) * qv_row_stride : std::int64_t(b) * qv_batch_stride;
+  }
   FA_HD std::int64_t o_offset(int b) const {
     return cu_seqlens_q ? std::int64_t(q_start(b)) * o_row_stride : std::int64_t(b) * o_batch_stride;
   }
@@ -299,6 +308,7 @@ struct BwdParams : FwdParams {
 struct AppendParams {
   DType dtype = DType::kFloat16;
   int batch = 0, h_k = 0, d = 0, seqlen_new = 0;
+  int d_v = 0;  // head dim of v_new / v_cache (d is k_new's / k_cache's)
   const void* k_new = nullptr;
   const void* v_new = nullptr;
   std::int64_t kn_batch_stride = 0, kn_row_stride = 0, kn_head_stride = 0;

@@ -37,45 +37,48 @@ namespace {
 template <class E>
 struct BackwardTile {
   using T = typename E::compute;
-  int d, dp;
+  int d, dp;    // head dim of q, k and its padded width
+  int dv, dvp;  // head dim of v, out and its padded width
   std::vector<T> q;       // [kBlockM][dp]      query rows
-  std::vector<T> dout;    // [kBlockM][dp]      output gradient rows
+  std::vector<T> dout;    // [kBlockM][dvp]     output gradient rows
   std::vector<T> delta;   // [kBlockM]          D_i = dO_i . O_i
   std::vector<T> lse;     // [kBlockM]
-  std::vector<T> o_row;   // [dp]               one output row, for D
+  std::vector<T> o_row;   // [dvp]              one output row, for D
   std::vector<T> kt;      // [d][kBlockN]       key block, transposed
-  std::vector<T> vt;      // [d][kBlockN]       value block, transposed
+  std::vector<T> vt;      // [dv][kBlockN]      value block, transposed
   std::vector<T> k;       // [kBlockN][dp]      key block (pass 2: dQ += dS K)
-  std::vector<T> v;       // [kBlockN][dp]      value block (before the transpose into vt)
+  std::vector<T> v;       // [kBlockN][dvp]     value block (before the transpose into vt)
   std::vector<T> s;       // [kBlockM][kBlockN] scores, then P
   std::vector<T> capped;  // [kBlockM][kBlockN] softcapped scores before ALiBi
   std::vector<T> keep;    // [kBlockM][kBlockN] dropout keep mask, 1 or 0
   std::vector<T> ds;      // [kBlockM][kBlockN] dP, then dX
   std::vector<T> tr;      // [kBlockN][kBlockM] a transposed [rows][keys] tile
   std::vector<T> acc_a;   // [kBlockN][dp] dK (pass 1) or [kBlockM][dp] dQ (pass 2)
-  std::vector<T> acc_b;   // [kBlockN][dp] dV (pass 1)
+  std::vector<T> acc_b;   // [kBlockN][dvp] dV (pass 1)
   std::vector<std::uint8_t> used;  // [kBlockN] block sparsity: keys of the block read
   std::vector<std::uint8_t> any;   // [kBlockN] block sparsity: their union (pass 1)
 
-  explicit BackwardTile(int head_dim)
+  BackwardTile(int head_dim, int value_dim)
       : d(head_dim),
         dp(padded_dim<T>(head_dim)),
+        dv(value_dim),
+        dvp(padded_dim<T>(value_dim)),
         q(std::size_t(kBlockM) * dp),
-        dout(std::size_t(kBlockM) * dp),
+        dout(std::size_t(kBlockM) * dvp),
         delta(kBlockM),
         lse(kBlockM),
-        o_row(dp),
+        o_row(dvp),
         kt(std::size_t(head_dim) * kBlockN),
-        vt(std::size_t(head_dim) * kBlockN),
+        vt(std::size_t(value_dim) * kBlockN),
         k(std::size_t(kBlockN) * dp),
-        v(std::size_t(kBlockN) * dp),
+        v(std::size_t(kBlockN) * dvp),
         s(std::size_t(kBlockM) * kBlockN),
         capped(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
         ds(std::size_t(kBlockM) * kBlockN),
         tr(std::size_t(kBlockN) * kBlockM),
         acc_a(std::size_t(std::max(kBlockM, kBlockN)) * dp),
-        acc_b(std::size_t(kBlockN) * dp),
+        acc_b(std::size_t(kBlockN) * dvp),
         used(kBlockN),
         any(kBlockN) {}
 };
@@ -102,13 +105,13 @@ class Backward {
     for (int r = 0; r < rows; ++r) {
       const std::int64_t i = i0 + r;
       T* qr = &t.q[std::size_t(r) * t.dp];
-      T* dor = &t.dout[std::size_t(r) * t.dp];
+      T* dor = &t.dout[std::size_t(r) * t.dvp];
       load_row<E>(qr, q + i * p_.q_row_stride, t.d, t.dp);
-      load_row<E>(dor, dout + i * p_.do_row_stride, t.d, t.dp);
-      load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.d, t.dp);
+      load_row<E>(dor, dout + i * p_.do_row_stride, t.dv, t.dvp);
+      load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.dv, t.dvp);
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
-      for (int c = 0; c < t.dp; ++c) dot += dor[c] * t.o_row[c];
+      for (int c = 0; c < t.dvp; ++c) dot += dor[c] * t.o_row[c];
       t.delta[r] = dot;
       t.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
     }
@@ -123,22 +126,21 @@ class Backward {
     const S* v = static_cast<const S*>(p_.v);
     for (int j = 0; j < n; ++j) {
       T* kr = &t.k[std::size_t(j) * t.dp];
-      T* vr = &t.v[std::size_t(j) * t.dp];
+      T* vr = &t.v[std::size_t(j) * t.dvp];
       if (used && !used[j]) {
         std::fill(kr, kr + t.dp, T(0));
-        std::fill(vr, vr + t.dp, T(0));
+        std::fill(vr, vr + t.dvp, T(0));
         continue;
       }
       load_row<E>(kr, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
-      load_row<E>(vr, v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
+      load_row<E>(vr, v + p_.v_offset(b, j0 + j, g), t.dv, t.dvp);
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
-    transpose<T>(t.v.data(), t.dp, n, t.d, t.vt.data(), kBlockN);
+    transpose<T>(t.v.data(), t.dvp, n, t.dv, t.vt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
-      for (int j = n; j < kBlockN; ++j) {
-        t.kt[std::size_t(c) * kBlockN + j] = 0;
-        t.vt[std::size_t(c) * kBlockN + j] = 0;
-      }
+      for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
+    for (int c = 0; c < t.dv; ++c)
+      for (int j = n; j < kBlockN; ++j) t.vt[std::size_t(c) * kBlockN + j] = 0;
   }
 
   // For the loaded rows and key block j0 (n valid keys): t.s = P (times keep * rp
@@ -146,7 +148,7 @@ class Backward {
   void probs_and_grads(BackwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
                        std::int64_t j0, int n) const {
     gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
-    gemm<T>(rows, t.d, kBlockN, t.dout.data(), t.dp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
+    gemm<T>(rows, t.dv, kBlockN, t.dout.data(), t.dvp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
             false);
     const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
     const semantics::KeyRange last = semantics::visible_keys(i0 + rows - 1, s_q, s_k, p_.mask);
@@ -205,9 +207,9 @@ class Backward {
     const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
     const int n = static_cast<int>(std::max<std::int64_t>(0, std::min<std::int64_t>(kBlockN, s_k - j0)));
     T* dk = t.acc_a.data();  // [kBlockN][dp]
-    T* dv = t.acc_b.data();  // [kBlockN][dp]
+    T* dv = t.acc_b.data();  // [kBlockN][dvp]
     std::fill(dk, dk + std::size_t(kBlockN) * t.dp, T(0));
-    std::fill(dv, dv + std::size_t(kBlockN) * t.dp, T(0));
+    std::fill(dv, dv + std::size_t(kBlockN) * t.dvp, T(0));
     const bool sparse = p_.block_kinds != nullptr;
     bool any_visited = !sparse;
     if (sparse && n > 0) {
@@ -234,9 +236,9 @@ class Backward {
           }
           load_rows(t, b, h, i0, rows);
           probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
-          // dV[n][dp] += P^T[n][rows] dO[rows][dp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
+          // dV[n][dvp] += P^T[n][rows] dO[rows][dvp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
           transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
-          gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, t.dout.data(), t.dp, dv, t.dp, true);
+          gemm<T>(n, rows, t.dvp, t.tr.data(), kBlockM, t.dout.data(), t.dvp, dv, t.dvp, true);
           transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
           gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, t.q.data(), t.dp, dk, t.dp, true);
         }
@@ -247,7 +249,7 @@ class Backward {
     const T scale = static_cast<T>(p_.scale);
     for (int j = 0; j < stored; ++j) {
       store_row<E>(dk_out + p_.dk_offset(b, j0 + j, g), dk + std::size_t(j) * t.dp, t.d, scale);
-      store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dp, t.d, T(1));
+      store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dvp, t.dv, T(1));
     }
   }
 
@@ -317,7 +319,7 @@ class Backward {
     if (p_.dsink) {
 #pragma omp parallel num_threads(team_size(p_.num_threads))
       {
-        BackwardTile<E> t(p_.d);
+        BackwardTile<E> t(p_.d, p_.d_v);
 #pragma omp for schedule(dynamic)
         for (int h = 0; h < p_.h_q; ++h) sink_grad(t, h);
       }
@@ -330,7 +332,7 @@ class Backward {
     const int kblocks = (p_.seqlen_k + kBlockN - 1) / kBlockN;
 #pragma omp parallel num_threads(team_size(p_.num_threads))
     {
-      BackwardTile<E> t(p_.d);
+      BackwardTile<E> t(p_.d, p_.d_v);
 #pragma omp for schedule(dynamic) nowait
       for (std::int64_t task = 0; task < key_tasks; ++task) {
         const int kb = static_cast<int>(task % kblocks);

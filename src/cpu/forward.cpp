@@ -33,6 +33,9 @@ int probs_width(const FwdParams& p) {
   return m;
 }
 
+// Length of the score dot product: d, plus d_v with qv (q . k + qv . v).
+int score_dim(const FwdParams& p) { return p.qv ? p.d + p.d_v : p.d; }
+
 int query_blocks(const FwdParams& p) { return (p.seqlen_q + kBlockM - 1) / kBlockM; }
 
 // Query heads per task. Decode (one query row per sequence) with GQA packs the h_ratio
@@ -64,9 +67,9 @@ int resolve_num_splits(const FwdParams& p) {
 template <class T>
 std::size_t split_workspace_bytes(const FwdParams& p, int splits) {
   if (splits <= 1) return 0;
-  // o partials [splits][batch * seqlen_q][h_q][d] and lse partials [splits][batch * seqlen_q][h_q].
+  // o partials [splits][batch * seqlen_q][h_q][d_v] and lse partials [splits][batch * seqlen_q][h_q].
   const std::size_t rows = std::size_t(splits) * p.batch * p.seqlen_q * p.h_q;
-  return rows * (std::size_t(p.d) + 1) * sizeof(T);
+  return rows * (std::size_t(p.d_v) + 1) * sizeof(T);
 }
 
 // The rows of one task: query rows i0 .. i0 + rows of head h0, or (packed decode) row i0
@@ -80,32 +83,38 @@ struct TaskRows {
 };
 
 // Per-thread tiles of one forward task, in the compute type T.
+//
+// The score dot product runs over d_s = d (q . k) or, with qv (MLA), d + d_v: each query
+// row holds [q | qv] and each key row [k | v], so that one GEMM gives q . k + qv . v.
 template <class E>
 struct ForwardTile {
   using T = typename E::compute;
-  int d, dp;                    // head dim and its padded width
-  std::vector<T> q;             // [kBlockM][dp]      query rows (unscaled)
+  int d, dp;                    // score dim d_s and its padded width
+  int dv, dvp;                  // value head dim d_v and its padded width
+  std::vector<T> q;             // [kBlockM][dp]      query rows (unscaled), [q | qv]
   std::vector<T> kt;            // [d][kBlockN]       key block, transposed
   std::vector<T> k;             // [kBlockN][dp]      key block (converted, before the transpose)
-  std::vector<T> v;             // [kBlockN][dp]      value block
+  std::vector<T> v;             // [kBlockN][dvp]     value block
   std::vector<T> s;             // [kBlockM][kBlockN] scores, then probabilities
   std::vector<T> keep;          // [kBlockM][kBlockN] dropout keep mask, 1 or 0
-  std::vector<T> acc;           // [kBlockM][dp]      unnormalised output rows
+  std::vector<T> acc;           // [kBlockM][dvp]     unnormalised output rows
   std::vector<T> row_max;       // [kBlockM]          running max of the scores
   std::vector<T> row_sum;       // [kBlockM]          running sum of exp(score - max)
   std::vector<T> lse;           // [kBlockM]          final log-sum-exp (probs pass)
   std::vector<std::uint8_t> used;  // [kBlockN]       block sparsity: keys of the block read
 
-  explicit ForwardTile(int head_dim)
-      : d(head_dim),
-        dp(padded_dim<T>(head_dim)),
+  ForwardTile(int score_dim, int value_dim)
+      : d(score_dim),
+        dp(padded_dim<T>(score_dim)),
+        dv(value_dim),
+        dvp(padded_dim<T>(value_dim)),
         q(std::size_t(kBlockM) * dp),
-        kt(std::size_t(head_dim) * kBlockN),
-        k(std::size_t(kBlockN) * padded_dim<T>(head_dim)),
-        v(std::size_t(kBlockN) * dp),
+        kt(std::size_t(score_dim) * kBlockN),
+        k(std::size_t(kBlockN) * dp),
+        v(std::size_t(kBlockN) * dvp),
         s(std::size_t(kBlockM) * kBlockN),
         keep(std::size_t(kBlockM) * kBlockN),
-        acc(std::size_t(kBlockM) * dp),
+        acc(std::size_t(kBlockM) * dvp),
         row_max(kBlockM),
         row_sum(kBlockM),
         lse(kBlockM),
@@ -120,55 +129,51 @@ class Forward {
 
   explicit Forward(const FwdParams& p) : p_(p) {}
 
-  // The query rows of a task into tile.q.
+  // The query rows of a task into tile.q (with qv: q's d columns, then qv's d_v).
   void load_q(ForwardTile<E>& t, int b, const TaskRows& rs) const {
     const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b);
-    for (int r = 0; r < rs.rows; ++r)
-      load_row<E>(&t.q[std::size_t(r) * t.dp],
-                  q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride,
-                  t.d, t.dp);
+    for (int r = 0; r < rs.rows; ++r) {
+      T* dst = &t.q[std::size_t(r) * t.dp];
+      const S* src = q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride;
+      if (!p_.qv) {
+        load_row<E>(dst, src, t.d, t.dp);
+        continue;
+      }
+      const S* qv = static_cast<const S*>(p_.qv) + p_.qv_offset(b) +
+                    std::int64_t(rs.h(r)) * p_.qv_head_stride + std::int64_t(rs.i(r)) * p_.qv_row_stride;
+      load_row<E>(dst, src, p_.d, p_.d);
+      load_row<E>(dst + p_.d, qv, p_.d_v, t.dp - p_.d);
+    }
   }
 
   // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
-  // with_v, the values into tile.v.
+  // with_v, the values into tile.v. With `used` (block sparsity; no fp8 cache), keys
+  // whose block no row of the task visits (used[j] == 0) are zero rows, never read.
   void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
                const std::uint8_t* used = nullptr) const {
-    if (used) {
-      load_kv_used(t, b, g, j0, n, with_v, used);
-      return;
-    }
     if (p_.kv_dtype == DType::kFloat8E4M3) {
       load_kv_fp8(t, b, g, j0, n, with_v);
       return;
     }
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
-    // Rows converted with unit stride, then one blocked transpose into kt.
+    // Rows converted with unit stride, then one blocked transpose into kt. With qv each
+    // key row is [k | v] (the value takes part in the score).
     for (int j = 0; j < n; ++j) {
-      load_row<E>(&t.k[std::size_t(j) * t.dp], k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
-      if (with_v) load_row<E>(&t.v[std::size_t(j) * t.dp], v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
-    }
-    transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
-    for (int c = 0; c < t.d; ++c)
-      for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
-  }
-
-  // load_kv for a block-sparse call: keys whose block no row of the task visits
-  // (used[j] == 0) are zero rows, never read. (Block sparsity has no fp8 cache.)
-  void load_kv_used(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
-                    const std::uint8_t* used) const {
-    const S* k = static_cast<const S*>(p_.k);
-    const S* v = static_cast<const S*>(p_.v);
-    for (int j = 0; j < n; ++j) {
-      T* kr = &t.k[std::size_t(j) * t.dp];
-      T* vr = &t.v[std::size_t(j) * t.dp];
-      if (used[j]) {
-        load_row<E>(kr, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
-        if (with_v) load_row<E>(vr, v + p_.v_offset(b, j0 + j, g), t.d, t.dp);
-      } else {
-        std::fill(kr, kr + t.dp, T(0));
-        if (with_v) std::fill(vr, vr + t.dp, T(0));
+      T* krow = &t.k[std::size_t(j) * t.dp];
+      T* vrow = &t.v[std::size_t(j) * t.dvp];
+      if (used != nullptr && !used[j]) {
+        std::fill(krow, krow + t.dp, T(0));
+        if (with_v) std::fill(vrow, vrow + t.dvp, T(0));
+        continue;
       }
+      if (p_.qv) {
+        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), p_.d, p_.d);
+        load_row<E>(krow + p_.d, v + p_.v_offset(b, j0 + j, g), p_.d_v, t.dp - p_.d);
+      } else {
+        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+      }
+      if (with_v) load_row<E>(vrow, v + p_.v_offset(b, j0 + j, g), t.dv, t.dvp);
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
@@ -184,14 +189,16 @@ class Forward {
       const std::int64_t scale_at = p_.kv_block(b, j0 + j) * p_.scale_block_stride + g;
       const std::uint8_t* krow = k + p_.k_offset(b, j0 + j, g);
       const T ks = static_cast<T>(p_.k_scale[scale_at]);
-      for (int c = 0; c < t.d; ++c)
+      for (int c = 0; c < p_.d; ++c)
         t.kt[std::size_t(c) * kBlockN + j] = static_cast<T>(semantics::e4m3_to_float(krow[c])) * ks;
-      if (with_v) {
+      if (with_v || p_.qv) {
         const std::uint8_t* vrow = v + p_.v_offset(b, j0 + j, g);
         const T vs = static_cast<T>(p_.v_scale[scale_at]);
-        T* dst = &t.v[std::size_t(j) * t.dp];
-        for (int c = 0; c < t.d; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(vrow[c])) * vs;
-        for (int c = t.d; c < t.dp; ++c) dst[c] = 0;
+        T* dst = &t.v[std::size_t(j) * t.dvp];
+        for (int c = 0; c < t.dv; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(vrow[c])) * vs;
+        for (int c = t.dv; c < t.dvp; ++c) dst[c] = 0;
+        if (p_.qv)  // the value's part of the score row [k | v]
+          for (int c = 0; c < t.dv; ++c) t.kt[std::size_t(p_.d + c) * kBlockN + j] = dst[c];
       }
     }
     for (int c = 0; c < t.d; ++c)
@@ -256,7 +263,7 @@ class Forward {
   void attend(ForwardTile<E>& t, int b, const TaskRows& rs, int s_q, int s_k,
               int block_begin, int block_end) const {
     const int rows = rs.rows;
-    std::fill(t.acc.begin(), t.acc.begin() + std::size_t(rows) * t.dp, T(0));
+    std::fill(t.acc.begin(), t.acc.begin() + std::size_t(rows) * t.dvp, T(0));
     std::fill(t.row_max.begin(), t.row_max.end(), -static_cast<T>(INFINITY));
     std::fill(t.row_sum.begin(), t.row_sum.end(), T(0));
     const bool sparse = p_.block_kinds != nullptr;
@@ -280,7 +287,7 @@ class Forward {
       scores(t, b, rs, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
       online_softmax(t, rows, dropout);
-      gemm<T>(rows, n, t.dp, t.s.data(), kBlockN, t.v.data(), t.dp, t.acc.data(), t.dp, true);
+      gemm<T>(rows, n, t.dvp, t.s.data(), kBlockN, t.v.data(), t.dvp, t.acc.data(), t.dvp, true);
     }
   }
 
@@ -318,9 +325,9 @@ class Forward {
       t.row_sum[r] = t.row_sum[r] * alpha + sum;
       t.row_max[r] = m_new;
       if (alpha != T(1)) {
-        T* ar = &t.acc[std::size_t(r) * t.dp];
+        T* ar = &t.acc[std::size_t(r) * t.dvp];
 #pragma omp simd
-        for (int c = 0; c < t.dp; ++c) ar[c] *= alpha;
+        for (int c = 0; c < t.dvp; ++c) ar[c] *= alpha;
       }
       if (dropout) {
         const T* kr = &t.keep[std::size_t(r) * kBlockN];
@@ -342,7 +349,7 @@ class Forward {
   void store_out_row(int b, int h, int i, const T* o, T factor) const {
     S* out = static_cast<S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride +
              std::int64_t(i) * p_.o_row_stride;
-    store_row<E>(out, o, p_.d, factor);
+    store_row<E>(out, o, p_.d_v, factor);
   }
 
   void store_lse(int b, int h, int i, T lse) const {
@@ -389,7 +396,7 @@ class Forward {
   // sees no key (out 0, lse -inf, debug probs 0).
   void write_unused_rows(int width) const {
     if (!p_.seqused_q) return;
-    const std::vector<T> zeros(std::size_t(p_.d), T(0));
+    const std::vector<T> zeros(std::size_t(p_.d_v), T(0));
     for (int b = 0; b < p_.batch; ++b)
       for (int i = p_.seq_len_q(b); i < p_.seq_rows_q(b); ++i)
         for (int h = 0; h < p_.h_q; ++h) {
@@ -415,7 +422,7 @@ class Forward {
     const std::int64_t attend_tasks = std::int64_t(p_.batch) * head_groups * qblocks;
     const int width = p_.probs ? probs_width(p_) : 0;
 
-    // Partials: o [splits][batch * seqlen_q][h_q][d], lse [splits][batch * seqlen_q][h_q].
+    // Partials: o [splits][batch * seqlen_q][h_q][d_v], lse [splits][batch * seqlen_q][h_q].
     std::vector<T> own_workspace;
     T* o_part = nullptr;
     T* lse_part = nullptr;
@@ -428,7 +435,7 @@ class Forward {
         own_workspace.resize(bytes / sizeof(T));
         o_part = own_workspace.data();
       }
-      lse_part = o_part + std::int64_t(splits) * part_rows * p_.d;
+      lse_part = o_part + std::int64_t(splits) * part_rows * p_.d_v;
     }
     auto part_row = [&](int split, int b, int h, int i) {
       return (std::int64_t(split) * p_.batch * p_.seqlen_q + std::int64_t(b) * p_.seqlen_q + i) *
@@ -437,7 +444,7 @@ class Forward {
 
 #pragma omp parallel num_threads(team_size(p_.num_threads))
     {
-      ForwardTile<E> t(p_.d);
+      ForwardTile<E> t(score_dim(p_), p_.d_v);
 #pragma omp for schedule(dynamic)
       for (std::int64_t task = 0; task < attend_tasks * splits; ++task) {
         const int split = static_cast<int>(task % splits);
@@ -462,7 +469,7 @@ class Forward {
           T factor = lse == -static_cast<T>(INFINITY)
                          ? T(0)
                          : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
-          const T* o = &t.acc[std::size_t(r) * t.dp];
+          const T* o = &t.acc[std::size_t(r) * t.dvp];
           if (splits == 1) {
             // The sink joins the denominator once, after every key (split partials get it
             // after their merge).
@@ -473,8 +480,8 @@ class Forward {
             t.lse[r] = total;
           } else {
             const std::int64_t pr = part_row(split, b, rs.h(r), rs.i(r));
-            T* dst = o_part + pr * p_.d;
-            for (int c = 0; c < p_.d; ++c) dst[c] = o[c] * factor;
+            T* dst = o_part + pr * p_.d_v;
+            for (int c = 0; c < p_.d_v; ++c) dst[c] = o[c] * factor;
             lse_part[pr] = lse;
           }
         }
@@ -482,7 +489,7 @@ class Forward {
       }
 
       if (splits > 1) {
-        std::vector<T> merged(p_.d);
+        std::vector<T> merged(p_.d_v);
 #pragma omp for schedule(dynamic)
         for (std::int64_t row_task = 0; row_task < row_tasks; ++row_task) {
           const int qb = static_cast<int>(row_task % qblocks);
@@ -504,8 +511,8 @@ class Forward {
                 const std::int64_t pr = pr0 + s * split_stride;
                 const T w = semantics::merge_weight<T>(lse_part[pr], lse);
                 if (w == T(0)) continue;
-                const T* o = o_part + pr * p_.d;
-                for (int c = 0; c < p_.d; ++c) merged[c] += w * o[c];
+                const T* o = o_part + pr * p_.d_v;
+                for (int c = 0; c < p_.d_v; ++c) merged[c] += w * o[c];
               }
             }
             store_out_row(b, h, i0 + r, merged.data(), T(1));

@@ -37,10 +37,8 @@ void append_fp8(const AppendParams& p) {
       const float vs = c.v_scale[block * c.scale_block_stride + g];
       std::uint8_t* kd = k_cache + c.k_offset(b, j, g);
       std::uint8_t* vd = v_cache + c.v_offset(b, j, g);
-      for (int e = 0; e < p.d; ++e) {
-        kd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(kn[e])), ks);
-        vd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(vn[e])), vs);
-      }
+      for (int e = 0; e < p.d; ++e) kd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(kn[e])), ks);
+      for (int e = 0; e < p.d_v; ++e) vd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(vn[e])), vs);
     }
   }
 }
@@ -50,14 +48,15 @@ void append_fp8(const AppendParams& p) {
 void append_kv(const AppendParams& p) {
   const FwdParams& c = p.cache;
   if (c.kv_dtype == DType::kFloat8E4M3) {
-    if (std::int64_t(p.batch) * p.seqlen_new == 0 || p.h_k == 0 || p.d == 0) return;
+    if (std::int64_t(p.batch) * p.seqlen_new == 0 || p.h_k == 0) return;
     dispatch_dtype(p.dtype, [&](auto e) { append_fp8<decltype(e)>(p); });
     return;
   }
   const std::size_t elem = dtype_size(p.dtype);
   const std::size_t row_bytes = elem * std::size_t(p.d);
+  const std::size_t v_row_bytes = elem * std::size_t(p.d_v);
   const std::int64_t rows = std::int64_t(p.batch) * p.seqlen_new;
-  if (rows == 0 || p.h_k == 0 || p.d == 0) return;
+  if (rows == 0 || p.h_k == 0) return;
   auto* k_cache = static_cast<unsigned char*>(const_cast<void*>(c.k));
   auto* v_cache = static_cast<unsigned char*>(const_cast<void*>(c.v));
   const auto* k_new = static_cast<const unsigned char*>(p.k_new);
@@ -73,7 +72,7 @@ void append_kv(const AppendParams& p) {
       const std::int64_t vn = std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
                               std::int64_t(g) * p.vn_head_stride;
       std::memcpy(k_cache + c.k_offset(b, j, g) * elem, k_new + kn * elem, row_bytes);
-      std::memcpy(v_cache + c.v_offset(b, j, g) * elem, v_new + vn * elem, row_bytes);
+      std::memcpy(v_cache + c.v_offset(b, j, g) * elem, v_new + vn * elem, v_row_bytes);
     }
   }
 }

@@ -406,6 +406,28 @@ TEST(CpuBlockSparseRule, EmptyRowsAndFullBlocksIgnoreCausal) {
   }
 }
 
+// A block mask with v's own head dim (d_v != d, forward and backward), and with MLA's qv
+// (forward only: the score row is [q | qv] . [k | v]; unlisted keys stay zero rows there too).
+TEST(CpuBlockSparseRule, HeadDimOfVAndQvMatchOracle) {
+  FA_SEEDED_RNG(rng);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (auto [d, d_v] : {std::pair{24, 40}, std::pair{40, 8}}) {
+      Shape shape{2, 67, 91, 4, 2, d};
+      shape.d_v = d_v;
+      DenseCase c = DenseCase::random(rng, shape, dtype);
+      c.opts.causal = true;
+      const HostBlockMask m = random_mask(rng, 2, 4, 67, 91, 16, 32, true, true, 0.5, true);
+      check_case(c, m, true);
+    }
+    Shape shape{2, 37, 70, 8, 1, 16};
+    shape.d_v = 32;
+    DenseCase c = DenseCase::random(rng, shape, dtype);
+    c.set_qv(rng);
+    const HostBlockMask m = random_mask(rng, 2, 8, 37, 70, 8, 16, true, true, 0.4, true);
+    check_case(c, m, false);
+  }
+}
+
 // Keys of blocks no query lists are never read: NaN there (and other values) leave every
 // output bit-identical, forward and backward, and their dk / dv are 0.
 TEST(CpuBlockSparseRule, UnlistedKeysAreNeverRead) {

@@ -238,13 +238,13 @@ TEST_F(ErrorsDense, ZeroQueryHeads) {
 TEST_F(ErrorsDense, VSeqlenDiffersFromK) {
   v = pool_.tensor(f32, {b, 6, h_k, d});
   EXPECT_REJECTED(Kind::kInvalid, fwd(),
-                  "argument 'v': expected shape [2, 7, 2, 8] (same as k), got [2, 6, 2, 8]");
+                  "argument 'v': expected shape [2, 7, 2, 8] (same as k but any head dim d_v), got [2, 6, 2, 8]");
 }
 
 TEST_F(ErrorsDense, OutShape) {
   out = pool_.tensor(f32, {b, s_q, h_q, 4}, nan);
   EXPECT_REJECTED(Kind::kInvalid, fwd(),
-                  "argument 'out': expected shape [2, 5, 4, 8] (same as q), got [2, 5, 4, 4]");
+                  "argument 'out': expected shape [2, 5, 4, 8] (same as q but the head dim d_v of v), got [2, 5, 4, 4]");
 }
 
 TEST_F(ErrorsDense, OutDtype) {
@@ -295,12 +295,12 @@ TEST_F(ErrorsDense, NullData) {
 }
 
 TEST_F(ErrorsDense, HeadDimUnsupportedOnCpu) {
-  q = pool_.tensor(f32, {1, 2, 1, 300});
-  k = pool_.tensor(f32, {1, 2, 1, 300});
-  v = pool_.tensor(f32, {1, 2, 1, 300});
-  out = pool_.tensor(f32, {1, 2, 1, 300}, nan);
+  q = pool_.tensor(f32, {1, 2, 1, 600});
+  k = pool_.tensor(f32, {1, 2, 1, 600});
+  v = pool_.tensor(f32, {1, 2, 1, 600});
+  out = pool_.tensor(f32, {1, 2, 1, 600}, nan);
   lse = fa::Tensor{};
-  EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q': expected head dim d in [1, 256] (CPU backend), got d = 300");
+  EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q': expected head dim d in [1, 512] (CPU backend), got d = 600");
 }
 
 TEST_F(ErrorsDense, Fp8IsReserved) {
@@ -460,7 +460,7 @@ TEST_F(ErrorsDense, BackwardNeedsLse) {
 
 TEST_F(ErrorsDense, BackwardDoutShape) {
   dout = pool_.tensor(f32, {b, s_q + 1, h_q, d});
-  EXPECT_REJECTED(Kind::kInvalid, bwd(), "argument 'dout': expected shape [2, 5, 4, 8] (same as q), got [2, 6, 4, 8]");
+  EXPECT_REJECTED(Kind::kInvalid, bwd(), "argument 'dout': expected shape [2, 5, 4, 8] (same as q but the head dim d_v of v), got [2, 6, 4, 8]");
 }
 
 TEST_F(ErrorsDense, BackwardDqDtype) {
@@ -517,7 +517,7 @@ TEST_F(ErrorsDense, WorkspaceSizeChecksItsArguments) {
 TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60, 2, 8);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60, 60, 2, 8);
     FAIL() << "d = 60 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
@@ -526,10 +526,56 @@ TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   }
 }
 
+TEST(ErrorsCudaRules, HeadDimsOfKAndVMustAgree) {
+  const fa::detail::api::Check check("forward");
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 192, 128, 2, 8);
+    FAIL() << "d_v != d accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim d_v == d = 192 (CUDA backend"));
+    EXPECT_THAT(e.what(), HasSubstr("got d_v = 128"));
+  }
+}
+
+TEST(ErrorsCudaRules, KVCacheNamesVCache) {
+  const fa::detail::api::Check check("kvcache_forward");
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
+                                     "v_cache");
+    FAIL() << "d_v != d accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA backend"));
+  }
+}
+
+TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {
+  const fa::detail::api::Check check("kvcache_forward");
+  alignas(16) static std::uint16_t buf[64];
+  fa::Options opts;
+  opts.qv = fa::Tensor::contiguous(buf, fa::DType::kFloat16, {1, 1, 1, 64}, fa::Device::cuda(0));
+  EXPECT_NO_THROW(fa::detail::api::check_qv_target(check, opts, false));
+  try {
+    fa::detail::api::check_qv_target(check, opts, true);
+    FAIL() << "qv accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'opts.qv': expected an undefined tensor on CUDA (qv, MLA, runs on the CPU backend), got a tensor on cuda:0"));
+  }
+}
+
+TEST(ErrorsCudaRules, HeadDimAbove256) {
+  const fa::detail::api::Check check("backward");
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8);
+    FAIL() << "d = 512 accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend), got d = 512"));
+  }
+}
+
 TEST(ErrorsCudaRules, OnlyHalfPrecision) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 2, 8);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 64, 2, 8);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected dtype float16 or bfloat16 (CUDA backend), got float32"));
@@ -540,14 +586,14 @@ TEST(ErrorsCudaRules, GridLimits) {
   const fa::detail::api::Check check("varlen_forward");
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
-                                     70000, 8);
+                                     64, 70000, 8);
     FAIL() << "70000 sequences accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected at most 65535 sequences per call (CUDA backend), got 70000 sequences"));
   }
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
-                                     2, 65536);
+                                     64, 2, 65536);
     FAIL() << "65536 heads accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected at most 65535 query heads (CUDA backend), got 65536 heads"));
@@ -835,7 +881,7 @@ TEST_F(ErrorsKVCache, KNewShape) {
 
 TEST_F(ErrorsKVCache, VNewShape) {
   args.v_new = pool_.tensor(f32, {b, s_new + 1, h_k, d});
-  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_new': expected shape [2, 2, 2, 8] (same as k_new), got [2, 3, 2, 8]");
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'v_new': expected shape [2, 2, 2, 8] (same as k_new but the head dim d_v of v_cache), got [2, 3, 2, 8]");
 }
 
 TEST_F(ErrorsKVCache, CacheHeadDim) {

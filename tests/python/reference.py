@@ -71,11 +71,14 @@ class Head:
     """One (sequence, query head): q [s_q, d], k, v [s_k, d] in fp64, and its forward."""
 
     def __init__(self, q, k, v, scale, causal, window, softcap, slope, keep, p, sink=None,
-                 mask=None):
+                 mask=None, qv=None):
         self.q, self.k, self.v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
         s_q, s_k = self.q.shape[0], self.k.shape[0]
         self.scale, self.softcap, self.p, self.keep = scale, softcap, p, keep
-        x = scale * (self.q @ self.k.T)
+        dots = self.q @ self.k.T
+        if qv is not None:  # MLA (FlashAttention-3's qv): q . k + qv . v
+            dots = dots + np.asarray(qv, dtype=np.float64) @ self.v.T
+        x = scale * dots
         if softcap > 0:
             self.capped = softcap * np.tanh(x / softcap)
             x = self.capped
@@ -125,9 +128,11 @@ class Head:
 def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, seed=0, offset=0, dout=None,
               cu_seqlens_q=None, cu_seqlens_k=None, seqused_k=None, learnable_sink=None,
-              element_mask=None):
-    """Dense q [b, s_q, h_q, d], k, v [b, s_k, h_k, d], or varlen (cu_seqlens given)
-    q [total_q, h_q, d], k, v [total_k, h_k, d]. Returns a dict with out, lse, probs
+              element_mask=None, qv=None):
+    """Dense q [b, s_q, h_q, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v], or varlen
+    (cu_seqlens given) q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v];
+    qv (like q with d_v, forward only) adds qv . v to the scores and makes the default
+    scale 1/sqrt(d + d_v). Returns a dict with out (d_v), lse, probs
     (dense [b, h_q, s_q, s_k]; varlen [h_q, total_q, max_seqlen_k]) and, with dout, dq,
     dk, dv (dk, dv summed over GQA groups) and, with learnable_sink [h_q], dsink [h_q].
     element_mask (dense only): bool [b, h_q, s_q, s_k] visibility replacing causal / window
@@ -142,18 +147,21 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
         h_q, d = q.shape[1], q.shape[2]
         h_k = k.shape[1]
         max_k = max([b - a for a, b in zip(cu_seqlens_k[:-1], cu_seqlens_k[1:])] + [0])
-        out = np.zeros_like(q)
+        out = np.zeros(q.shape[:-1] + v.shape[-1:])
         lse = np.zeros((h_q, q.shape[0]))
         probs = np.zeros((h_q, q.shape[0], max_k))
     else:
         b, s_q, h_q, d = q.shape
         s_k, h_k = k.shape[1], k.shape[2]
         seqs_q = [(i, i) for i in range(b)]
-        out = np.zeros_like(q)
+        out = np.zeros(q.shape[:-1] + v.shape[-1:])
         lse = np.zeros((b, h_q, s_q))
         probs = np.zeros((b, h_q, s_q, s_k))
     # Options carries softmax_scale and softcap as fp32: the oracle uses the same values.
-    scale = float(np.float32(1.0) / np.sqrt(np.float32(d)) if softmax_scale is None
+    if qv is not None:
+        qv = np.asarray(qv, dtype=np.float64)
+    d_scale = d + (v.shape[-1] if qv is not None else 0)
+    scale = float(np.float32(1.0) / np.sqrt(np.float32(d_scale)) if softmax_scale is None
                   else np.float32(softmax_scale))
     softcap = float(np.float32(softcap))
     grads = dout is not None
@@ -173,12 +181,14 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
             if varlen:
                 (q0, q1), (k0, k1) = seqs_q[bi], seqs_k[bi]
                 qs, ks, vs = q[q0:q1, h], k[k0:k1, hk], v[k0:k1, hk]
+                qvs = None if qv is None else qv[q0:q1, h]
             else:
                 qs, ks, vs = q[bi, :, h], k[bi, :, hk], v[bi, :, hk]
+                qvs = None if qv is None else qv[bi, :, h]
             keep = dropout_keep(dropout_p, seed, offset, bi * h_q + h, qs.shape[0], ks.shape[0])
             head = Head(qs, ks, vs, scale, causal, window, softcap, slope, keep, dropout_p,
                         None if sinks is None else sinks[h],
-                        None if element_mask is None else element_mask[bi, h])
+                        mask=None if element_mask is None else element_mask[bi, h], qv=qvs)
             if varlen:
                 out[q0:q1, h] = head.out
                 lse[h, q0:q1] = head.lse
@@ -236,6 +246,8 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None
         vs = np.stack([vc[r, c] for r, c in rows])[None] if n else np.zeros((1, 0) + vc.shape[2:])
         alibi = kw.get("alibi_slopes")
         kwi = dict(kw)
+        if kw.get("qv") is not None:
+            kwi["qv"] = np.asarray(kw["qv"])[i : i + 1]
         if alibi is not None and np.asarray(alibi).ndim == 2:
             kwi["alibi_slopes"] = np.asarray(alibi)[i]
         res = attention(q[i : i + 1], ks, vs, **kwi)

@@ -129,14 +129,23 @@ ROWS = [
     # -------------------------------------------------------------- shapes
     ("k_head_dim_mismatch", "func", setter(k=lambda kw: rand(B, S_K, H_K, 16)), E, "k", "shape[3] == 8 (head dim of q)", "16"),
     ("k_batch_mismatch", "func", setter(k=lambda kw: rand(3, S_K, H_K, D)), E, "k", "shape[0] == 2 (batch of q)", "3"),
-    ("v_seqlen_mismatch", "func", setter(v=lambda kw: rand(B, 6, H_K, D)), E, "v", "shape [2, 7, 2, 8] (same as k)", "[2, 6, 2, 8]"),
+    ("v_seqlen_mismatch", "func", setter(v=lambda kw: rand(B, 6, H_K, D)), E, "v", "shape [2, 7, 2, 8] (same as k but any head dim d_v)", "[2, 6, 2, 8]"),
     ("kv_heads_not_dividing", "func", setter(k=lambda kw: rand(B, S_K, 3, D), v=lambda kw: rand(B, S_K, 3, D)), E, "k", "dividing h_q = 4", "3"),
     ("q_rank_3", "func", setter(q=lambda kw: rand(S_Q, H_Q, D)), E, "q", "rank 4", "rank 3"),
     ("kv_k_new_shape", "kvcache", setter(k=lambda kw: rand(B, 2, H_Q, D)), E, "k_new", "shape [2, 2, 2, 8]", "[2, 2, 4, 8]"),
     # -------------------------------------------------------------- head dim
     ("head_dim_0", "func", with_head_dim(0), E, "q", "shape[3] >= 1 (head dim)", "0"),
-    ("head_dim_264", "func", with_head_dim(264), U, "q", "head dim d in [1, 256]", "d = 264"),
-    ("varlen_head_dim_512", "varlen", with_head_dim(512), U, "q", "head dim d in [1, 256]", "d = 512"),
+    ("head_dim_520", "func", with_head_dim(520), U, "q", "head dim d in [1, 512]", "d = 520"),
+    ("varlen_head_dim_513", "varlen", with_head_dim(513), U, "q", "head dim d in [1, 512]", "d = 513"),
+    # -------------------------------------------------------------- head dim of v (d_v), qv
+    ("v_head_dim_520", "func", setter(v=lambda kw: rand(B, S_K, H_K, 520)), U, "v", "head dim d_v in [1, 512] (CPU backend)", "d_v = 520"),
+    ("v_head_dim_0", "func", setter(v=lambda kw: rand(B, S_K, H_K, 0)), E, "v", "shape[3] >= 1 (head dim)", "0"),
+    ("varlen_v_heads", "varlen", setter(v=lambda kw: rand(8, 1, 16)), E, "v", "shape [8, 2, 16] (same as k but any head dim d_v)", "[8, 1, 16]"),
+    ("kv_v_new_head_dim", "kvcache", setter(v_cache=lambda kw: rand(3, 16, H_K, 16)), E, "v_new", "shape [2, 2, 2, 16] (same as k_new but the head dim d_v of v_cache)", "[2, 2, 2, 8]"),
+    ("kv_qv_head_dim", "kvcache", setter(qv=lambda kw: rand(B, 1, H_Q, 4)), E, "qv", "shape [2, 1, 4, 8] (same as q but the head dim d_v of v)", "[2, 1, 4, 4]"),
+    ("kv_qv_rank", "kvcache", setter(qv=lambda kw: rand(B, H_Q, D)), E, "qv", "rank 4", "rank 3"),
+    ("kv_qv_float32", "kvcache", setter(qv=lambda kw: rand(B, 1, H_Q, D, dtype=torch.float32)), E, "qv", "dtype float64 (same as q)", "float32"),
+    ("kv_qv_meta", "kvcache", setter(qv=lambda kw: rand(B, 1, H_Q, D).to(META)), E, "qv", "a tensor on cpu (the device of q)", "a tensor on meta"),
     # -------------------------------------------------------------- block-sparse masks
     ("bs_count_above_n", "func", setter(block_sparse_tensors=block_mask(cnt=(3, 1))), E, "block_sparse_tensors.mask_block_cnt", "counts in [0, N = ceil(s_k / block_size_k) = ceil(7 / 4) = 2]", "3"),
     ("bs_index_out_of_range", "func", setter(block_sparse_tensors=block_mask(idx=((1, 2), (0, 0)))), E, "block_sparse_tensors.mask_block_idx", "key block indices in [0, N)", "2"),

@@ -229,7 +229,7 @@ def test_opcheck_with_block_mask(seed):
     m2 = bsm.document_mask(torch.tensor([[0] * 5 + [1] * 4, [0] * 9]), (4, 4))
     bs = (m.mask_block_cnt, m.mask_block_idx, m.full_block_cnt, m.full_block_idx, 4, 4, None,
           None, m.prefix_keys)
-    args = (q, k, v, None, None, 0.25, True, -1, -1, 0.0, 0.0, False, False, None)
+    args = (q, k, v, None, None, 0.25, True, -1, -1, 0.0, 0.0, False, False, None, None)  # sink, qv
     torch.library.opcheck(ops.fwd, args + bs)
     out, lse, _ = ops.fwd(*args, *bs)
     dout = randn(g, *out.shape)
@@ -240,7 +240,7 @@ def test_opcheck_with_block_mask(seed):
     bs2 = (m2.mask_block_cnt, m2.mask_block_idx, m2.full_block_cnt, m2.full_block_idx, 4, 4,
            m2.q_doc_ids, m2.k_doc_ids, None)
     torch.library.opcheck(ops.fwd, (qs.requires_grad_(), ks.requires_grad_(), ks.clone(), None,
-                                    None, 0.25, True, -1, -1, 0.0, 0.0, False, False, None) + bs2)
+                                    None, 0.25, True, -1, -1, 0.0, 0.0, False, False, None, None) + bs2)
 
 
 def test_torch_compile_fullgraph_with_block_mask(seed):
@@ -358,7 +358,7 @@ def test_opcheck_varlen_with_block_mask(seed):
     bs = (m.mask_block_cnt, m.mask_block_idx, m.full_block_cnt, m.full_block_idx, 4, 4, None,
           None, None)
     args = (q, k, v, cu_q, cu_k, None, None, None, 7, 9, 0.25, True, -1, -1, 0.0, 0.0, False,
-            False, None, None)
+            False, None, None, None)  # sink, seqused_q, qv
     torch.library.opcheck(ops.varlen_fwd, args + bs)
     out, lse, _ = ops.varlen_fwd(*args, *bs)
     torch.library.opcheck(ops.varlen_bwd, (randn(g, 12, 2, 8), q, k, v, out, lse, cu_q, cu_k, None,

@@ -42,6 +42,8 @@ void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_do
   dot.assign(sz(s.s_k), Acc(0));
   score.assign(sz(s.s_k), static_cast<Acc>(kNegInf));
   const double* qi = &s.q[sz((i * p.h_q + h) * p.d)];
+  const int dv = p.dv();
+  const double* qvi = s.qv.empty() ? nullptr : &s.qv[sz((i * p.h_q + h) * dv)];
   for (std::int64_t j = 0; j < s.s_k; ++j) {
     if (!s.element_mask.empty()) {
       if (s.element_mask.size() != sz(std::int64_t(p.h_q) * s.s_q * s.s_k))
@@ -54,6 +56,10 @@ void row_scores(const RefProblem& p, int b, int h, std::int64_t i, bool round_do
     const double* kj = &s.k[sz((j * p.h_k + g) * p.d)];
     Acc acc = 0;
     for (int c = 0; c < p.d; ++c) acc += static_cast<Acc>(qi[c]) * static_cast<Acc>(kj[c]);
+    if (qvi) {  // MLA: one dot product over [q | qv] . [k | v]
+      const double* vj = &s.v[sz((j * p.h_k + g) * dv)];
+      for (int c = 0; c < dv; ++c) acc += static_cast<Acc>(qvi[c]) * static_cast<Acc>(vj[c]);
+    }
     if (round_dot) acc = R(acc);
     dot[sz(j)] = acc;
     score[sz(j)] = semantics::score<Acc>(acc, scale, cap, slope, i, j, s.s_q, s.s_k);
@@ -89,7 +95,8 @@ std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact
   for (int b = 0; b < static_cast<int>(p.seqs.size()); ++b) {
     const RefSeq& s = p.seqs[sz(b)];
     RefOutput& r = result[sz(b)];
-    r.out.assign(sz(std::int64_t(s.s_q) * p.h_q * p.d), 0.0);
+    const int dv = p.dv();
+    r.out.assign(sz(std::int64_t(s.s_q) * p.h_q * dv), 0.0);
     r.lse.assign(sz(std::int64_t(p.h_q) * s.s_q), kNegInf);
     r.probs.assign(sz(std::int64_t(p.h_q) * s.s_q * s.s_k), 0.0);
     if (exact) r.out_mag.assign(r.out.size(), 0.0);
@@ -114,18 +121,18 @@ std::vector<RefOutput> forward_impl(const RefProblem& p, DType dtype, bool exact
           r.probs[sz((h * std::int64_t(s.s_q) + i) * s.s_k + j)] = double(kept);
           prob[sz(j)] = R(kept);
         }
-        double* o = &r.out[sz((i * p.h_q + h) * p.d)];
-        for (int c = 0; c < p.d; ++c) {
+        double* o = &r.out[sz((i * p.h_q + h) * dv)];
+        for (int c = 0; c < dv; ++c) {
           Acc acc = 0;
           double mag = 0;
           for (std::int64_t j = 0; j < s.s_k; ++j) {
             if (prob[sz(j)] == Acc(0)) continue;
-            const double vj = s.v[sz((j * p.h_k + g) * p.d + c)];
+            const double vj = s.v[sz((j * p.h_k + g) * dv + c)];
             acc += prob[sz(j)] * static_cast<Acc>(vj);
             mag += double(prob[sz(j)]) * std::fabs(vj);
           }
           o[c] = double(R(static_cast<Acc>(acc * rp)));
-          if (exact) r.out_mag[sz((i * p.h_q + h) * p.d + c)] = mag * double(rp);
+          if (exact) r.out_mag[sz((i * p.h_q + h) * dv + c)] = mag * double(rp);
         }
       }
     }
@@ -144,7 +151,10 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
   std::vector<double> dp_abs;  // oracle only: sum of |terms| of each dP
   for (int b = 0; b < static_cast<int>(p.seqs.size()); ++b) {
     const RefSeq& s = p.seqs[sz(b)];
-    if (s.dout.size() != s.q.size()) throw std::invalid_argument("reference backward: dout missing");
+    const int dv_dim = p.dv();
+    if (!s.qv.empty()) throw std::invalid_argument("reference backward: qv has no backward");
+    if (s.dout.size() != sz(std::int64_t(s.s_q) * p.h_q * dv_dim))
+      throw std::invalid_argument("reference backward: dout missing");
     RefGrads& gr = result[sz(b)];
     std::vector<Acc> dq(s.q.size(), Acc(0)), dk(s.k.size(), Acc(0)), dv(s.v.size(), Acc(0));
     std::vector<double> dq_mag(exact ? s.q.size() : 0, 0.0), dk_mag(exact ? s.k.size() : 0, 0.0),
@@ -168,7 +178,7 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
           lse = static_cast<Acc>((*forward)[sz(b)].lse[sz(h * std::int64_t(s.s_q) + i)]);
           if (lse == static_cast<Acc>(kNegInf)) continue;
         }
-        const double* doi = &s.dout[sz((i * p.h_q + h) * p.d)];
+        const double* doi = &s.dout[sz((i * p.h_q + h) * dv_dim)];
         prob.assign(sz(s.s_k), Acc(0));
         dp.assign(sz(s.s_k), Acc(0));
         dp_abs.assign(sz(s.s_k), 0.0);
@@ -179,8 +189,8 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
           const Acc pk = exact ? prob[sz(j)] * rp : R(prob[sz(j)]);  // naive: rp applied below
           Acc dpj = 0;
           double dpj_abs = 0;
-          for (int c = 0; c < p.d; ++c) {
-            const std::size_t kv = sz((j * p.h_k + g) * p.d + c);
+          for (int c = 0; c < dv_dim; ++c) {
+            const std::size_t kv = sz((j * p.h_k + g) * dv_dim + c);
             dv[kv] += pk * static_cast<Acc>(doi[c]);
             dpj += static_cast<Acc>(doi[c]) * static_cast<Acc>(s.v[kv]);
             if (exact) {
@@ -200,8 +210,8 @@ std::vector<RefGrads> backward_impl(const RefProblem& p, DType dtype, bool exact
             delta_abs += double(prob[sz(j)]) * dp_abs[sz(j)];
           }
         } else {
-          const double* oi = &(*forward)[sz(b)].out[sz((i * p.h_q + h) * p.d)];
-          for (int c = 0; c < p.d; ++c) delta += static_cast<Acc>(doi[c]) * static_cast<Acc>(oi[c]);
+          const double* oi = &(*forward)[sz(b)].out[sz((i * p.h_q + h) * dv_dim)];
+          for (int c = 0; c < dv_dim; ++c) delta += static_cast<Acc>(doi[c]) * static_cast<Acc>(oi[c]);
         }
         // The sink's score gets dS = P_sink * (dP_sink - D) with dP_sink = 0 (no value).
         if (!p.sink.empty() && sink != static_cast<Acc>(kNegInf)) {

@@ -21,8 +21,12 @@ namespace flashattn::test {
 struct RefSeq {
   int s_q = 0, s_k = 0;
   std::vector<double> q;     // [s_q, h_q, d]
-  std::vector<double> k, v;  // [s_k, h_k, d]; an fp8 cache gives its dequantized values
-  std::vector<double> dout;  // [s_q, h_q, d]; backward only
+  std::vector<double> k;     // [s_k, h_k, d]; an fp8 cache gives its dequantized values
+  std::vector<double> v;     // [s_k, h_k, d_v]
+  std::vector<double> dout;  // [s_q, h_q, d_v]; backward only
+  // MLA (FlashAttention-3's qv) [s_q, h_q, d_v], or empty: the raw score of (i, j) is then
+  // q_i . k_j + qv_i . v_j. Forward only.
+  std::vector<double> qv;
   // Draft-tree mask [s_q][ceil(s_q / 32)] words (semantics::tree_key_visible), or empty.
   std::vector<std::uint32_t> tree;
   // Element visibility [h_q][s_q][s_k] (1 = visible) that replaces the plain mask (the
@@ -42,6 +46,8 @@ bool tree_allows(const RefSeq& s, std::int64_t i, std::int64_t j);
 
 struct RefProblem {
   int h_q = 1, h_k = 1, d = 1;
+  int d_v = 0;  // head dim of v, out, dout (0 = d)
+  int dv() const { return d_v > 0 ? d_v : d; }
   double scale = 1.0;
   double softcap = 0.0;
   semantics::Mask mask;
@@ -66,18 +72,18 @@ struct RefProblem {
 };
 
 struct RefOutput {
-  std::vector<double> out;    // [s_q, h_q, d]
+  std::vector<double> out;    // [s_q, h_q, d_v]
   std::vector<double> lse;    // [h_q, s_q]; -inf for rows that see no key
   std::vector<double> probs;  // [h_q, s_q, s_k]: P * keep (no 1/(1-p)); 0 where masked
   // Oracle only: sum_j P_ij Z_ij |v_j|, the magnitude of the terms each output sums
   // (the rounding floor of the tolerance rule, as RefGrads::dq_mag for the backward).
-  std::vector<double> out_mag;  // [s_q, h_q, d]
+  std::vector<double> out_mag;  // [s_q, h_q, d_v]
 };
 
 struct RefGrads {
   std::vector<double> dq;  // [s_q, h_q, d]
   std::vector<double> dk;  // [s_k, h_k, d], summed over the query heads of a group
-  std::vector<double> dv;  // [s_k, h_k, d]
+  std::vector<double> dv;  // [s_k, h_k, d_v]
   // Oracle only: the same sums taken over the absolute values of their terms
   // (|dS| bounded by P (|dP| + |D|), each of dP and D itself a sum of |terms|). Rounding in any order of summation is a few ulp of
   // these, which sets the rounding floor of the tolerance rule where cancellation makes

@@ -73,17 +73,21 @@ DenseCase DenseCase::random(Rng& rng, const Shape& shape, DType dtype, double st
   c.shape = shape;
   c.dtype = dtype;
   const std::int64_t b = shape.batch, sq = shape.s_q, sk = shape.s_k, hq = shape.h_q, hk = shape.h_k,
-                     d = shape.d;
+                     d = shape.d, dv = shape.dv();
   c.q = random_normal(dtype, {b, sq, hq, d}, rng, stddev);
   c.k = random_normal(dtype, {b, sk, hk, d}, rng, stddev);
-  c.v = random_normal(dtype, {b, sk, hk, d}, rng);
-  c.dout = random_normal(dtype, {b, sq, hq, d}, rng);
-  c.out = HostTensor(dtype, {b, sq, hq, d});
+  c.v = random_normal(dtype, {b, sk, hk, dv}, rng);
+  c.dout = random_normal(dtype, {b, sq, hq, dv}, rng);
+  c.out = HostTensor(dtype, {b, sq, hq, dv});
   c.lse = HostTensor(DType::kFloat32, {b, hq, sq});
   c.dq = HostTensor(dtype, {b, sq, hq, d});
   c.dk = HostTensor(dtype, {b, sk, hk, d});
-  c.dv = HostTensor(dtype, {b, sk, hk, d});
+  c.dv = HostTensor(dtype, {b, sk, hk, dv});
   return c;
+}
+
+void DenseCase::set_qv(Rng& rng) {
+  qv = random_normal(dtype, {shape.batch, shape.s_q, shape.h_q, shape.dv()}, rng);
 }
 
 void DenseCase::set_alibi(std::vector<float> slopes, bool per_batch) {
@@ -99,6 +103,7 @@ void DenseCase::want_probs() {
 Options DenseCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (!qv.empty()) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -109,13 +114,17 @@ RefProblem DenseCase::problem() const {
   p.h_q = shape.h_q;
   p.h_k = shape.h_k;
   p.d = shape.d;
+  p.d_v = shape.dv();
   p.set_options(opts, alibi, alibi_per_batch);
+  // With qv the default scale is 1/sqrt(d + d_v) (FlashAttention-3).
+  if (!qv.empty()) p.scale = RefProblem::resolve_scale(opts.softmax_scale, shape.d + shape.dv());
   p.sink = sink.as_double();
   for (int b = 0; b < shape.batch; ++b) {
     RefSeq s;
     s.s_q = shape.s_q;
     s.s_k = shape.s_k;
     s.q = rows_of(q, std::int64_t(b) * shape.s_q, shape.s_q);
+    if (!qv.empty()) s.qv = rows_of(qv, std::int64_t(b) * shape.s_q, shape.s_q);
     s.dout = rows_of(dout, std::int64_t(b) * shape.s_q, shape.s_q);
     s.k = rows_of(k, std::int64_t(b) * shape.s_k, shape.s_k);
     s.v = rows_of(v, std::int64_t(b) * shape.s_k, shape.s_k);
@@ -159,12 +168,14 @@ int VarlenCase::max_k() const {
 }
 
 VarlenCase VarlenCase::make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k, int d,
-                            DType dtype, int pad_q, int pad_k) {
+                            DType dtype, int pad_q, int pad_k, int d_v) {
+  if (d_v <= 0) d_v = d;
   if (cu_q.size() != cu_k.size() || cu_q.empty()) throw std::invalid_argument("VarlenCase: cu sizes");
   VarlenCase c;
   c.h_q = h_q;
   c.h_k = h_k;
   c.d = d;
+  c.d_v = d_v;
   c.dtype = dtype;
   c.cu_q = std::move(cu_q);
   c.cu_k = std::move(cu_k);
@@ -172,17 +183,19 @@ VarlenCase VarlenCase::make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu
   c.total_k = c.cu_k.back() + pad_k;
   c.q = random_normal(dtype, {c.total_q, h_q, d}, rng);
   c.k = random_normal(dtype, {c.total_k, h_k, d}, rng);
-  c.v = random_normal(dtype, {c.total_k, h_k, d}, rng);
-  c.dout = random_normal(dtype, {c.total_q, h_q, d}, rng);
-  c.out = HostTensor(dtype, {c.total_q, h_q, d});
+  c.v = random_normal(dtype, {c.total_k, h_k, d_v}, rng);
+  c.dout = random_normal(dtype, {c.total_q, h_q, d_v}, rng);
+  c.out = HostTensor(dtype, {c.total_q, h_q, d_v});
   c.lse = HostTensor(DType::kFloat32, {h_q, c.total_q});
   c.dq = HostTensor(dtype, {c.total_q, h_q, d});
   c.dk = HostTensor(dtype, {c.total_k, h_k, d});
-  c.dv = HostTensor(dtype, {c.total_k, h_k, d});
+  c.dv = HostTensor(dtype, {c.total_k, h_k, d_v});
   c.cu_q_t = int_tensor(c.cu_q);
   c.cu_k_t = int_tensor(c.cu_k);
   return c;
 }
+
+void VarlenCase::set_qv(Rng& rng) { qv = random_normal(dtype, {total_q, h_q, d_v}, rng); }
 
 void VarlenCase::set_seqused_k(std::vector<int> used) {
   seqused_k = std::move(used);
@@ -205,6 +218,7 @@ void VarlenCase::want_probs() { probs = HostTensor(DType::kFloat32, {h_q, total_
 Options VarlenCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (!qv.empty()) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   if (!probs.shape().empty()) o.return_probs = probs.view();
   return o;
@@ -229,13 +243,16 @@ RefProblem VarlenCase::problem() const {
   p.h_q = h_q;
   p.h_k = h_k;
   p.d = d;
+  p.d_v = d_v;
   p.set_options(opts, alibi, alibi_per_batch);
+  if (!qv.empty()) p.scale = RefProblem::resolve_scale(opts.softmax_scale, d + d_v);
   p.sink = sink.as_double();
   for (int b = 0; b < batch(); ++b) {
     RefSeq s;
     s.s_q = used_q(b);
     s.s_k = used_k(b);
     s.q = rows_of(q, cu_q[b], s.s_q);
+    if (!qv.empty()) s.qv = rows_of(qv, cu_q[b], s.s_q);
     s.dout = rows_of(dout, cu_q[b], s.s_q);
     s.k = rows_of(k, cu_k[b], s.s_k);
     s.v = rows_of(v, cu_k[b], s.s_k);
@@ -396,10 +413,10 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
     rows_per = s_cache;
     slots = rows;
   }
-  const std::int64_t hk = cfg.h_k, d = cfg.d;
+  const std::int64_t hk = cfg.h_k, d = cfg.d, dv = cfg.dv();
   const DType cache_dtype = cfg.fp8 ? DType::kFloat8E4M3 : cfg.dtype;
   c.k_cache = HostTensor(cache_dtype, {slots, rows_per, hk, d});
-  c.v_cache = HostTensor(cache_dtype, {slots, rows_per, hk, d});
+  c.v_cache = HostTensor(cache_dtype, {slots, rows_per, hk, dv});
   c.k_cache.fill_nan();
   c.v_cache.fill_nan();
   if (cfg.fp8) {
@@ -427,12 +444,13 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
   // Stores x into cache element (slot, row, g, e): rounded to dtype, or quantized by the
   // slot's scale (fp8).
   auto store = [&](HostTensor& cache, bool is_k, int slot, int row, std::int64_t e, double x) {
-    const std::int64_t at = (std::int64_t(slot) * rows_per + row) * hk * d + e;
+    const std::int64_t width = is_k ? d : dv;
+    const std::int64_t at = (std::int64_t(slot) * rows_per + row) * hk * width + e;
     if (!cfg.fp8) {
       cache.set(at, x);
       return;
     }
-    const int g = static_cast<int>(e / d);
+    const int g = static_cast<int>(e / width);
     const float scale = is_k ? c.k_scale_of(slot, g) : c.v_scale_of(slot, g);
     cache.as<std::uint8_t>()[at] = semantics::quantize_e4m3(static_cast<float>(x), scale);
   };
@@ -440,28 +458,29 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
   for (int b = 0; b < B; ++b)
     for (int j = 0; j < c.cache_lens[b]; ++j) {
       const auto [slot, row] = c.locate(b, j);
-      for (std::int64_t e = 0; e < hk * d; ++e) {
-        store(c.k_cache, true, slot, row, e, normal(rng));
-        store(c.v_cache, false, slot, row, e, normal(rng));
+      for (std::int64_t e = 0; e < hk * std::max(d, dv); ++e) {
+        if (e < hk * d) store(c.k_cache, true, slot, row, e, normal(rng));
+        if (e < hk * dv) store(c.v_cache, false, slot, row, e, normal(rng));
       }
     }
   c.q = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, d}, rng);
-  c.out = HostTensor(cfg.dtype, {B, cfg.s_q, cfg.h_q, d});
+  if (cfg.qv) c.qv = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, dv}, rng);
+  c.out = HostTensor(cfg.dtype, {B, cfg.s_q, cfg.h_q, dv});
   c.lse = HostTensor(DType::kFloat32, {B, cfg.h_q, cfg.s_q});
   c.cache_lens_t = int_tensor(c.cache_lens);
   c.k_cache_expected = c.k_cache;
   c.v_cache_expected = c.v_cache;
   if (cfg.s_new > 0) {
     c.k_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, d}, rng);
-    c.v_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, d}, rng);
+    c.v_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, dv}, rng);
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < cfg.s_new; ++r) {
         const auto [slot, row] = c.locate(b, c.cache_lens[b] + r);
-        const std::int64_t src = (std::int64_t(b) * cfg.s_new + r) * hk * d;
-        for (std::int64_t e = 0; e < hk * d; ++e) {
-          store(c.k_cache_expected, true, slot, row, e, c.k_new.get(src + e));
-          store(c.v_cache_expected, false, slot, row, e, c.v_new.get(src + e));
-        }
+        const std::int64_t src = (std::int64_t(b) * cfg.s_new + r) * hk;
+        for (std::int64_t e = 0; e < hk * d; ++e)
+          store(c.k_cache_expected, true, slot, row, e, c.k_new.get(src * d + e));
+        for (std::int64_t e = 0; e < hk * dv; ++e)
+          store(c.v_cache_expected, false, slot, row, e, c.v_new.get(src * dv + e));
       }
   }
   if (cfg.tree != KVCacheConfig::Tree::kNone) {
@@ -519,6 +538,7 @@ void KVCacheCase::set_alibi(std::vector<float> slopes, bool per_batch) {
 Options KVCacheCase::call_options() const {
   Options o = opts;
   sink.apply(o);
+  if (cfg.qv) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
   return o;
 }
@@ -553,25 +573,37 @@ RefProblem KVCacheCase::problem() const {
   p.h_q = cfg.h_q;
   p.h_k = cfg.h_k;
   p.d = cfg.d;
+  p.d_v = cfg.dv();
   p.set_options(opts, alibi, alibi_per_batch);
+  // With qv the default scale is 1/sqrt(d + d_v) (FlashAttention-3).
+  if (cfg.qv) p.scale = RefProblem::resolve_scale(opts.softmax_scale, cfg.d + cfg.dv());
   p.sink = sink.as_double();
-  const std::int64_t rows_per = k_cache.size(1), width = std::int64_t(cfg.h_k) * cfg.d;
+  const std::int64_t rows_per = k_cache.size(1), width = std::int64_t(cfg.h_k) * cfg.d,
+                     width_v = std::int64_t(cfg.h_k) * cfg.dv();
   for (int b = 0; b < cfg.batch; ++b) {
     RefSeq s;
     s.s_q = cfg.s_q;
     s.s_k = s_k(b);
     s.q = rows_of(q, std::int64_t(b) * cfg.s_q, cfg.s_q);
+    if (cfg.qv) s.qv = rows_of(qv, std::int64_t(b) * cfg.s_q, cfg.s_q);
     for (int j = 0; j < s.s_k; ++j) {
       const auto [slot, row] = locate(b, j);
       const std::int64_t base = (std::int64_t(slot) * rows_per + row) * width;
+      const std::int64_t base_v = (std::int64_t(slot) * rows_per + row) * width_v;
       for (std::int64_t e = 0; e < width; ++e) {
         if (cfg.fp8) {
           const int g = static_cast<int>(e / cfg.d);
           s.k.push_back(dequantize_e4m3(k_cache_expected.as<std::uint8_t>()[base + e], k_scale_of(slot, g)));
-          s.v.push_back(dequantize_e4m3(v_cache_expected.as<std::uint8_t>()[base + e], v_scale_of(slot, g)));
         } else {
           s.k.push_back(k_cache_expected.get(base + e));
-          s.v.push_back(v_cache_expected.get(base + e));
+        }
+      }
+      for (std::int64_t e = 0; e < width_v; ++e) {
+        if (cfg.fp8) {
+          const int g = static_cast<int>(e / cfg.dv());
+          s.v.push_back(dequantize_e4m3(v_cache_expected.as<std::uint8_t>()[base_v + e], v_scale_of(slot, g)));
+        } else {
+          s.v.push_back(v_cache_expected.get(base_v + e));
         }
       }
     }

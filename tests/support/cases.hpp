@@ -46,9 +46,11 @@ struct DenseCase {
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
   SinkInputs sink;            // learnable sink (and its gradient), filled in by call_options()
-  Options opts;               // alibi_slopes / return_probs are filled in by call_options()
+  HostTensor qv;              // MLA's qv [b, s_q, h_q, d_v] (forward only) after set_qv
+  Options opts;               // alibi_slopes / return_probs / qv are filled in by call_options()
 
   static DenseCase random(Rng& rng, const Shape& shape, DType dtype, double stddev = 1.0);
+  void set_qv(Rng& rng);  // a random qv
   void set_alibi(std::vector<float> slopes, bool per_batch);
   void want_probs();
   Options call_options() const;
@@ -63,6 +65,7 @@ struct DenseCase {
 // ------------------------------------------------------------------ varlen
 struct VarlenCase {
   int h_q = 1, h_k = 1, d = 1;
+  int d_v = 0;                   // head dim of v, out, dout, dv (make sets it; 0 = d)
   DType dtype = DType::kFloat32;
   std::vector<int> cu_q, cu_k;   // [batch + 1]
   std::vector<int> seqused_k;    // empty or [batch]
@@ -74,9 +77,11 @@ struct VarlenCase {
   bool alibi_per_batch = false;
   HostTensor alibi_tensor;
   SinkInputs sink;
+  HostTensor qv;  // MLA's qv [total_q, h_q, d_v] (forward only) after set_qv
   Options opts;
 
   int batch() const { return static_cast<int>(cu_q.size()) - 1; }
+  void set_qv(Rng& rng);
   int len_q(int b) const { return cu_q[b + 1] - cu_q[b]; }
   int len_k(int b) const { return cu_k[b + 1] - cu_k[b]; }
   int used_k(int b) const { return seqused_k.empty() ? len_k(b) : seqused_k[b]; }
@@ -84,9 +89,10 @@ struct VarlenCase {
   int max_q() const;
   int max_k() const;
 
-  // pad_q / pad_k extra rows after the last sequence (never read, never compared).
+  // pad_q / pad_k extra rows after the last sequence (never read, never compared);
+  // d_v: head dim of v (0 = d).
   static VarlenCase make(Rng& rng, std::vector<int> cu_q, std::vector<int> cu_k, int h_q, int h_k,
-                         int d, DType dtype, int pad_q = 0, int pad_k = 0);
+                         int d, DType dtype, int pad_q = 0, int pad_k = 0, int d_v = 0);
   void set_seqused_k(std::vector<int> used);
   void set_seqused_q(std::vector<int> used);
   void set_alibi(std::vector<float> slopes, bool per_batch);
@@ -119,6 +125,9 @@ struct VarlenCase {
 // ------------------------------------------------------------------ KV cache
 struct KVCacheConfig {
   int batch = 1, s_q = 1, s_new = 0, h_q = 1, h_k = 1, d = 8;
+  int d_v = 0;      // head dim of v_cache / v_new / out (0 = d)
+  bool qv = false;  // MLA: a random qv [b, s_q, h_q, d_v] joins the score (q.k + qv.v)
+  int dv() const { return d_v > 0 ? d_v : d; }
   DType dtype = DType::kFloat32;
   int max_cache_len = 64;       // cache_seqlens drawn from [0, max_cache_len]
   std::vector<int> cache_lens;  // explicit cache_seqlens (overrides the draw)
@@ -153,6 +162,7 @@ struct KVCacheCase {
   int max_blocks = 0, num_blocks = 0;
   std::vector<int> batch_idx;   // cache_batch_idx (dense, when used)
   HostTensor q, k_cache, v_cache, k_new, v_new, out, lse;
+  HostTensor qv;  // when cfg.qv
   HostTensor cache_lens_t, block_table_t, batch_idx_t;
   HostTensor k_cache_expected, v_cache_expected;  // after the in-place append
   HostTensor k_scale, v_scale;                    // fp32, when cfg.fp8

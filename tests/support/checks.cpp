@@ -27,7 +27,7 @@ std::vector<RefOutput> split_forward(const RefProblem& p, const ForwardResults& 
   std::vector<RefOutput> parts(p.seqs.size());
   std::size_t o = 0, l = 0;
   for (std::size_t b = 0; b < p.seqs.size(); ++b) {
-    const std::size_t n_out = sz(std::int64_t(p.seqs[b].s_q) * p.h_q * p.d);
+    const std::size_t n_out = sz(std::int64_t(p.seqs[b].s_q) * p.h_q * p.dv());
     const std::size_t n_lse = sz(std::int64_t(p.seqs[b].s_q) * p.h_q);
     parts[b].out.assign(r.out.begin() + std::ptrdiff_t(o), r.out.begin() + std::ptrdiff_t(o + n_out));
     parts[b].lse.assign(r.lse.begin() + std::ptrdiff_t(l), r.lse.begin() + std::ptrdiff_t(l + n_lse));
@@ -67,9 +67,9 @@ void expect_forward_matches(const RefProblem& p, DType dtype, const ForwardResul
     for (int i = 0; i < s.s_q; ++i)
       for (int h = 0; h < p.h_q; ++h) {
         if (ref_lse[l + sz(std::int64_t(h) * s.s_q + i)] != -INFINITY) continue;
-        for (int c = 0; c < p.d; ++c) bad += got.out[o + sz((std::int64_t(i) * p.h_q + h) * p.d + c)] != 0.0;
+        for (int c = 0; c < p.dv(); ++c) bad += got.out[o + sz((std::int64_t(i) * p.h_q + h) * p.dv() + c)] != 0.0;
       }
-    o += sz(std::int64_t(s.s_q) * p.h_q * p.d);
+    o += sz(std::int64_t(s.s_q) * p.h_q * p.dv());
     l += sz(std::int64_t(s.s_q) * p.h_q);
   }
   EXPECT_EQ(bad, 0u) << "out elements of rows that see no key are not exactly 0";
@@ -132,7 +132,7 @@ void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResu
   }
   EXPECT_EQ(bad, 0u) << "dq elements of rows that see no key are not exactly 0";
   // Keys no query of their group sees: dk and dv exactly 0.
-  std::size_t kv = 0, bad_kv = 0;
+  std::size_t kv = 0, kv_v = 0, bad_kv = 0;
   for (std::size_t b = 0; b < p.seqs.size(); ++b) {
     const RefSeq& s = p.seqs[b];
     for (int j = 0; j < s.s_k; ++j) {
@@ -146,12 +146,12 @@ void expect_backward_matches(const RefProblem& p, DType dtype, const ForwardResu
         }
       }
       if (seen) continue;
-      for (int e = 0; e < p.h_k * p.d; ++e) {
-        const std::size_t at = kv + sz(std::int64_t(j) * p.h_k * p.d + e);
-        bad_kv += (got.dk[at] != 0.0) + (got.dv[at] != 0.0);
-      }
+      for (int e = 0; e < p.h_k * p.d; ++e) bad_kv += got.dk[kv + sz(std::int64_t(j) * p.h_k * p.d + e)] != 0.0;
+      for (int e = 0; e < p.h_k * p.dv(); ++e)
+        bad_kv += got.dv[kv_v + sz(std::int64_t(j) * p.h_k * p.dv() + e)] != 0.0;
     }
     kv += sz(std::int64_t(s.s_k) * p.h_k * p.d);
+    kv_v += sz(std::int64_t(s.s_k) * p.h_k * p.dv());
   }
   EXPECT_EQ(bad_kv, 0u) << "dk/dv elements of keys that no query sees are not exactly 0";
 }

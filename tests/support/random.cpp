@@ -37,7 +37,8 @@ bool coin(Rng& rng, double p_true) { return std::bernoulli_distribution(p_true)(
 
 std::string Shape::str() const {
   return "b=" + std::to_string(batch) + " s_q=" + std::to_string(s_q) + " s_k=" + std::to_string(s_k) +
-         " h_q=" + std::to_string(h_q) + " h_k=" + std::to_string(h_k) + " d=" + std::to_string(d);
+         " h_q=" + std::to_string(h_q) + " h_k=" + std::to_string(h_k) + " d=" + std::to_string(d) +
+         (d_v > 0 ? " d_v=" + std::to_string(d_v) : std::string());
 }
 
 Shape random_shape(Rng& rng, const ShapeLimits& limits) {

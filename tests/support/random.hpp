@@ -40,6 +40,8 @@ bool coin(Rng& rng, double p_true = 0.5);
 // (length 1, s_q != s_k, odd head dims, every GQA ratio).
 struct Shape {
   int batch = 1, s_q = 1, s_k = 1, h_q = 1, h_k = 1, d = 1;
+  int d_v = 0;  // head dim of v (0 = d)
+  int dv() const { return d_v > 0 ? d_v : d; }
   std::string str() const;
 };
 struct ShapeLimits {
