@@ -103,6 +103,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
   detail::api::set_qv(opts.qv, p);
   detail::api::set_out(out, p);
   set_dense_lse(lse, p);
+  detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
                                 scratch);

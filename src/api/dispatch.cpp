@@ -241,6 +241,17 @@ std::size_t backward_workspace_size(Target target, const BwdParams& p) {
                                  : cpu::backward_workspace_size(p);
 }
 
+void check_cuda_forward_rows(const Check& check, Target target, const FwdParams& p) {
+  constexpr std::int64_t kMaxGridZ = 65535, kSmallestTileRows = 64;
+  if (target != Target::kCUDA || p.mask.unbounded()) return;
+  if (std::int64_t(p.seqlen_q) > kMaxGridZ * kSmallestTileRows) {
+    check.unsupported("q",
+                      "at most " + std::to_string(kMaxGridZ * kSmallestTileRows) +
+                          " query rows per sequence with a causal or window mask (CUDA backend)",
+                      std::to_string(p.seqlen_q) + " rows");
+  }
+}
+
 void run_forward(Target target, const FwdParams& p) {
   if (target == Target::kCUDA) {
     cuda::forward(p);

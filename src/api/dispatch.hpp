@@ -67,6 +67,12 @@ void attach_workspace(const Check& check, Target target, const Workspace& ws,
 
 std::size_t forward_workspace_size(Target target, const FwdParams& p);
 std::size_t backward_workspace_size(Target target, const BwdParams& p);
+// CUDA launch limits of a forward that depend on its lengths: with a causal or window
+// mask the sm80 forward indexes query tiles by grid z (its launch order), at most 65535
+// tiles of 64 rows (its smallest). Called before anything of the call runs (the KV-cache
+// append included); a no-op for the CPU.
+void check_cuda_forward_rows(const Check& check, Target target, const FwdParams& p);
+
 void run_forward(Target target, const FwdParams& p);
 void run_backward(Target target, const BwdParams& p);
 void run_append_kv(Target target, const AppendParams& p);

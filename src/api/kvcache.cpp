@@ -409,6 +409,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     p.lse_batch_stride = lse.stride[0];
     p.lse_head_stride = lse.stride[1];
   }
+  detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, workspace,
                                 detail::api::forward_workspace_size(target, p), p, scratch);

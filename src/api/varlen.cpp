@@ -214,6 +214,7 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   set_varlen_inputs(args, dims, p);
   detail::api::set_qv(opts.qv, p);
   set_varlen_outputs(out, lse, p);
+  detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
                                 scratch);

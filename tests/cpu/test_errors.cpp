@@ -562,6 +562,31 @@ TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {
   }
 }
 
+// A causal / window forward on CUDA indexes query tiles by grid z (at most 65535 tiles of
+// 64 rows); past that, an Unsupported naming q before anything runs (issue 25), instead of
+// a launch failure. Unbounded masks and the CPU have no such limit.
+TEST(ErrorsCudaRules, CausalForwardRowsFitTheGrid) {
+  const fa::detail::api::Check check("forward");
+  namespace api = fa::detail::api;
+  fa::detail::FwdParams p;
+  p.seqlen_q = 65535 * 64;
+  p.mask = fa::semantics::Mask::make(true, -1, -1);
+  EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p));
+  p.seqlen_q += 1;
+  EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCPU, p));
+  try {
+    api::check_cuda_forward_rows(check, api::Target::kCUDA, p);
+    FAIL() << "4194241 causal query rows accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected at most 4194240 query rows per sequence "
+                                    "with a causal or window mask (CUDA backend), got 4194241 rows"));
+  }
+  p.mask = fa::semantics::Mask::make(false, 100, -1);  // a window: the same grid
+  EXPECT_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p), fa::Unsupported);
+  p.mask = fa::semantics::Mask::make(false, -1, -1);  // unbounded: tiles in grid x
+  EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p));
+}
+
 TEST(ErrorsCudaRules, HeadDimAbove256) {
   const fa::detail::api::Check check("backward");
   try {
