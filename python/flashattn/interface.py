@@ -40,6 +40,17 @@ _KEYWORD_OF_OPTION = {
 }
 
 
+# Private switch for tests: the emulations that CUDA tensors take in this module (a
+# left-padded cache as a paged one, head dims padded to a multiple of 8, S_dmask from the
+# CPU backend) run on CPU tensors too, so that a machine without a GPU tests them.
+_EMULATE_CUDA = False
+
+
+def _cuda_path(t) -> bool:
+    """Whether t (q) takes the CUDA-tensor emulations: a CUDA tensor, or _EMULATE_CUDA."""
+    return isinstance(t, Tensor) and (t.device.type == "cuda" or _EMULATE_CUDA)
+
+
 def _call(op, *args):
     """ops.call(op, *args), with an argument error about an option renamed to the keyword
     of the flash_attn-compatible functions (same class, function, expected and actual)."""
@@ -233,6 +244,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     first; cache_seqlens (int or int32 [b]) is not advanced. Sequence i attends to
     cache_seqlens[i] + s_new keys.
 
+    cache_leftpad (int32 [b], dense caches): sequence i's cached keys are rows
+    cache_leftpad[i] .. cache_seqlens[i] - 1 of its cache row (the rows before are never
+    read); it attends to cache_seqlens[i] + s_new - cache_leftpad[i] keys, with causal /
+    window / ALiBi aligned to that count (flash_attn's semantics). CPU tensors run the
+    library's cache_leftpad; CUDA tensors run the same keys as a paged cache of block size
+    1 (exact; the cache's first two dimensions must be one strided dimension).
+
     rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k and v): the new keys are
     rotated at positions cache_seqlens + t, and q at cache_seqlens + t when causal or
     windowed, else at cache_seqlens for every query (flash_attn's rule); done in torch
@@ -250,10 +268,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     learnable_sink: [h_q] sink logits (gpt-oss), in every row's denominator.
     """
-    if cache_leftpad is not None:
-        raise UnsupportedError(
-            "flashattn.flash_attn_with_kvcache: argument 'cache_leftpad': expected None "
-            "(left-padded caches are not supported), got a tensor")
     fn = "flashattn.flash_attn_with_kvcache"
     if (k is None) != (v is None):
         raise invalid(fn, "v" if v is None else "k", "k and v given together (or neither)",
@@ -290,11 +304,89 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
+    if cache_leftpad is not None and block_table is None and _cuda_path(q):
+        # The CUDA kernels have no left padding: the same keys as a paged cache of block
+        # size 1 (one block per cache row slot, sequence i's table starting at its row's
+        # slot cache_leftpad[i]), which they run exactly. Rotary positions above stay the
+        # absolute cache rows, as flash_attn's.
+        (k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_scale,
+         v_scale) = _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
+                                      cache_batch_idx, k, k_scale, v_scale)
+        cache_leftpad = None
+    scale = _scale(q, softmax_scale)
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
-                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale),
+                        cache_batch_idx, k, v, alibi_slopes, scale,
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask, _sink(fn, learnable_sink))
+                        v_scale, tree_mask, _sink(fn, learnable_sink), cache_leftpad)
     return (out, lse) if return_softmax_lse else out
+
+
+def _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
+                      k_new, k_scale, v_scale):
+    """A dense left-padded cache [b_cache, s_cache, h_k, d] as a paged cache of block size
+    1 over the same memory: block r * s_cache + t is row t of cache row r; sequence i's
+    table starts at cache_leftpad[i] of its row and holds cache_seqlens[i] - cache_leftpad[i]
+    cached keys (so its key j is row cache_leftpad[i] + j, and the append still lands at row
+    cache_seqlens[i]). Checks what the library would check of cache_leftpad (and of the
+    lengths, which a block table no longer bounds) with the library's messages."""
+    batch = q.shape[0]
+    if not isinstance(cache_leftpad, Tensor):
+        raise invalid(fn, "cache_leftpad", "a torch.Tensor int32 [b] or None",
+                      type(cache_leftpad).__name__)
+    if cache_leftpad.dtype != torch.int32:
+        raise invalid(fn, "cache_leftpad", "dtype int32", str(cache_leftpad.dtype)[6:])
+    if tuple(cache_leftpad.shape) != (batch,):
+        raise invalid(fn, "cache_leftpad", f"shape [{batch}] ([b])", shape_text(cache_leftpad))
+    if cache_leftpad.device != q.device:
+        raise invalid(fn, "cache_leftpad", f"a tensor on {q.device} (the device of q)",
+                      f"a tensor on {cache_leftpad.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+            raise UnsupportedError(
+                f"{fn}: argument '{name}': expected stride[0] == shape[1] * stride[1] (a "
+                f"left-padded cache on CUDA is read as a paged cache of block size 1), got "
+                f"stride {tuple(t.stride())} for shape {shape_text(t)}")
+    rows_total, s_cache = int(k_cache.shape[0]), int(k_cache.shape[1])
+    s_new = 0 if k_new is None else int(k_new.shape[1])
+    rows = (torch.arange(batch, device=q.device, dtype=torch.int64) if cache_batch_idx is None
+            else cache_batch_idx.to(torch.int64))
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # under graph capture the library's device-side checks see the table
+        lp, sl = cache_leftpad.tolist(), cache_seqlens.tolist()
+        for i in range(batch):
+            if not 0 <= lp[i] <= sl[i]:
+                raise invalid("flashattn::kvcache_fwd", "cache_leftpad",
+                              f"values in [0, cache_seqlens[i]] (cache_seqlens[{i}] = {sl[i]})",
+                              f"cache_leftpad[{i}] = {lp[i]}")
+            if sl[i] + s_new > s_cache:
+                raise invalid("flashattn::kvcache_fwd", "cache_seqlens",
+                              f"cache_seqlens[i] + s_new <= {s_cache} (s_cache = "
+                              f"k_cache.shape[1])", f"cache_seqlens[{i}] + {s_new} = "
+                              f"{sl[i] + s_new}")
+        if cache_batch_idx is not None:
+            for i, r in enumerate(cache_batch_idx.tolist()):
+                if not 0 <= r < rows_total:
+                    raise invalid("flashattn::kvcache_fwd", "cache_batch_idx",
+                                  f"values in [0, {rows_total}) (b_cache = k_cache.shape[0])",
+                                  f"cache_batch_idx[{i}] = {r}")
+    t = torch.arange(s_cache, device=q.device, dtype=torch.int64)
+    slot = cache_leftpad.to(torch.int64)[:, None] + t[None, :]
+    # Slots past the row's end are never used (cache_seqlens + s_new <= s_cache): -1.
+    table = torch.where(slot < s_cache, rows[:, None] * s_cache + slot, -1)
+
+    def paged(c):
+        st = c.stride()
+        step = st[1] if s_cache > 1 else st[0]  # from one slot to the next
+        return c.as_strided((rows_total * s_cache, 1, c.shape[2], c.shape[3]),
+                            (step, step, st[2], st[3]), c.storage_offset())
+
+    def per_slot(scale):  # per-(cache row, head) scales become per-(slot, head)
+        if scale is None or scale.dim() != 2:
+            return scale
+        return scale.repeat_interleave(s_cache, dim=0)
+
+    return (paged(k_cache), paged(v_cache), (cache_seqlens - cache_leftpad).to(torch.int32),
+            table.to(torch.int32).contiguous(), None, per_slot(k_scale), per_slot(v_scale))
 
 
 def _check_rotary(fn, q, k_cache, block_table, cos, sin):

@@ -157,7 +157,8 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
 
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None):
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None,
+                   cache_leftpad=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):
@@ -166,7 +167,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_
     check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
                  v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask, learnable_sink=learnable_sink)
+                 tree_mask=tree_mask, learnable_sink=learnable_sink,
+                 cache_leftpad=cache_leftpad)
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -556,14 +558,17 @@ def _kvcache_fwd(
     v_scale: Optional[Tensor] = None,
     tree_mask: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
-    learnable_sink fp32 [h_q] (lse includes it)."""
+    learnable_sink fp32 [h_q] (lse includes it); cache_leftpad int32 [b] (dense caches):
+    sequence i's keys are cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink,
+                   cache_leftpad)
     b, s_q, h_q, _ = q.shape
     out = _like(q)
     lse = _empty((b, h_q, s_q), q, torch.float32)
@@ -575,7 +580,8 @@ def _kvcache_fwd(
                        _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
                        _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
-                       tree_mask=_dl(_prepare(tree_mask)))
+                       tree_mask=_dl(_prepare(tree_mask)),
+                       cache_leftpad=_dl(_prepare(cache_leftpad)))
     return out, lse
 
 
@@ -588,8 +594,9 @@ kvcache_fwd = _register(
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
-      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None):
+      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, cache_leftpad=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink,
+                   cache_leftpad)
     b, s_q, h_q, _ = q.shape
     return _like(q), _empty((b, h_q, s_q), q, torch.float32)

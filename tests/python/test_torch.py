@@ -235,7 +235,7 @@ def test_interface_errors():
         flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 4], dtype=torch.int32),
                                torch.tensor([0, 4], dtype=torch.int32), 4, 4,
                                block_table=torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'cache_leftpad'.*int32"):
         flash_attn_with_kvcache(q, q, q, cache_seqlens=1, cache_leftpad=torch.zeros(1))
     with pytest.raises(ValueError, match="cache_seqlens"):
         flash_attn_with_kvcache(q, q.clone(), q.clone(), q[:, :1], q[:, :1])
