@@ -174,6 +174,11 @@ ROWS = [
     ("block_table_negative", "kvcache", then(paged, setter(block_table=torch.tensor([[0, -3, -1, -1], [1, 3, 5, 99]], dtype=torch.int32))), E, "block_table", "used entries in [0, 6)", "block_table[0][1] = -3"),
     ("block_table_out_of_range", "kvcache", then(paged, setter(block_table=torch.tensor([[0, 2, -1, -1], [1, 6, 5, 99]], dtype=torch.int32))), E, "block_table", "used entries in [0, 6)", "block_table[1][1] = 6"),
     ("block_table_int64", "kvcache", then(paged, setter(block_table=lambda kw: kw["block_table"].long())), flashattn.DTypeError, "block_table", "dtype int32", "int64"),
+    ("cache_leftpad_int64", "kvcache", setter(cache_leftpad=torch.tensor([0, 1])), flashattn.DTypeError, "cache_leftpad", "dtype int32", "int64"),
+    ("cache_leftpad_negative", "kvcache", setter(cache_leftpad=i32(0, -1)), E, "cache_leftpad", "values in [0, cache_seqlens[i]]", "cache_leftpad[1] = -1"),
+    ("cache_leftpad_past_seqlens", "kvcache", setter(cache_leftpad=i32(6, 0)), E, "cache_leftpad", "(cache_seqlens[0] = 5)", "cache_leftpad[0] = 6"),
+    ("cache_leftpad_shape", "kvcache", setter(cache_leftpad=i32(0, 0, 0)), E, "cache_leftpad", "[2]", "[3]"),
+    ("cache_leftpad_paged", "kvcache", then(paged, setter(cache_leftpad=i32(0, 1))), U, "cache_leftpad", "paged cache", "shape [2]"),
     ("cache_batch_idx_out_of_range", "kvcache", setter(cache_batch_idx=i32(0, 3)), E, "cache_batch_idx", "values in [0, 3)", "cache_batch_idx[1] = 3"),
     # -------------------------------------------------------------- sizes past 2^31
     # A [2, 2^31, 4, 8] view of 8 elements (outer strides 0): described, not allocated.
