@@ -25,8 +25,10 @@ and return lists. They run on flashattn's ops (CPU or CUDA tensors) with no auto
 flash_attn's). Differences:
   - rng_state is flashattn's (seed, offset) pair, an int64 CPU tensor [2] (zeros without
     dropout); hand it back to the backward as flash_attn's is.
-  - S_dmask: the probabilities (fp32, [b, h_q, s_q, s_k]; varlen [h_q, total_q,
-    max_seqlen_k]) on the CPU backend when return_softmax, else an empty tensor.
+  - S_dmask: on CPU tensors the probabilities (fp32, [b, h_q, s_q, s_k]; varlen [h_q,
+    total_q, max_seqlen_k]) when return_softmax; on CUDA tensors with dropout flash_attn's
+    layout (fp32 [b, h_q, round128(s_q), round128(s_k)], -P where dropped) computed by the
+    CPU backend with the call's (seed, offset); else an empty tensor.
   - softmax_d = rowsum(dout * out), fp32 [b, h_q, s_q] (varlen [h_q, total_q]), not padded
     to a multiple of 128.
   - gen_ (a torch.Generator) only seeds the dropout pair; block_table / leftpad_k in the
@@ -102,12 +104,17 @@ def _gpu_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal,
     """flash_attn_2_cuda.fwd -> [out, softmax_lse, S_dmask, rng_state]."""
     q, k, v, alibi = _detach(q), _detach(k), _detach(v), _detach(alibi_slopes_)
     rng_state = _rng_state(float(p_dropout), gen_)
-    want_probs = bool(return_softmax) and q.device.type == "cpu"
-    out, lse, probs = ops.fwd(q, k, v, alibi, rng_state if p_dropout > 0 else None,
-                              _scale(q, softmax_scale), bool(is_causal), int(window_size_left),
-                              int(window_size_right), float(softcap), float(p_dropout), False,
-                              want_probs)
-    if not want_probs:
+    cuda = interface._cuda_path(q)
+    want_probs = bool(return_softmax) and not cuda
+    scale = _scale(q, softmax_scale)
+    out, lse, probs = ops.fwd(q, k, v, alibi, rng_state if p_dropout > 0 else None, scale,
+                              bool(is_causal), int(window_size_left), int(window_size_right),
+                              float(softcap), float(p_dropout), False, want_probs)
+    if cuda and return_softmax and p_dropout > 0:  # flash_attn's layout, from the CPU backend
+        probs = interface._fa2_s_dmask(q, k, v, rng_state, scale, bool(is_causal),
+                                       int(window_size_left), int(window_size_right),
+                                       float(softcap), float(p_dropout), alibi, None)
+    elif not want_probs:
         probs = torch.empty(0, dtype=q.dtype, device=q.device)
     return [_into(out_, out), lse, probs, rng_state]
 
@@ -120,14 +127,21 @@ def _gpu_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpa
     _no_paging("flash_attn_gpu.varlen_fwd", block_table_, leftpad_k_)
     q, k, v, alibi = _detach(q), _detach(k), _detach(v), _detach(alibi_slopes_)
     rng_state = _rng_state(float(p_dropout), gen_)
-    want_probs = bool(return_softmax) and q.device.type == "cpu"
+    cuda = interface._cuda_path(q)
+    want_probs = bool(return_softmax) and not cuda
+    scale = _scale(q, softmax_scale)
     out, lse, probs = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi,
                                      rng_state if p_dropout > 0 else None, int(max_seqlen_q),
-                                     int(max_seqlen_k), _scale(q, softmax_scale),
-                                     bool(is_causal), int(window_size_left),
-                                     int(window_size_right), float(softcap), float(p_dropout),
-                                     False, want_probs)
-    if not want_probs:
+                                     int(max_seqlen_k), scale, bool(is_causal),
+                                     int(window_size_left), int(window_size_right),
+                                     float(softcap), float(p_dropout), False, want_probs)
+    if cuda and return_softmax and p_dropout > 0:  # flash_attn's layout, from the CPU backend
+        probs = interface._fa2_s_dmask(
+            q, k, v, rng_state, scale, bool(is_causal), int(window_size_left),
+            int(window_size_right), float(softcap), float(p_dropout), alibi, None,
+            varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                    int(max_seqlen_k), None))
+    elif not want_probs:
         probs = torch.empty(0, dtype=q.dtype, device=q.device)
     return [_into(out_, out), lse, probs, rng_state]
 

@@ -4,8 +4,10 @@ Same names, signatures and return conventions as flash_attn.flash_attn_interface
 a function returns ``out``, or ``(out, softmax_lse, S_dmask)`` when return_attn_probs
 (flash_attn_with_kvcache: ``(out, softmax_lse)`` when return_softmax_lse). The
 differences are listed in python/README.md; in short: S_dmask is the probabilities
-after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) from the CPU
-backend and None on CUDA; dropout seeds come from torch's default CPU generator;
+after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) on CPU tensors and
+flash_attn's padded layout (P where kept, -P where dropped, only with dropout) on CUDA
+tensors; head dims that are not a multiple of 8 are zero-padded on CUDA tensors, as
+flash_attn does; dropout seeds come from torch's default CPU generator;
 errors are flashattn.InvalidArgumentError (a ValueError and, as flash_attn's, a
 RuntimeError) / UnsupportedError.
 
@@ -96,18 +98,93 @@ def _sink(fn: str, learnable_sink) -> Optional[Tensor]:
     return learnable_sink
 
 
+def _padded_head_dim(q, k, v) -> int:
+    """The head dim a CUDA call pads q, k, v to (as flash_attn does: the next multiple of
+    8), or 0 when it does not pad: CPU tensors (any d), d already a multiple of 8, head
+    dims that differ or exceed 256 (the library's error names them as they are)."""
+    if not _cuda_path(q) or not all(isinstance(t, Tensor) and t.dim() >= 1 for t in (q, k, v)):
+        return 0
+    d = q.shape[-1]
+    if d % 8 == 0 or d > 256 or k.shape[-1] != d or v.shape[-1] != d:
+        return 0
+    return (d + 7) // 8 * 8
+
+
+def _pad_last(t: Optional[Tensor], d8: int) -> Optional[Tensor]:
+    """t zero-padded on its last dim to d8 (differentiable: the gradient is sliced back)."""
+    if t is None:
+        return None
+    return torch.nn.functional.pad(t, [0, d8 - t.shape[-1]])
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropout_p, alibi,
+                 sink, varlen=None):
+    """flash_attn's S_dmask for a CUDA call with dropout, from the CPU backend's debug
+    probabilities of the same call (same (seed, offset), so the same Philox keep bits the
+    CUDA kernels applied): fp32 [b, h_q, round128(s_q), round128(s_k)] on q's device, P_ij
+    where kept, -P_ij where dropped, 0 where masked and in the padding. varlen =
+    (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, seqused_q): row i
+    of sequence b is its query i (FA2's varlen layout). A debug feature for small
+    problems, as in flash_attn: two CPU passes over copies of q, k, v."""
+    cpu = [None if t is None else t.detach().cpu() for t in (q, k, v, alibi, sink)]
+    qc, kc, vc, ac, sc = cpu
+    rng = rng_state.cpu()
+    probs = []
+    for p, r in ((float(dropout_p), rng), (0.0, None)):  # after dropout, then P itself
+        if varlen is None:
+            _, _, pr = ops.fwd(qc, kc, vc, ac, r, scale, causal, left, right, softcap, p,
+                               False, True, sc)
+        else:
+            cu_q, cu_k, used_k, max_q, max_k, used_q = varlen
+            _, _, pr = ops.varlen_fwd(qc, kc, vc, cu_q.cpu(), cu_k.cpu(),
+                                      None if used_k is None else used_k.cpu(), ac, r, max_q,
+                                      max_k, scale, causal, left, right, softcap, p, False,
+                                      True, sc, None if used_q is None else used_q.cpu())
+        probs.append(pr)
+    kept, full = probs
+    s = torch.where(kept != 0, kept, -full)  # kept: P; dropped: -P (-0 where P == 0)
+    if varlen is None:
+        b, h, s_q, s_k = s.shape
+        dmask = s.new_zeros(b, h, _round128(s_q), _round128(s_k))
+        dmask[:, :, :s_q, :s_k] = s
+    else:
+        cu_q = varlen[0].cpu().tolist()
+        b, h, max_q, max_k = len(cu_q) - 1, s.shape[0], varlen[3], varlen[4]
+        dmask = s.new_zeros(b, h, _round128(max_q), _round128(max_k))
+        for i in range(b):
+            n = min(cu_q[i + 1] - cu_q[i], max_q)
+            dmask[i, :, :n, :max_k] = s[:, cu_q[i]:cu_q[i] + n]
+    return dmask.to(q.device)
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
                learnable_sink=None):
     left, right = _checked_window(fn, window_size)
-    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
-                               _scale(q, softmax_scale), bool(causal), left, right,
-                               float(softcap), float(dropout_p), bool(deterministic), want_probs,
-                               _sink(fn, learnable_sink))
-    if return_attn_probs:
-        return out, lse, probs if want_probs else None
-    return out
+    scale = _scale(q, softmax_scale)  # of the true head dim, also when padded
+    d8 = _padded_head_dim(q, k, v)
+    d = q.shape[-1]
+    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
+    rng = _rng_state(dropout_p)
+    sink = _sink(fn, learnable_sink)
+    out, lse, probs = _call(ops.fwd, qp, kp, vp, alibi_slopes, rng, scale, bool(causal), left,
+                            right, float(softcap), float(dropout_p), bool(deterministic),
+                            want_probs, sink)
+    if d8:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    if want_probs:
+        return out, lse, probs
+    if _cuda_path(q) and dropout_p > 0:
+        return out, lse, _fa2_s_dmask(q, k, v, rng, scale, bool(causal), left, right,
+                                      float(softcap), float(dropout_p), alibi_slopes, sink)
+    return out, lse, None
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -118,16 +195,29 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
-    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = _call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
-                               int(max_seqlen_k), _scale(q, softmax_scale), bool(causal),
-                               left, right, float(softcap), float(dropout_p),
-                               bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q)
-    if return_attn_probs:
-        return out, lse, probs if want_probs else None
-    return out
+    scale = _scale(q, softmax_scale)  # of the true head dim, also when padded
+    d8 = _padded_head_dim(q, k, v)
+    d = q.shape[-1]
+    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
+    rng = _rng_state(dropout_p)
+    sink = _sink(fn, learnable_sink)
+    out, lse, probs = _call(ops.varlen_fwd, qp, kp, vp, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                            alibi_slopes, rng, int(max_seqlen_q), int(max_seqlen_k), scale,
+                            bool(causal), left, right, float(softcap), float(dropout_p),
+                            bool(deterministic), want_probs, sink, seqused_q)
+    if d8:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    if want_probs:
+        return out, lse, probs
+    if _cuda_path(q) and dropout_p > 0:
+        return out, lse, _fa2_s_dmask(
+            q, k, v, rng, scale, bool(causal), left, right, float(softcap), float(dropout_p),
+            alibi_slopes, sink, varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                        int(max_seqlen_q), int(max_seqlen_k), seqused_q))
+    return out, lse, None
 
 
 def _check_packed(fn, name, t, rank, dim, count, layout):
@@ -304,6 +394,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
+    scale = _scale(q, softmax_scale)  # of the true head dim, also when padded
+    d = q.shape[-1]
+    d8 = _padded_head_dim(q, k_cache, v_cache)
+    if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
+        d8 = 0  # the library names the mismatch
+    if d8:
+        # As flash_attn: q, k, v and padded copies of the caches go to the kernels; the
+        # caches are copied back after the append (the whole cache, as flash_attn does).
+        cache_og = (k_cache, v_cache)
+        q, k, v = _pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8)
+        k_cache, v_cache = _padded_copy(k_cache, d8), _padded_copy(v_cache, d8)
+        cache_padded = (k_cache, v_cache)
     if cache_leftpad is not None and block_table is None and _cuda_path(q):
         # The CUDA kernels have no left padding: the same keys as a paged cache of block
         # size 1 (one block per cache row slot, sequence i's table starting at its row's
@@ -313,12 +415,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
          v_scale) = _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
                                       cache_batch_idx, k, k_scale, v_scale)
         cache_leftpad = None
-    scale = _scale(q, softmax_scale)
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
                         cache_batch_idx, k, v, alibi_slopes, scale,
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
                         v_scale, tree_mask, _sink(fn, learnable_sink), cache_leftpad)
+    if d8:
+        out = out[..., :d]
+        if k is not None:
+            for og, padded in zip(cache_og, cache_padded):
+                og.copy_(padded[..., :d])
     return (out, lse) if return_softmax_lse else out
+
+
+def _padded_copy(cache: Tensor, d8: int) -> Tensor:
+    """A zero-padded contiguous copy of a KV cache with head dim d8 (any dtype, fp8 too)."""
+    padded = torch.zeros(cache.shape[:-1] + (d8,), dtype=cache.dtype, device=cache.device)
+    padded[..., : cache.shape[-1]].copy_(cache)
+    return padded
 
 
 def _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,

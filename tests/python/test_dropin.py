@@ -184,3 +184,177 @@ def test_cache_leftpad_op_opcheck(seed):
         (q, kc, vc, seqlens, None, None, kn, vn, None, 0.25, True, -1, -1, 0.0, 1),
         dict(cache_leftpad=leftpad),
         test_utils=("test_schema", "test_faketensor"))
+
+
+# ------------------------------------------------------------------ head dims % 8 != 0
+
+
+@pytest.fixture
+def recorded_head_dims(monkeypatch):
+    """The head dims of q that the ops of flashattn.interface receive."""
+    seen = []
+    real = interface._call
+
+    def spy(op, *args):
+        seen.append(int(args[0].shape[-1]))
+        return real(op, *args)
+
+    monkeypatch.setattr(interface, "_call", spy)
+    return seen
+
+
+@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_padded_head_dim_forward_backward(seed, d, dtype, recorded_head_dims):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 37, 4, d, generator=g).to(dtype)
+    k = torch.randn(2, 45, 2, d, generator=g).to(dtype)
+    v = torch.randn(2, 45, 2, d, generator=g).to(dtype)
+    dout = torch.randn(2, 37, 4, d, generator=g).to(dtype)
+    res = []
+    for emulate in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        with emulate_cuda(emulate):
+            torch.manual_seed(seed)  # the same dropout pair
+            out = flash_attn_func(qq, kk, vv, dropout_p=0.2, causal=True, window_size=(20, 3),
+                                  softcap=5.0)
+        out.backward(dout)
+        assert out.shape == (2, 37, 4, d)
+        res.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert recorded_head_dims == [d, (d + 7) // 8 * 8]
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=0, atol=2e-2)
+    for got, want, name in zip(res[1], res[0], ("out", "dq", "dk", "dv")):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, **tol, msg=name)
+
+
+@pytest.mark.parametrize("d", [59, 111, 33])
+def test_padded_head_dim_varlen(seed, d, recorded_head_dims):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, 5, 5, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 13, 20], dtype=torch.int32)
+    q = torch.randn(17, 4, d, generator=g, dtype=torch.float64)
+    k = torch.randn(20, 1, d, generator=g, dtype=torch.float64)
+    v = torch.randn(20, 1, d, generator=g, dtype=torch.float64)
+    res = []
+    for emulate in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        with emulate_cuda(emulate):
+            out = flash_attn_varlen_func(qq, kk, vv, cu_q, cu_k, 12, 9, causal=True,
+                                         softmax_scale=0.3)
+        out.sum().backward()
+        res.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    assert recorded_head_dims == [d, (d + 7) // 8 * 8]
+    for got, want in zip(res[1], res[0]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want = ref.attention(np64(q), np64(k), np64(v), softmax_scale=0.3, causal=True,
+                         cu_seqlens_q=cu_q.numpy(), cu_seqlens_k=cu_k.numpy())
+    np.testing.assert_allclose(np64(res[1][0]), want["out"], rtol=1e-10, atol=1e-11)
+
+
+@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_padded_head_dim_kvcache(seed, d, leftpad, recorded_head_dims):
+    g = torch.Generator().manual_seed(seed)
+    q, kc, vc, kn, vn, seqlens, lp, idx = _leftpad_case(g, torch.float16, d=d, batch_idx=True)
+    if not leftpad:  # the padding rows become keys
+        lp, kc, vc = None, kc.nan_to_num(0.0), vc.nan_to_num(0.0)
+    caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+    outs = []
+    for emulate, (k_cache, v_cache) in zip((False, True), caches):
+        with emulate_cuda(emulate):
+            outs.append(flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn,
+                                                cache_seqlens=seqlens, cache_batch_idx=idx,
+                                                cache_leftpad=lp, causal=True,
+                                                return_softmax_lse=True))
+    assert recorded_head_dims == [d, (d + 7) // 8 * 8]
+    assert outs[1][0].shape == q.shape
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=2e-3)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(caches[0], caches[1]):  # the append reached the caller's caches
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+        assert not torch.equal(a.nan_to_num(0), kc.nan_to_num(0)) or kn is None
+
+
+def test_head_dim_not_padded_on_cpu_or_when_mismatched(recorded_head_dims):
+    q = torch.randn(1, 3, 2, 59, dtype=torch.float64)
+    flash_attn_func(q, q, q)
+    with emulate_cuda(), pytest.raises(flashattn.InvalidArgumentError, match="argument 'k'"):
+        flash_attn_func(q, q[..., :58], q[..., :58])
+    assert recorded_head_dims == [59, 59]
+
+
+# ------------------------------------------------------------------ S_dmask with dropout
+
+
+def _expected_rng(seed):
+    torch.manual_seed(seed)
+    return torch.randint(0, 1 << 62, (2,), dtype=torch.int64).tolist()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [16, 59])
+def test_s_dmask_with_dropout(seed, causal, d):
+    g = torch.Generator().manual_seed(seed)
+    b, s_q, s_k, h_q, h_k, p = 2, 37, 140, 4, 2, 0.3
+    q = torch.randn(b, s_q, h_q, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, s_k, h_k, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, s_k, h_k, d, generator=g, dtype=torch.float64)
+    rng_seed, rng_offset = _expected_rng(seed)
+    torch.manual_seed(seed)
+    with emulate_cuda():
+        out, lse, s = flash_attn_func(q, k, v, dropout_p=p, causal=causal,
+                                      return_attn_probs=True)
+    assert s.shape == (b, h_q, 128, 256) and s.dtype == torch.float32
+    assert torch.all(s[:, :, s_q:] == 0) and torch.all(s[:, :, :, s_k:] == 0)
+    s = s[:, :, :s_q, :s_k].double()
+    want = ref.attention(np64(q), np64(k), np64(v), causal=causal)  # P without dropout
+    np.testing.assert_allclose(np64(s.abs()), want["probs"], rtol=1e-6, atol=1e-7)
+    for bi in range(b):
+        for h in range(h_q):
+            keep = ref.dropout_keep(p, rng_seed, rng_offset, bi * h_q + h, s_q, s_k)
+            visible = want["probs"][bi, h] > 0
+            np.testing.assert_array_equal(np64(s[bi, h])[visible] > 0, keep[visible])
+    # The pattern returned is the one the call applied: out = (kept P) v / (1 - p).
+    kept = torch.where(s > 0, s, 0.0)
+    v_rep = v.repeat_interleave(h_q // h_k, dim=2)
+    out_from_s = torch.einsum("bhij,bjhd->bihd", kept, v_rep) / (1 - p)
+    np.testing.assert_allclose(np64(out), np64(out_from_s), rtol=1e-5, atol=1e-6)
+    dropped = ((s < 0).sum() / (want["probs"] > 0).sum()).item()
+    assert abs(dropped - p) < 0.05
+
+
+def test_s_dmask_varlen_layout_and_private_fwd(seed):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, 5, 5, 17], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 13, 20], dtype=torch.int32)
+    q = torch.randn(17, 2, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(20, 2, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(20, 2, 16, generator=g, dtype=torch.float64)
+    torch.manual_seed(seed)
+    _, _, probs_cpu = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 9, dropout_p=0.4,
+                                             return_attn_probs=True)
+    torch.manual_seed(seed)
+    with emulate_cuda():
+        _, _, s = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 9, dropout_p=0.4,
+                                         return_attn_probs=True)
+        _, _, none = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 9,
+                                            return_attn_probs=True)
+    assert none is None  # flash_attn: no S_dmask without dropout
+    assert s.shape == (3, 2, 128, 128)
+    for i in range(3):  # sequence i's rows are rows 0.. of S[i]; the CPU layout is packed
+        q0, q1 = int(cu_q[i]), int(cu_q[i + 1])
+        kept_cpu = probs_cpu[:, q0:q1]
+        si = s[i, :, : q1 - q0, :9]
+        torch.testing.assert_close(torch.where(si > 0, si, 0.0), kept_cpu, rtol=0, atol=0)
+        assert torch.all(s[i, :, q1 - q0:] == 0)
+    # flash_attn_gpu.fwd (the private forward) returns the same layout.
+    from flashattn.flash_attn_interface import _flash_attn_forward
+    qd = torch.randn(1, 20, 2, 16, generator=g, dtype=torch.float64)
+    with emulate_cuda():
+        out, lse, s, rng = _flash_attn_forward(qd, qd, qd, 0.5, 0.25, True, -1, -1, 0.0, None,
+                                               True)
+    assert s.shape == (1, 2, 128, 128)
+    keep = ref.dropout_keep(0.5, int(rng[0]), int(rng[1]), 1, 20, 20)
+    vis = np.tril(np.ones((20, 20), dtype=bool))
+    np.testing.assert_array_equal(np64(s[0, 1, :20, :20])[vis] > 0, keep[vis])
