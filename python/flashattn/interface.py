@@ -122,7 +122,7 @@ def _round128(n: int) -> int:
 
 
 def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropout_p, alibi,
-                 sink, varlen=None):
+                 sink, varlen=None, layout_max_k=None):
     """flash_attn's S_dmask for a CUDA call with dropout, from the CPU backend's debug
     probabilities of the same call (same (seed, offset), so the same Philox keep bits the
     CUDA kernels applied): fp32 [b, h_q, round128(s_q), round128(s_k)] on q's device, P_ij
@@ -153,7 +153,9 @@ def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropou
         dmask[:, :, :s_q, :s_k] = s
     else:
         cu_q = varlen[0].cpu().tolist()
-        b, h, max_q, max_k = len(cu_q) - 1, s.shape[0], varlen[3], varlen[4]
+        b, h, max_q = len(cu_q) - 1, s.shape[0], varlen[3]
+        max_k = varlen[4] if layout_max_k is None else layout_max_k  # keys past it: none
+        s = s[..., :max_k]
         dmask = s.new_zeros(b, h, _round128(max_q), _round128(max_k))
         for i in range(b):
             n = min(cu_q[i + 1] - cu_q[i], max_q)
@@ -191,10 +193,14 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None):
+                      seqused_q=None, block_table=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
+    layout_max_k = max_seqlen_k  # of probs / S_dmask
+    if block_table is not None:
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
+            fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
     scale = _scale(q, softmax_scale)  # of the true head dim, also when padded
     d8 = _padded_head_dim(q, k, v)
     d = q.shape[-1]
@@ -211,13 +217,79 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if not return_attn_probs:
         return out
     if want_probs:
-        return out, lse, probs
+        return out, lse, probs[..., :layout_max_k]
     if _cuda_path(q) and dropout_p > 0:
         return out, lse, _fa2_s_dmask(
             q, k, v, rng, scale, bool(causal), left, right, float(softcap), float(dropout_p),
             alibi_slopes, sink, varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k,
-                                        int(max_seqlen_q), int(max_seqlen_k), seqused_q))
+                                        int(max_seqlen_q), int(max_seqlen_k), seqused_q),
+            layout_max_k=layout_max_k)
     return out, lse, None
+
+
+def _paged_as_varlen(fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k):
+    """Paged varlen (flash_attn's block_table in flash_attn_varlen_func): k, v
+    [num_blocks, block_size, h_k, d]; sequence i has cu_seqlens_k[i+1] - cu_seqlens_k[i]
+    keys (the first seqused_k[i] when given), key j in block block_table[i][j // block_size],
+    row j % block_size. Gathered (differentiably: dk, dv reach the blocks, summed where
+    blocks are shared) into a packed varlen k, v with one slot of max_blocks * block_size
+    rows per sequence and seqused_k = the key counts: the same keys in the same order, so
+    the varlen call is exact. Returns (k, v, cu_seqlens_k, seqused_k, max_seqlen_k)."""
+    layout = "[num_blocks, block_size, h_k, d] (paged, with block_table)"
+    for name, t in (("k", k), ("v", v)):
+        check_rank(fn, name, t, 4, layout)
+    check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
+    if not isinstance(cu_seqlens_k, Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 1:
+        raise invalid(fn, "cu_seqlens_k", "an int32 tensor [b + 1]",
+                      shape_text(cu_seqlens_k) if isinstance(cu_seqlens_k, Tensor)
+                      else type(cu_seqlens_k).__name__)
+    for name, t in (("k", k), ("v", v), ("block_table", block_table),
+                    ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != q.device:
+            raise invalid(fn, name, f"a tensor on {q.device} (the device of q)",
+                          f"a tensor on {t.device}")
+    if block_table.dtype != torch.int32:
+        raise invalid(fn, "block_table", "dtype int32", str(block_table.dtype)[6:])
+    batch = cu_seqlens_k.numel() - 1
+    if block_table.shape[0] != batch:
+        raise invalid(fn, "block_table", f"shape[0] == {batch} (batch: cu_seqlens_k has "
+                      f"b + 1 entries)", int(block_table.shape[0]))
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise invalid(fn, "v", f"shape[:3] == {tuple(k.shape[:3])} (that of k)",
+                      shape_text(v))
+    num_blocks, block_size = int(k.shape[0]), int(k.shape[1])
+    capacity = int(block_table.shape[1]) * block_size
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # the library checks cu_seqlens_k's order and seqused_k itself
+        table = block_table.cpu()
+        for i, n in enumerate(lens.tolist()):
+            if n < 0:
+                raise invalid(fn, "cu_seqlens_k", "non-decreasing values (the key counts)",
+                              f"cu_seqlens_k[{i + 1}] - cu_seqlens_k[{i}] = {n}")
+            if n > min(capacity, max_seqlen_k):
+                what, bound = ((f"max_blocks_per_seq * block_size = {block_table.shape[1]} * "
+                                f"{block_size} of block_table and k", capacity)
+                               if n > capacity else ("max_seqlen_k", max_seqlen_k))
+                raise invalid(fn, "block_table" if n > capacity else "cu_seqlens_k",
+                              f"cu_seqlens_k[i + 1] - cu_seqlens_k[i] <= {bound} ({what})",
+                              f"cu_seqlens_k[{i + 1}] - cu_seqlens_k[{i}] = {n}")
+            for blk in range((max(n, 0) + block_size - 1) // block_size):
+                entry = int(table[i, blk])
+                if not 0 <= entry < num_blocks:
+                    raise invalid(fn, "block_table", f"used entries in [0, {num_blocks}) "
+                                  f"(num_blocks = k.shape[0])",
+                                  f"block_table[{i}][{blk}] = {entry}")
+    ids = block_table.to(torch.int64).clamp(0, max(num_blocks - 1, 0))  # unused: never read
+    rows = (ids[:, :, None] * block_size
+            + torch.arange(block_size, device=q.device)[None, None, :]).reshape(-1)
+    k = k.flatten(0, 1).index_select(0, rows)
+    v = v.flatten(0, 1).index_select(0, rows)
+    used = lens.clamp(0, capacity)
+    if seqused_k is not None:
+        used = torch.minimum(used, seqused_k.to(torch.int64))
+    cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * capacity
+    return k, v, cu, used.to(torch.int32), capacity
 
 
 def _check_packed(fn, name, t, rank, dim, count, layout):
@@ -273,18 +345,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None, *,
                            learnable_sink=None, seqused_q=None, seqused_k=None):
     """q [total_q, h_q, d], k, v [total_k, h_k, d], cu_seqlens_q/_k int32 [b + 1]
-    -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
-    is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
+    -> out [total_q, h_q, d]; softmax_lse [h_q, total_q] fp32. block_table (paged KV,
+    flash_attn's): k, v [num_blocks, block_size, h_k, d], int32 [b, max_blocks_per_seq];
+    key j of sequence i is row j % block_size of block block_table[i][j // block_size], and
+    cu_seqlens_k still gives the key counts (the blocks are gathered into a packed k, v, so
+    every feature, the backward included, works; dk, dv reach the blocks). seqused_q / seqused_k (int32 [b], FlashAttention-4's
     names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
     query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend."""
-    if block_table is not None:
-        raise UnsupportedError(
-            "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
-            "(a paged KV cache is supported by flash_attn_with_kvcache only), got a tensor")
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
-                             learnable_sink=learnable_sink, seqused_q=seqused_q)
+                             learnable_sink=learnable_sink, seqused_q=seqused_q,
+                             block_table=block_table)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,

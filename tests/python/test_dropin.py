@@ -358,3 +358,142 @@ def test_s_dmask_varlen_layout_and_private_fwd(seed):
     keep = ref.dropout_keep(0.5, int(rng[0]), int(rng[1]), 1, 20, 20)
     vis = np.tril(np.ones((20, 20), dtype=bool))
     np.testing.assert_array_equal(np64(s[0, 1, :20, :20])[vis] > 0, keep[vis])
+
+
+# ------------------------------------------------------------------ paged varlen
+
+
+def _paged_case(g, dtype, block_size, lens_q=(5, 0, 12, 1), lens_k=(9, 3, 40, 0), h_q=4,
+                h_k=2, d=16, share=True):
+    b = len(lens_q)
+    max_blocks = max((n + block_size - 1) // block_size for n in lens_k) + 1
+    num_blocks = b * max_blocks + 3
+    k_pool = torch.randn(num_blocks, block_size, h_k, d, generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, block_size, h_k, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[: b * max_blocks].reshape(b, max_blocks)
+    if share and block_size <= lens_k[0] and block_size <= lens_k[2]:
+        table[2, 0] = table[0, 0]  # a prefix block shared between two sequences
+    table = table.to(torch.int32)
+    used = set()
+    for i, n in enumerate(lens_k):
+        used |= {int(table[i, t]) for t in range((n + block_size - 1) // block_size)}
+    for blk in range(num_blocks):  # blocks no sequence uses: NaN shows if read
+        if blk not in used:
+            k_pool[blk] = float("nan")
+            v_pool[blk] = float("nan")
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), h_q, d, generator=g).to(dtype)
+    # The dense gather: sequence i's keys, packed.
+    rows = [(int(table[i, j // block_size]), j % block_size) for i, n in enumerate(lens_k)
+            for j in range(n)]
+    k_dense = torch.stack([k_pool[r, c] for r, c in rows]) if rows else k_pool[:0, 0]
+    v_dense = torch.stack([v_pool[r, c] for r, c in rows]) if rows else v_pool[:0, 0]
+    return q, k_pool, v_pool, table, cu_q, cu_k, k_dense, v_dense, max(lens_q), max(lens_k)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (6, 0))])
+def test_varlen_block_table_matches_the_dense_gather(seed, block_size, causal, window):
+    g = torch.Generator().manual_seed(seed)
+    q, kp, vp, table, cu_q, cu_k, kd, vd, mq, mk = _paged_case(g, torch.float64, block_size)
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    qa, kpa, vpa = (t.clone().requires_grad_() for t in (q, kp, vp))
+    out, lse, probs = flash_attn_varlen_func(qa, kpa, vpa, cu_q, cu_k, mq, mk, causal=causal,
+                                             window_size=window, block_table=table,
+                                             return_attn_probs=True)
+    want = ref.attention(np64(q), np64(kd), np64(vd), causal=causal, window=window,
+                         dout=np64(dout), cu_seqlens_q=cu_q.numpy(), cu_seqlens_k=cu_k.numpy())
+    np.testing.assert_allclose(np64(out), want["out"], rtol=1e-10, atol=1e-11)
+    np.testing.assert_allclose(np64(lse), want["lse"], rtol=3e-7, atol=1e-7)
+    assert probs.shape == (4, q.shape[0], mk)
+    np.testing.assert_allclose(np64(probs), want["probs"], rtol=1e-6, atol=1e-7)
+    out.backward(dout)
+    np.testing.assert_allclose(np64(qa.grad), want["dq"], rtol=2e-6, atol=1e-6)  # lse is fp32
+    # dk, dv of the pool: each key's gradient lands in its block (summed where shared).
+    dk_pool = torch.zeros_like(kp)
+    dv_pool = torch.zeros_like(vp)
+    j = 0
+    for i, n in enumerate(np.diff(cu_k.numpy())):
+        for t in range(n):
+            r, c = int(table[i, t // block_size]), t % block_size
+            dk_pool[r, c] += torch.from_numpy(want["dk"][j])
+            dv_pool[r, c] += torch.from_numpy(want["dv"][j])
+            j += 1
+    np.testing.assert_allclose(np64(kpa.grad), np64(dk_pool), rtol=2e-6, atol=1e-6)  # lse is fp32
+    np.testing.assert_allclose(np64(vpa.grad), np64(dv_pool), rtol=2e-6, atol=1e-6)  # lse is fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_block_table_half_precision_and_seqused_k(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, kp, vp, table, cu_q, cu_k, kd, vd, mq, mk = _paged_case(g, dtype, 8)
+    seqused = torch.tensor([4, 3, 33, 0], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, mk, causal=True, block_table=table,
+                                 seqused_k=seqused)
+    want = ref.attention(np64(q), np64(kd), np64(vd), causal=True, cu_seqlens_q=cu_q.numpy(),
+                         cu_seqlens_k=cu_k.numpy(), seqused_k=seqused.numpy())
+    tol = 2e-2 if dtype == torch.bfloat16 else 3e-3
+    np.testing.assert_allclose(np64(out), want["out"], rtol=tol, atol=tol)
+    # The private forward (flash_attn_gpu.varlen_fwd) takes the same block table.
+    from flashattn.flash_attn_interface import _flash_attn_varlen_forward
+    out2 = _flash_attn_varlen_forward(q, kp, vp, cu_q, cu_k, mq, mk, 0.0, 16 ** -0.5, True,
+                                      block_table=table, seqused_k=seqused)[0]
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_varlen_block_table_s_dmask_emulated(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, kp, vp, table, cu_q, cu_k, kd, vd, mq, mk = _paged_case(g, torch.float64, 4)
+    torch.manual_seed(seed)
+    _, _, s_paged = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, mk, dropout_p=0.3,
+                                           block_table=table, return_attn_probs=True)
+    torch.manual_seed(seed)
+    _, _, s_dense = flash_attn_varlen_func(q, kd, vd, cu_q, cu_k, mq, mk, dropout_p=0.3,
+                                           return_attn_probs=True)
+    torch.testing.assert_close(s_paged, s_dense, rtol=0, atol=0)
+    torch.manual_seed(seed)
+    with emulate_cuda():
+        _, _, s = flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, mk, dropout_p=0.3,
+                                         block_table=table, return_attn_probs=True)
+    assert s.shape == (4, 4, 128, 128)
+
+
+def test_varlen_block_table_errors():
+    g = torch.Generator().manual_seed(0)
+    q, kp, vp, table, cu_q, cu_k, kd, vd, mq, mk = _paged_case(g, torch.float32, 8)
+    E = flashattn.InvalidArgumentError
+    bad = table.clone()
+    bad[2, 1] = kp.shape[0]
+    cases = [
+        (dict(block_table=table.long()), "block_table", "dtype int32"),
+        (dict(block_table=table[:3]), "block_table", "shape[0] == 4"),
+        (dict(block_table=bad), "block_table", f"block_table[2][1] = {kp.shape[0]}"),
+        (dict(block_table=table[:, :2]), "block_table", "cu_seqlens_k[3] - cu_seqlens_k[2] = 40"),
+        (dict(block_table=table, max_seqlen_k=39), "cu_seqlens_k", "<= 39 (max_seqlen_k)"),
+    ]
+    for change, name, text in cases:
+        kw = dict(block_table=table, max_seqlen_k=mk)
+        kw.update(change)
+        with pytest.raises(E, match=f"argument '{name}'") as e:
+            flash_attn_varlen_func(q, kp, vp, cu_q, cu_k, mq, kw["max_seqlen_k"],
+                                   block_table=kw["block_table"])
+        assert text in str(e.value), str(e.value)
+        assert isinstance(e.value, RuntimeError)
+
+
+def test_kvcache_block_table_too_small_is_a_runtime_error_naming_block_table():
+    """flash_attn's test_flash_attn_kvcache_paged_block_table_bounds: cache_seqlens (+ new
+    keys) past max_blocks_per_seq * block_size raises a RuntimeError mentioning block_table."""
+    q = torch.randn(1, 1, 1, 64, dtype=torch.float16)
+    kp, vp = torch.randn(4, 256, 1, 64, dtype=torch.float16), torch.randn(4, 256, 1, 64, dtype=torch.float16)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    kn = vn = torch.randn(1, 1, 1, 64, dtype=torch.float16)
+    for seqlens, new in ((257, None), (256, kn)):
+        with pytest.raises(RuntimeError, match="block_table"):
+            flash_attn_with_kvcache(q, kp, vp, new, None if new is None else vn,
+                                    cache_seqlens=torch.tensor([seqlens], dtype=torch.int32),
+                                    block_table=table)
+    out = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=torch.tensor([256], dtype=torch.int32),
+                                  block_table=table)
+    assert not out.isnan().any()
