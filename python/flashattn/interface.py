@@ -429,6 +429,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
 
     learnable_sink: [h_q] sink logits (gpt-oss), in every row's denominator.
+
+    Head dims that are not a multiple of 8 on CUDA tensors: q, k, v and zero-padded
+    copies of the caches run at the next multiple of 8 (scale of the true d); the caches
+    are copied back after an append (the whole cache, as flash_attn does).
     """
     fn = "flashattn.flash_attn_with_kvcache"
     if (k is None) != (v is None):

@@ -497,3 +497,82 @@ def test_kvcache_block_table_too_small_is_a_runtime_error_naming_block_table():
     out = flash_attn_with_kvcache(q, kp, vp, cache_seqlens=torch.tensor([256], dtype=torch.int32),
                                   block_table=table)
     assert not out.isnan().any()
+
+
+# ------------------------------------------------------------------ CUDA tensors
+# The real paths of the emulations above (skipped without a GPU): CUDA results against
+# the CPU backend on the same inputs, within the rounding of fp16 / bf16 kernels.
+
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and flashattn.cuda_available()),
+                          reason="needs a CUDA device and flashattn's CUDA backend")
+
+
+def _close_half(got, want, dtype):
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    torch.testing.assert_close(got.cpu().float(), want.cpu().float(), rtol=tol, atol=tol)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_cache_leftpad(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, kc, vc, kn, vn, seqlens, lp, idx = _leftpad_case(g, dtype, s_q=3, s_new=3, d=64,
+                                                        batch_idx=True)
+    kcc, vcc = kc.cuda(), vc.cuda()
+    out = flash_attn_with_kvcache(q.cuda(), kcc, vcc, kn.cuda(), vn.cuda(),
+                                  cache_seqlens=seqlens.cuda(), cache_batch_idx=idx.cuda(),
+                                  cache_leftpad=lp.cuda(), causal=True, num_splits=0)
+    want = flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens,
+                                   cache_batch_idx=idx, cache_leftpad=lp, causal=True)
+    _close_half(out, want, dtype)
+    torch.testing.assert_close(kcc.cpu(), kc, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(vcc.cpu(), vc, rtol=0, atol=0, equal_nan=True)
+
+
+@cuda
+@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_padded_head_dims(seed, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(2, 50, 4, d, generator=g).to(dtype) for _ in range(4))
+    res = []
+    for device in ("cuda", "cpu"):
+        qq, kk, vv = (t.to(device).requires_grad_() for t in (q, k, v))
+        out = flash_attn_func(qq, kk, vv, causal=True)
+        out.backward(dout.to(device))
+        res.append((out, qq.grad, kk.grad, vv.grad))
+    for got, want in zip(*res):
+        assert got.shape[-1] == d
+        _close_half(got, want, dtype)
+    kc, vc = (torch.randn(2, 64, 4, d, generator=g).to(dtype) for _ in range(2))
+    kn, vn = (torch.randn(2, 2, 4, d, generator=g).to(dtype) for _ in range(2))
+    seqlens = torch.tensor([10, 61], dtype=torch.int32)
+    kcc, vcc = kc.cuda(), vc.cuda()
+    out = flash_attn_with_kvcache(q[:, :2].cuda(), kcc, vcc, kn.cuda(), vn.cuda(),
+                                  cache_seqlens=seqlens.cuda(), causal=True)
+    want = flash_attn_with_kvcache(q[:, :2], kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+    _close_half(out, want, dtype)
+    torch.testing.assert_close(kcc.cpu(), kc, rtol=0, atol=0)
+
+
+@cuda
+def test_cuda_s_dmask_is_the_applied_dropout(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 70, 4, 64, generator=g, dtype=torch.float16).cuda()
+               for _ in range(3))
+    out, lse, s = flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True)
+    assert s.shape == (2, 4, 128, 128) and s.device.type == "cuda"
+    kept = torch.where(s[:, :, :70, :70] > 0, s[:, :, :70, :70], 0.0).double()
+    out_from_s = torch.einsum("bhij,bjhd->bihd", kept, v.double()) / 0.75
+    torch.testing.assert_close(out.double(), out_from_s, rtol=4e-3, atol=4e-3)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_varlen_block_table(seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q, kp, vp, table, cu_q, cu_k, kd, vd, mq, mk = _paged_case(g, dtype, 16, d=64)
+    out = flash_attn_varlen_func(q.cuda(), kp.cuda(), vp.cuda(), cu_q.cuda(), cu_k.cuda(), mq,
+                                 mk, causal=True, block_table=table.cuda())
+    want = flash_attn_varlen_func(q, kd, vd, cu_q, cu_k, mq, mk, causal=True)
+    _close_half(out, want, dtype)
