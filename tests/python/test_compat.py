@@ -20,7 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run(code, *path, cwd="/tmp"):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    rest = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(list(path) + rest))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=cwd,
                           capture_output=True, text=True)
 
@@ -87,7 +88,7 @@ def test_pad_unpad_round_trip(seed):
     unused = (torch.rand(b, s, generator=g) < 0.3) & ~mask
     xu, idx, cu, max_s, used = compat.unpad_input(x, mask, unused)
     sel = (mask | unused).numpy()
-    want_rows = np64 = x.detach().numpy().reshape(b * s, 2, 4)[sel.reshape(-1)]
+    want_rows = x.detach().numpy().reshape(b * s, 2, 4)[sel.reshape(-1)]
     np.testing.assert_array_equal(xu.detach().numpy(), want_rows)
     assert cu.dtype == torch.int32 and cu.tolist() == [0] + np.cumsum(sel.sum(1)).tolist()
     assert max_s == int(sel.sum(1).max()) and used.tolist() == mask.sum(1).tolist()
@@ -97,7 +98,6 @@ def test_pad_unpad_round_trip(seed):
     back.sum().backward()  # differentiable: the gradient is the selection
     np.testing.assert_array_equal(x.grad.numpy(), np.broadcast_to(sel[:, :, None, None],
                                                                   x.shape).astype(float))
-    del np64
 
 
 def test_run_upstream_sh_on_a_small_flash_attn_test_file(tmp_path):
