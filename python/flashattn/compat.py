@@ -130,10 +130,11 @@ def apply_rotary_emb(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
 
 
 def _get_block_size_n(device, head_dim, is_dropout, is_causal) -> int:
-    """flash_attn's tests import it to undo its S_dmask's per-block scaling. flashattn's
-    S_dmask holds normalised probabilities (no per-block scaling), so any block size
-    works; this returns 128, the unit S_dmask's shape is rounded to."""
-    return 128
+    """The key-block width of S_dmask's scaling, which flash_attn's tests use to normalise
+    S_dmask back to probabilities: flash_attn's S_dmask holds exp(s_ij - m) with m the
+    running row max at each key block of its kernels; flashattn's holds exp(s_ij - m_i)
+    with m_i the max over the whole row, i.e. one block spanning every key: 2^31 - 1."""
+    return (1 << 31) - 1
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ a function returns ``out``, or ``(out, softmax_lse, S_dmask)`` when return_attn_
 (flash_attn_with_kvcache: ``(out, softmax_lse)`` when return_softmax_lse). The
 differences are listed in python/README.md; in short: S_dmask is the probabilities
 after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) on CPU tensors and
-flash_attn's padded layout (P where kept, -P where dropped, only with dropout) on CUDA
-tensors; head dims that are not a multiple of 8 are zero-padded on CUDA tensors, as
+flash_attn's padded layout (exp(s - rowmax) where kept, negated where dropped, only with
+dropout) on CUDA tensors; head dims that are not a multiple of 8 are zero-padded on CUDA tensors, as
 flash_attn does; dropout seeds come from torch's default CPU generator;
 errors are flashattn.InvalidArgumentError (a ValueError and, as flash_attn's, a
 RuntimeError) / UnsupportedError.
@@ -125,8 +125,9 @@ def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropou
                  sink, varlen=None, layout_max_k=None):
     """flash_attn's S_dmask for a CUDA call with dropout, from the CPU backend's debug
     probabilities of the same call (same (seed, offset), so the same Philox keep bits the
-    CUDA kernels applied): fp32 [b, h_q, round128(s_q), round128(s_k)] on q's device, P_ij
-    where kept, -P_ij where dropped, 0 where masked and in the padding. varlen =
+    CUDA kernels applied): fp32 [b, h_q, round128(s_q), round128(s_k)] on q's device,
+    exp(s_ij - m_i) (m_i the row's largest score: P_ij / max_j P_ij) where kept, its
+    negative where dropped, 0 where masked and in the padding. varlen =
     (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, seqused_q): row i
     of sequence b is its query i (FA2's varlen layout). A debug feature for small
     problems, as in flash_attn: two CPU passes over copies of q, k, v."""
@@ -146,7 +147,12 @@ def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropou
                                       True, sc, None if used_q is None else used_q.cpu())
         probs.append(pr)
     kept, full = probs
-    s = torch.where(kept != 0, kept, -full)  # kept: P; dropped: -P (-0 where P == 0)
+    # flash_attn's encoding: exp(s_ij - m_i), m_i the running max of the key block (here
+    # one block spanning the row: m_i = max_j s_ij, so exp(s_ij - m_i) = P_ij / max_j P_ij);
+    # kept as is, dropped negated (-0 where P == 0); rows that see no key are 0.
+    row_max = full.amax(dim=-1, keepdim=True)
+    scale_rows = torch.where(row_max > 0, 1.0 / row_max, torch.zeros_like(row_max))
+    s = torch.where(kept != 0, kept, -full) * scale_rows
     if varlen is None:
         b, h, s_q, s_k = s.shape
         dmask = s.new_zeros(b, h, _round128(s_q), _round128(s_k))

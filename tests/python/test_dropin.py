@@ -287,6 +287,14 @@ def test_head_dim_not_padded_on_cpu_or_when_mismatched(recorded_head_dims):
 # ------------------------------------------------------------------ S_dmask with dropout
 
 
+def p_from_s(s):
+    """The probabilities S_dmask encodes (flash_attn's layout, flashattn's scaling:
+    |S_ij| = exp(s_ij - max_j s_ij), so P_ij = |S_ij| / sum_j |S_ij| without a sink)."""
+    a = s.abs().double()
+    total = a.sum(-1, keepdim=True)
+    return torch.where(total > 0, a / torch.where(total > 0, total, 1.0), 0.0)
+
+
 def _expected_rng(seed):
     torch.manual_seed(seed)
     return torch.randint(0, 1 << 62, (2,), dtype=torch.int64).tolist()
@@ -309,14 +317,20 @@ def test_s_dmask_with_dropout(seed, causal, d):
     assert torch.all(s[:, :, s_q:] == 0) and torch.all(s[:, :, :, s_k:] == 0)
     s = s[:, :, :s_q, :s_k].double()
     want = ref.attention(np64(q), np64(k), np64(v), causal=causal)  # P without dropout
-    np.testing.assert_allclose(np64(s.abs()), want["probs"], rtol=1e-6, atol=1e-7)
+    row_max = want["probs"].max(-1, keepdims=True)
+    want_s = np.where(row_max > 0, want["probs"] / np.where(row_max > 0, row_max, 1), 0)
+    np.testing.assert_allclose(np64(s.abs()), want_s, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np64(p_from_s(s)), want["probs"], rtol=1e-6, atol=1e-7)
+    # flash_attn's tests normalise S_dmask with _get_block_size_n's blocks: P again.
+    from flashattn.compat import _get_block_size_n
+    assert _get_block_size_n("cuda", d, True, causal) >= s_k
     for bi in range(b):
         for h in range(h_q):
             keep = ref.dropout_keep(p, rng_seed, rng_offset, bi * h_q + h, s_q, s_k)
             visible = want["probs"][bi, h] > 0
             np.testing.assert_array_equal(np64(s[bi, h])[visible] > 0, keep[visible])
     # The pattern returned is the one the call applied: out = (kept P) v / (1 - p).
-    kept = torch.where(s > 0, s, 0.0)
+    kept = torch.where(s > 0, p_from_s(s), 0.0)
     v_rep = v.repeat_interleave(h_q // h_k, dim=2)
     out_from_s = torch.einsum("bhij,bjhd->bihd", kept, v_rep) / (1 - p)
     np.testing.assert_allclose(np64(out), np64(out_from_s), rtol=1e-5, atol=1e-6)
@@ -346,7 +360,9 @@ def test_s_dmask_varlen_layout_and_private_fwd(seed):
         q0, q1 = int(cu_q[i]), int(cu_q[i + 1])
         kept_cpu = probs_cpu[:, q0:q1]
         si = s[i, :, : q1 - q0, :9]
-        torch.testing.assert_close(torch.where(si > 0, si, 0.0), kept_cpu, rtol=0, atol=0)
+        torch.testing.assert_close(torch.where(si > 0, p_from_s(si), 0.0).float(), kept_cpu,
+                                   rtol=1e-6, atol=1e-7)
+        assert torch.equal(si > 0, kept_cpu > 0)
         assert torch.all(s[i, :, q1 - q0:] == 0)
     # flash_attn_gpu.fwd (the private forward) returns the same layout.
     from flashattn.flash_attn_interface import _flash_attn_forward
@@ -562,7 +578,7 @@ def test_cuda_s_dmask_is_the_applied_dropout(seed):
                for _ in range(3))
     out, lse, s = flash_attn_func(q, k, v, dropout_p=0.25, causal=True, return_attn_probs=True)
     assert s.shape == (2, 4, 128, 128) and s.device.type == "cuda"
-    kept = torch.where(s[:, :, :70, :70] > 0, s[:, :, :70, :70], 0.0).double()
+    kept = torch.where(s[:, :, :70, :70] > 0, p_from_s(s[:, :, :70, :70]), 0.0).double()
     out_from_s = torch.einsum("bhij,bjhd->bihd", kept, v.double()) / 0.75
     torch.testing.assert_close(out.double(), out_from_s, rtol=4e-3, atol=4e-3)
 
