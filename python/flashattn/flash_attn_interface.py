@@ -27,8 +27,9 @@ flash_attn's). Differences:
     dropout); hand it back to the backward as flash_attn's is.
   - S_dmask: on CPU tensors the probabilities (fp32, [b, h_q, s_q, s_k]; varlen [h_q,
     total_q, max_seqlen_k]) when return_softmax; on CUDA tensors with dropout flash_attn's
-    layout (fp32 [b, h_q, round128(s_q), round128(s_k)], -P where dropped) computed by the
-    CPU backend with the call's (seed, offset); else an empty tensor.
+    layout (fp32 [b, h_q, round128(s_q), round128(s_k)], exp(s - rowmax), negated where
+    dropped) computed by the CPU backend with the call's (seed, offset); else an empty
+    tensor.
   - softmax_d = rowsum(dout * out), fp32 [b, h_q, s_q] (varlen [h_q, total_q]), not padded
     to a multiple of 128.
   - gen_ (a torch.Generator) only seeds the dropout pair; block_table in varlen_fwd
