@@ -13,6 +13,12 @@
 # tests/python/run_gpu_tests.sh, or `pip install .`), torch, pytest and einops. Head dims
 # that are not compiled into the build (FLASHATTN_HEAD_DIMS) fail as UnsupportedError:
 # build all eight buckets for a fair count. Writes build-py/upstream-{junit.xml,pytest.log}.
+#
+# UPSTREAM_CPU=1: no GPU needed. A copy of the test file with its CUDA device strings
+# turned into "cpu" (and compute capability 9.0) runs on CPU tensors with the drop-in's
+# CUDA-tensor paths forced on (flashattn.interface._EMULATE_CUDA: head-dim padding,
+# cache_leftpad as a paged cache, flash_attn's S_dmask layout); slow (the CPU backend):
+# draw small samples. A check of the Python layer, not of the CUDA kernels.
 set -euo pipefail
 if [[ $# -lt 1 || ! -f $1 ]]; then
   sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
@@ -27,6 +33,18 @@ if [[ $# -gt 0 && $1 != -- ]]; then seed=$1; shift; fi
 if [[ $# -gt 0 && $1 == -- ]]; then shift; fi
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
+if [[ ${UPSTREAM_CPU:-0} == 1 ]]; then
+  cpu_dir=$(mktemp -d)
+  trap 'rm -rf "$cpu_dir"' EXIT
+  sed -e 's/device *= *"cuda"/device = "cpu"/g' -e 's/device="cuda"/device="cpu"/g' \
+      -e 's/torch\.cuda\.get_device_capability("cuda")/(9, 0)/g' \
+      -e 's/torch\.cuda\.get_device_properties("cuda")\.total_memory/(80 * 2**30)/g' \
+      "$test_file" > "$cpu_dir/$(basename "$test_file")"
+  printf '%s\n' "# UPSTREAM_CPU=1: the CUDA-tensor paths of the drop-in on CPU tensors" \
+      "import flashattn.interface" "flashattn.interface._EMULATE_CUDA = True" \
+      > "$cpu_dir/conftest.py"
+  test_file=$cpu_dir/$(basename "$test_file")
+fi
 PYTHON=${PYTHON:-python3}
 mkdir -p "$repo/build-py"
 junit=$repo/build-py/upstream-junit.xml

@@ -135,3 +135,30 @@ def test_run_upstream_sh_on_a_small_flash_attn_test_file(tmp_path):
     assert full.stdout.strip().splitlines()[-1] == (
         "upstream: 36 passed of 40 run (50 sampled with seed 0; 4 failed, 0 errors, "
         "10 skipped)"), full.stdout + full.stderr
+
+
+def test_run_upstream_sh_cpu_emulation(tmp_path):
+    """UPSTREAM_CPU=1 turns the file's CUDA device strings into "cpu" and forces the
+    drop-in's CUDA-tensor paths (interface._EMULATE_CUDA) in a copy; the original stays."""
+    test_file = tmp_path / "test_flash_attn.py"
+    source = textwrap.dedent("""
+        import torch
+        import flashattn.interface
+        from flash_attn import flash_attn_func
+        is_sm90 = torch.cuda.get_device_capability("cuda") == (9, 0)
+
+        def test_emulated():
+            device = "cuda"
+            assert is_sm90 and flashattn.interface._EMULATE_CUDA
+            q = torch.randn(1, 5, 2, 59, device=device, dtype=torch.float64)
+            out, lse, s = flash_attn_func(q, q, q, 0.5, return_attn_probs=True)
+            assert out.shape == q.shape and s.shape == (1, 2, 128, 128)
+        """)
+    test_file.write_text(source)
+    script = os.path.join(REPO, "tests", "python", "run_upstream.sh")
+    env = dict(os.environ, PYTHON=sys.executable, UPSTREAM_CPU="1")
+    r = subprocess.run(["bash", script, str(test_file), "0"], env=env, capture_output=True,
+                       text=True)
+    assert r.stdout.strip().splitlines()[-1].startswith("upstream: 1 passed of 1 run"), (
+        r.stdout + r.stderr)
+    assert test_file.read_text() == source
