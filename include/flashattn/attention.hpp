@@ -243,6 +243,14 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // MLA decode (Options::qv, FlashAttention-3's qv [b, s_q, h_q, d_v]): k_cache holds the
 // rope keys, v_cache the latent, which serves both the score (q . k + qv . v) and the
 // value; an fp8 cache dequantizes v with v_scale in both uses.
+//
+// Left-padded cache (flash_attn's cache_leftpad): cache_leftpad int32 [b] (optional,
+// dense caches only; 0 <= cache_leftpad[i] <= cache_seqlens[i]). Sequence i's cached keys
+// are then rows cache_leftpad[i] .. cache_seqlens[i] - 1 of its cache row (the rows
+// before are padding, never read); k_new / v_new are still written at cache_seqlens[i]
+// .., and the sequence has s_k = cache_seqlens[i] + s_new - cache_leftpad[i] keys: key j
+// is cache row cache_leftpad[i] + j, and causal / window / ALiBi / tree masks use this
+// s_k and j. CPU backend only for now (CUDA: Unsupported naming cache_leftpad).
 struct KVCacheArgs {
   Tensor q;
   Tensor k_cache, v_cache;
@@ -253,6 +261,7 @@ struct KVCacheArgs {
   int num_splits = 0;
   Tensor k_scale, v_scale;  // fp8 cache only
   Tensor tree_mask;         // optional
+  Tensor cache_leftpad;     // optional, int32 [b], dense caches only
 };
 
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,

@@ -25,12 +25,16 @@ and return lists. They run on flashattn's ops (CPU or CUDA tensors) with no auto
 flash_attn's). Differences:
   - rng_state is flashattn's (seed, offset) pair, an int64 CPU tensor [2] (zeros without
     dropout); hand it back to the backward as flash_attn's is.
-  - S_dmask: the probabilities (fp32, [b, h_q, s_q, s_k]; varlen [h_q, total_q,
-    max_seqlen_k]) on the CPU backend when return_softmax, else an empty tensor.
+  - S_dmask: on CPU tensors the probabilities (fp32, [b, h_q, s_q, s_k]; varlen [h_q,
+    total_q, max_seqlen_k]) when return_softmax; on CUDA tensors with dropout flash_attn's
+    layout (fp32 [b, h_q, round128(s_q), round128(s_k)], exp(s - rowmax), negated where
+    dropped) computed by the CPU backend with the call's (seed, offset); else an empty
+    tensor.
   - softmax_d = rowsum(dout * out), fp32 [b, h_q, s_q] (varlen [h_q, total_q]), not padded
     to a multiple of 128.
-  - gen_ (a torch.Generator) only seeds the dropout pair; block_table / leftpad_k in the
-    varlen calls raise UnsupportedError (as flashattn.flash_attn_varlen_func does);
+  - gen_ (a torch.Generator) only seeds the dropout pair; block_table in varlen_fwd
+    gathers the blocks into a packed k, v (as flashattn.flash_attn_varlen_func does);
+    leftpad_k in the varlen calls raises UnsupportedError;
     zero_tensors and num_splits of the varlen calls are accepted and ignored.
 """
 
@@ -79,13 +83,12 @@ def _into(dst: Optional[Tensor], src: Tensor) -> Tensor:
     return dst
 
 
-def _no_paging(fn: str, block_table, leftpad_k):
-    for name, t in (("block_table", block_table), ("leftpad_k", leftpad_k)):
-        if t is not None:
-            raise UnsupportedError(
-                f"flashattn.{fn}: argument '{name}': expected None (paged or left-padded "
-                f"varlen attention is not supported; flash_attn_with_kvcache takes a "
-                f"block_table), got a tensor")
+def _no_leftpad(fn: str, leftpad_k):
+    if leftpad_k is not None:
+        raise UnsupportedError(
+            f"flashattn.{fn}: argument 'leftpad_k': expected None (left-padded varlen "
+            f"attention is not supported; flash_attn_with_kvcache takes a cache_leftpad), "
+            f"got a tensor")
 
 
 def _row_dot(dout: Tensor, out: Tensor) -> Tensor:
@@ -102,12 +105,17 @@ def _gpu_fwd(q, k, v, out_, alibi_slopes_, p_dropout, softmax_scale, is_causal,
     """flash_attn_2_cuda.fwd -> [out, softmax_lse, S_dmask, rng_state]."""
     q, k, v, alibi = _detach(q), _detach(k), _detach(v), _detach(alibi_slopes_)
     rng_state = _rng_state(float(p_dropout), gen_)
-    want_probs = bool(return_softmax) and q.device.type == "cpu"
-    out, lse, probs = ops.fwd(q, k, v, alibi, rng_state if p_dropout > 0 else None,
-                              _scale(q, softmax_scale), bool(is_causal), int(window_size_left),
-                              int(window_size_right), float(softcap), float(p_dropout), False,
-                              want_probs)
-    if not want_probs:
+    cuda = interface._cuda_path(q)
+    want_probs = bool(return_softmax) and not cuda
+    scale = _scale(q, softmax_scale)
+    out, lse, probs = ops.fwd(q, k, v, alibi, rng_state if p_dropout > 0 else None, scale,
+                              bool(is_causal), int(window_size_left), int(window_size_right),
+                              float(softcap), float(p_dropout), False, want_probs)
+    if cuda and return_softmax and p_dropout > 0:  # flash_attn's layout, from the CPU backend
+        probs = interface._fa2_s_dmask(q, k, v, rng_state, scale, bool(is_causal),
+                                       int(window_size_left), int(window_size_right),
+                                       float(softcap), float(p_dropout), alibi, None)
+    elif not want_probs:
         probs = torch.empty(0, dtype=q.dtype, device=q.device)
     return [_into(out_, out), lse, probs, rng_state]
 
@@ -117,17 +125,31 @@ def _gpu_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpa
                     softmax_scale, zero_tensors, is_causal, window_size_left,
                     window_size_right, softcap, return_softmax, gen_=None, num_splits=0):
     """flash_attn_2_cuda.varlen_fwd -> [out, softmax_lse, S_dmask, rng_state]."""
-    _no_paging("flash_attn_gpu.varlen_fwd", block_table_, leftpad_k_)
+    _no_leftpad("flash_attn_gpu.varlen_fwd", leftpad_k_)
     q, k, v, alibi = _detach(q), _detach(k), _detach(v), _detach(alibi_slopes_)
+    layout_max_k = int(max_seqlen_k)
+    if block_table_ is not None:  # paged KV: the blocks gathered into a packed k, v
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = interface._paged_as_varlen(
+            "flashattn.flash_attn_gpu.varlen_fwd", q, k, v, cu_seqlens_k, seqused_k,
+            block_table_, int(max_seqlen_k))
     rng_state = _rng_state(float(p_dropout), gen_)
-    want_probs = bool(return_softmax) and q.device.type == "cpu"
+    cuda = interface._cuda_path(q)
+    want_probs = bool(return_softmax) and not cuda
+    scale = _scale(q, softmax_scale)
     out, lse, probs = ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi,
                                      rng_state if p_dropout > 0 else None, int(max_seqlen_q),
-                                     int(max_seqlen_k), _scale(q, softmax_scale),
-                                     bool(is_causal), int(window_size_left),
-                                     int(window_size_right), float(softcap), float(p_dropout),
-                                     False, want_probs)
-    if not want_probs:
+                                     int(max_seqlen_k), scale, bool(is_causal),
+                                     int(window_size_left), int(window_size_right),
+                                     float(softcap), float(p_dropout), False, want_probs)
+    if cuda and return_softmax and p_dropout > 0:  # flash_attn's layout, from the CPU backend
+        probs = interface._fa2_s_dmask(
+            q, k, v, rng_state, scale, bool(is_causal), int(window_size_left),
+            int(window_size_right), float(softcap), float(p_dropout), alibi, None,
+            varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k, int(max_seqlen_q),
+                    int(max_seqlen_k), None), layout_max_k=layout_max_k)
+    elif want_probs:
+        probs = probs[..., :layout_max_k]
+    else:
         probs = torch.empty(0, dtype=q.dtype, device=q.device)
     return [_into(out_, out), lse, probs, rng_state]
 

@@ -4,8 +4,10 @@ Same names, signatures and return conventions as flash_attn.flash_attn_interface
 a function returns ``out``, or ``(out, softmax_lse, S_dmask)`` when return_attn_probs
 (flash_attn_with_kvcache: ``(out, softmax_lse)`` when return_softmax_lse). The
 differences are listed in python/README.md; in short: S_dmask is the probabilities
-after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) from the CPU
-backend and None on CUDA; dropout seeds come from torch's default CPU generator;
+after dropout (fp32, 0 where dropped or masked, not scaled by 1/(1-p)) on CPU tensors and
+flash_attn's padded layout (exp(s - rowmax) where kept, negated where dropped, only with
+dropout) on CUDA tensors; head dims that are not a multiple of 8 are zero-padded on CUDA tensors, as
+flash_attn does; dropout seeds come from torch's default CPU generator;
 errors are flashattn.InvalidArgumentError (a ValueError and, as flash_attn's, a
 RuntimeError) / UnsupportedError.
 
@@ -45,6 +47,17 @@ _KEYWORD_OF_OPTION = {
     "opts.window_right": "window_size[1]",
     "opts.qv": "qv",
 }
+
+
+# Private switch for tests: the emulations that CUDA tensors take in this module (a
+# left-padded cache as a paged one, head dims padded to a multiple of 8, S_dmask from the
+# CPU backend) run on CPU tensors too, so that a machine without a GPU tests them.
+_EMULATE_CUDA = False
+
+
+def _cuda_path(t) -> bool:
+    """Whether t (q) takes the CUDA-tensor emulations: a CUDA tensor, or _EMULATE_CUDA."""
+    return isinstance(t, Tensor) and (t.device.type == "cuda" or _EMULATE_CUDA)
 
 
 def _call(op, *args):
@@ -128,40 +141,211 @@ def _block_sparse(fn: str, bst) -> tuple:
     return (*tensors, bq, bk, *extra)
 
 
+def _padded_head_dim(q, k, v) -> int:
+    """The head dim a CUDA call pads q, k, v to (as flash_attn does: the next multiple of
+    8), or 0 when it does not pad: CPU tensors (any d), d already a multiple of 8, head
+    dims that differ or exceed 256 (the library's error names them as they are)."""
+    if not _cuda_path(q) or not all(isinstance(t, Tensor) and t.dim() >= 1 for t in (q, k, v)):
+        return 0
+    d = q.shape[-1]
+    if d % 8 == 0 or d > 256 or k.shape[-1] != d or v.shape[-1] != d:
+        return 0
+    return (d + 7) // 8 * 8
+
+
+def _pad_last(t: Optional[Tensor], d8: int) -> Optional[Tensor]:
+    """t zero-padded on its last dim to d8 (differentiable: the gradient is sliced back)."""
+    if t is None:
+        return None
+    return torch.nn.functional.pad(t, [0, d8 - t.shape[-1]])
+
+
+def _round128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def _fa2_s_dmask(q, k, v, rng_state, scale, causal, left, right, softcap, dropout_p, alibi,
+                 sink, varlen=None, layout_max_k=None):
+    """flash_attn's S_dmask for a CUDA call with dropout, from the CPU backend's debug
+    probabilities of the same call (same (seed, offset), so the same Philox keep bits the
+    CUDA kernels applied): fp32 [b, h_q, round128(s_q), round128(s_k)] on q's device,
+    exp(s_ij - m_i) (m_i the row's largest score: P_ij / max_j P_ij) where kept, its
+    negative where dropped, 0 where masked and in the padding. varlen =
+    (cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, seqused_q): row i
+    of sequence b is its query i (FA2's varlen layout). A debug feature for small
+    problems, as in flash_attn: two CPU passes over copies of q, k, v."""
+    cpu = [None if t is None else t.detach().cpu() for t in (q, k, v, alibi, sink)]
+    qc, kc, vc, ac, sc = cpu
+    rng = rng_state.cpu()
+    probs = []
+    for p, r in ((float(dropout_p), rng), (0.0, None)):  # after dropout, then P itself
+        if varlen is None:
+            _, _, pr = ops.fwd(qc, kc, vc, ac, r, scale, causal, left, right, softcap, p,
+                               False, True, sc)
+        else:
+            cu_q, cu_k, used_k, max_q, max_k, used_q = varlen
+            _, _, pr = ops.varlen_fwd(qc, kc, vc, cu_q.cpu(), cu_k.cpu(),
+                                      None if used_k is None else used_k.cpu(), ac, r, max_q,
+                                      max_k, scale, causal, left, right, softcap, p, False,
+                                      True, sc, None if used_q is None else used_q.cpu())
+        probs.append(pr)
+    kept, full = probs
+    # flash_attn's encoding: exp(s_ij - m_i), m_i the running max of the key block (here
+    # one block spanning the row: m_i = max_j s_ij, so exp(s_ij - m_i) = P_ij / max_j P_ij);
+    # kept as is, dropped negated (-0 where P == 0); rows that see no key are 0.
+    row_max = full.amax(dim=-1, keepdim=True)
+    scale_rows = torch.where(row_max > 0, 1.0 / row_max, torch.zeros_like(row_max))
+    s = torch.where(kept != 0, kept, -full) * scale_rows
+    if varlen is None:
+        b, h, s_q, s_k = s.shape
+        dmask = s.new_zeros(b, h, _round128(s_q), _round128(s_k))
+        dmask[:, :, :s_q, :s_k] = s
+    else:
+        cu_q = varlen[0].cpu().tolist()
+        b, h, max_q = len(cu_q) - 1, s.shape[0], varlen[3]
+        max_k = varlen[4] if layout_max_k is None else layout_max_k  # keys past it: none
+        s = s[..., :max_k]
+        dmask = s.new_zeros(b, h, _round128(max_q), _round128(max_k))
+        for i in range(b):
+            n = min(cu_q[i + 1] - cu_q[i], max_q)
+            dmask[i, :, :n, :max_k] = s[:, cu_q[i]:cu_q[i] + n]
+    return dmask.to(q.device)
+
+
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                deterministic, return_attn_probs, fn="flashattn.flash_attn_func",
                learnable_sink=None, block_sparse_tensors=None, qv=None):
     left, right = _checked_window(fn, window_size)
-    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
+    # qv and block masks run on the CPU only (the library declines them on CUDA): no padding.
+    d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
+    d = q.shape[-1]
+    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
+    rng = _rng_state(dropout_p)
     bs = _block_sparse(fn, block_sparse_tensors)
     sink = _sink(fn, learnable_sink)
-    out, lse, probs = _call(ops.fwd, q, k, v, alibi_slopes, _rng_state(dropout_p),
-                               _scale(q, softmax_scale, qv), bool(causal), left, right,
-                               float(softcap), float(dropout_p), bool(deterministic), want_probs,
-                               sink, qv, *bs)
-    if return_attn_probs:
-        return out, lse, probs if want_probs else None
-    return out
+    out, lse, probs = _call(ops.fwd, qp, kp, vp, alibi_slopes, rng, scale, bool(causal), left,
+                            right, float(softcap), float(dropout_p), bool(deterministic),
+                            want_probs, sink, qv, *bs)
+    if d8:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    if want_probs:
+        return out, lse, probs
+    if _cuda_path(q) and dropout_p > 0:
+        return out, lse, _fa2_s_dmask(q, k, v, rng, scale, bool(causal), left, right,
+                                      float(softcap), float(dropout_p), alibi_slopes, sink)
+    return out, lse, None
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, seqused_k=None,
                       fn="flashattn.flash_attn_varlen_func", learnable_sink=None,
-                      seqused_q=None, block_sparse_tensors=None, qv=None):
+                      seqused_q=None, block_sparse_tensors=None, qv=None, block_table=None):
     left, right = _checked_window(fn, window_size)
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
-    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
-    out, lse, probs = _call(ops.varlen_fwd, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                               alibi_slopes, _rng_state(dropout_p), int(max_seqlen_q),
-                               int(max_seqlen_k), _scale(q, softmax_scale, qv), bool(causal),
-                               left, right, float(softcap), float(dropout_p),
-                               bool(deterministic), want_probs, _sink(fn, learnable_sink),
-                               seqused_q, qv, *_block_sparse(fn, block_sparse_tensors))
-    if return_attn_probs:
-        return out, lse, probs if want_probs else None
-    return out
+    layout_max_k = max_seqlen_k  # of probs / S_dmask
+    if block_table is not None:
+        if block_sparse_tensors is not None:
+            raise invalid(fn, "block_sparse_tensors", "None with a block_table (a block mask "
+                          "addresses the keys of unpaged sequences)", "a block mask",
+                          cls=UnsupportedError)
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
+            fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
+    scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
+    d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
+    d = q.shape[-1]
+    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
+    rng = _rng_state(dropout_p)
+    sink = _sink(fn, learnable_sink)
+    out, lse, probs = _call(ops.varlen_fwd, qp, kp, vp, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                            alibi_slopes, rng, int(max_seqlen_q), int(max_seqlen_k), scale,
+                            bool(causal), left, right, float(softcap), float(dropout_p),
+                            bool(deterministic), want_probs, sink, seqused_q, qv,
+                            *_block_sparse(fn, block_sparse_tensors))
+    if d8:
+        out = out[..., :d]
+    if not return_attn_probs:
+        return out
+    if want_probs:
+        return out, lse, probs[..., :layout_max_k]
+    if _cuda_path(q) and dropout_p > 0:
+        return out, lse, _fa2_s_dmask(
+            q, k, v, rng, scale, bool(causal), left, right, float(softcap), float(dropout_p),
+            alibi_slopes, sink, varlen=(cu_seqlens_q, cu_seqlens_k, seqused_k,
+                                        int(max_seqlen_q), int(max_seqlen_k), seqused_q),
+            layout_max_k=layout_max_k)
+    return out, lse, None
+
+
+def _paged_as_varlen(fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k):
+    """Paged varlen (flash_attn's block_table in flash_attn_varlen_func): k, v
+    [num_blocks, block_size, h_k, d]; sequence i has cu_seqlens_k[i+1] - cu_seqlens_k[i]
+    keys (the first seqused_k[i] when given), key j in block block_table[i][j // block_size],
+    row j % block_size. Gathered (differentiably: dk, dv reach the blocks, summed where
+    blocks are shared) into a packed varlen k, v with one slot of max_blocks * block_size
+    rows per sequence and seqused_k = the key counts: the same keys in the same order, so
+    the varlen call is exact. Returns (k, v, cu_seqlens_k, seqused_k, max_seqlen_k)."""
+    layout = "[num_blocks, block_size, h_k, d] (paged, with block_table)"
+    for name, t in (("k", k), ("v", v)):
+        check_rank(fn, name, t, 4, layout)
+    check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
+    if not isinstance(cu_seqlens_k, Tensor) or cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() < 1:
+        raise invalid(fn, "cu_seqlens_k", "an int32 tensor [b + 1]",
+                      shape_text(cu_seqlens_k) if isinstance(cu_seqlens_k, Tensor)
+                      else type(cu_seqlens_k).__name__)
+    for name, t in (("k", k), ("v", v), ("block_table", block_table),
+                    ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != q.device:
+            raise invalid(fn, name, f"a tensor on {q.device} (the device of q)",
+                          f"a tensor on {t.device}")
+    if block_table.dtype != torch.int32:
+        raise invalid(fn, "block_table", "dtype int32", str(block_table.dtype)[6:])
+    batch = cu_seqlens_k.numel() - 1
+    if block_table.shape[0] != batch:
+        raise invalid(fn, "block_table", f"shape[0] == {batch} (batch: cu_seqlens_k has "
+                      f"b + 1 entries)", int(block_table.shape[0]))
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise invalid(fn, "v", f"shape[:3] == {tuple(k.shape[:3])} (that of k)",
+                      shape_text(v))
+    num_blocks, block_size = int(k.shape[0]), int(k.shape[1])
+    capacity = int(block_table.shape[1]) * block_size
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int64)
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # the library checks cu_seqlens_k's order and seqused_k itself
+        table = block_table.cpu()
+        for i, n in enumerate(lens.tolist()):
+            if n < 0:
+                raise invalid(fn, "cu_seqlens_k", "non-decreasing values (the key counts)",
+                              f"cu_seqlens_k[{i + 1}] - cu_seqlens_k[{i}] = {n}")
+            if n > min(capacity, max_seqlen_k):
+                what, bound = ((f"max_blocks_per_seq * block_size = {block_table.shape[1]} * "
+                                f"{block_size} of block_table and k", capacity)
+                               if n > capacity else ("max_seqlen_k", max_seqlen_k))
+                raise invalid(fn, "block_table" if n > capacity else "cu_seqlens_k",
+                              f"cu_seqlens_k[i + 1] - cu_seqlens_k[i] <= {bound} ({what})",
+                              f"cu_seqlens_k[{i + 1}] - cu_seqlens_k[{i}] = {n}")
+            for blk in range((max(n, 0) + block_size - 1) // block_size):
+                entry = int(table[i, blk])
+                if not 0 <= entry < num_blocks:
+                    raise invalid(fn, "block_table", f"used entries in [0, {num_blocks}) "
+                                  f"(num_blocks = k.shape[0])",
+                                  f"block_table[{i}][{blk}] = {entry}")
+    ids = block_table.to(torch.int64).clamp(0, max(num_blocks - 1, 0))  # unused: never read
+    rows = (ids[:, :, None] * block_size
+            + torch.arange(block_size, device=q.device)[None, None, :]).reshape(-1)
+    k = k.flatten(0, 1).index_select(0, rows)
+    v = v.flatten(0, 1).index_select(0, rows)
+    used = lens.clamp(0, capacity)
+    if seqused_k is not None:
+        used = torch.minimum(used, seqused_k.to(torch.int64))
+    cu = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * capacity
+    return k, v, cu, used.to(torch.int32), capacity
 
 
 def _check_packed(fn, name, t, rank, dim, count, layout):
@@ -226,21 +410,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            block_sparse_tensors=None, qv=None):
     """q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v], cu_seqlens_q/_k int32
     [b + 1] -> out [total_q, h_q, d_v] (qv [total_q, h_q, d_v]: as flash_attn_func's);
-    softmax_lse [h_q, total_q] fp32. block_table (paged varlen)
-    is not supported (UnsupportedError). seqused_q / seqused_k (int32 [b], FlashAttention-4's
-    names): only the first seqused_q[b] queries / seqused_k[b] keys of sequence b are used;
-    query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs on the CPU backend.
-    block_sparse_tensors: a block-sparse mask over each sequence's max_seqlen_q x
-    max_seqlen_k grid (positions within the sequence; doc ids packed [total_q], [total_k])."""
-    if block_table is not None:
-        raise UnsupportedError(
-            "flashattn.flash_attn_varlen_func: argument 'block_table': expected None "
-            "(a paged KV cache is supported by flash_attn_with_kvcache only), got a tensor")
+    softmax_lse [h_q, total_q] fp32. block_table (paged KV, flash_attn's): k, v
+    [num_blocks, block_size, h_k, d], int32 [b, max_blocks_per_seq]; key j of sequence i is
+    row j % block_size of block block_table[i][j // block_size], and cu_seqlens_k still
+    gives the key counts (the blocks are gathered into a packed k, v, so every feature, the
+    backward included, works; dk, dv reach the blocks). seqused_q / seqused_k (int32 [b],
+    FlashAttention-4's names): only the first seqused_q[b] queries / seqused_k[b] keys of
+    sequence b are used; query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs
+    on the CPU backend. block_sparse_tensors: a block-sparse mask over each sequence's
+    max_seqlen_q x max_seqlen_k grid (positions within the sequence; doc ids packed
+    [total_q], [total_k]); not with a block_table."""
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,
                              learnable_sink=learnable_sink, seqused_q=seqused_q,
-                             block_sparse_tensors=block_sparse_tensors, qv=qv)
+                             block_sparse_tensors=block_sparse_tensors, qv=qv,
+                             block_table=block_table)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
@@ -291,6 +476,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     first; cache_seqlens (int or int32 [b]) is not advanced. Sequence i attends to
     cache_seqlens[i] + s_new keys.
 
+    cache_leftpad (int32 [b], dense caches): sequence i's cached keys are rows
+    cache_leftpad[i] .. cache_seqlens[i] - 1 of its cache row (the rows before are never
+    read); it attends to cache_seqlens[i] + s_new - cache_leftpad[i] keys, with causal /
+    window / ALiBi aligned to that count (flash_attn's semantics). CPU tensors run the
+    library's cache_leftpad; CUDA tensors run the same keys as a paged cache of block size
+    1 (exact; the cache's first two dimensions must be one strided dimension).
+
     rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k and v): the new keys are
     rotated at positions cache_seqlens + t, and q at cache_seqlens + t when causal or
     windowed, else at cache_seqlens for every query (flash_attn's rule); done in torch
@@ -314,11 +506,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     k_cache holds the rope part (d = 64); many query heads over h_k = 1. The default
     softmax_scale is then 1/sqrt(d + d_v). Inference only (no gradient); CPU tensors only
     for now (CUDA raises UnsupportedError naming qv).
+
+    Head dims that are not a multiple of 8 on CUDA tensors: q, k, v and zero-padded
+    copies of the caches run at the next multiple of 8 (scale of the true d); the caches
+    are copied back after an append (the whole cache, as flash_attn does).
     """
-    if cache_leftpad is not None:
-        raise UnsupportedError(
-            "flashattn.flash_attn_with_kvcache: argument 'cache_leftpad': expected None "
-            "(left-padded caches are not supported), got a tensor")
     fn = "flashattn.flash_attn_with_kvcache"
     if (k is None) != (v is None):
         raise invalid(fn, "v" if v is None else "k", "k and v given together (or neither)",
@@ -362,11 +554,112 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = rotate(q, rotary_cos, rotary_sin, q_pos, rotary_interleaved)
         k = rotate(k, rotary_cos, rotary_sin, k_pos, rotary_interleaved)
 
+    scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
+    d = q.shape[-1]
+    d8 = 0 if qv is not None else _padded_head_dim(q, k_cache, v_cache)
+    if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
+        d8 = 0  # the library names the mismatch
+    if d8:
+        # As flash_attn: q, k, v and padded copies of the caches go to the kernels; the
+        # caches are copied back after the append (the whole cache, as flash_attn does).
+        cache_og = (k_cache, v_cache)
+        q, k, v = _pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8)
+        k_cache, v_cache = _padded_copy(k_cache, d8), _padded_copy(v_cache, d8)
+        cache_padded = (k_cache, v_cache)
+    if cache_leftpad is not None and block_table is None and _cuda_path(q):
+        # The CUDA kernels have no left padding: the same keys as a paged cache of block
+        # size 1 (one block per cache row slot, sequence i's table starting at its row's
+        # slot cache_leftpad[i]), which they run exactly. Rotary positions above stay the
+        # absolute cache rows, as flash_attn's.
+        (k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_scale,
+         v_scale) = _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad,
+                                      cache_batch_idx, k, k_scale, v_scale)
+        cache_leftpad = None
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
-                        cache_batch_idx, k, v, alibi_slopes, _scale(q, softmax_scale, qv),
+                        cache_batch_idx, k, v, alibi_slopes, scale,
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask, _sink(fn, learnable_sink), qv)
+                        v_scale, tree_mask, _sink(fn, learnable_sink), qv, cache_leftpad)
+    if d8:
+        out = out[..., :d]
+        if k is not None:
+            for og, padded in zip(cache_og, cache_padded):
+                og.copy_(padded[..., :d])
     return (out, lse) if return_softmax_lse else out
+
+
+def _padded_copy(cache: Tensor, d8: int) -> Tensor:
+    """A zero-padded contiguous copy of a KV cache with head dim d8 (any dtype, fp8 too)."""
+    padded = torch.zeros(cache.shape[:-1] + (d8,), dtype=cache.dtype, device=cache.device)
+    padded[..., : cache.shape[-1]].copy_(cache)
+    return padded
+
+
+def _leftpad_as_paged(fn, q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx,
+                      k_new, k_scale, v_scale):
+    """A dense left-padded cache [b_cache, s_cache, h_k, d] as a paged cache of block size
+    1 over the same memory: block r * s_cache + t is row t of cache row r; sequence i's
+    table starts at cache_leftpad[i] of its row and holds cache_seqlens[i] - cache_leftpad[i]
+    cached keys (so its key j is row cache_leftpad[i] + j, and the append still lands at row
+    cache_seqlens[i]). Checks what the library would check of cache_leftpad (and of the
+    lengths, which a block table no longer bounds) with the library's messages."""
+    batch = q.shape[0]
+    if not isinstance(cache_leftpad, Tensor):
+        raise invalid(fn, "cache_leftpad", "a torch.Tensor int32 [b] or None",
+                      type(cache_leftpad).__name__)
+    if cache_leftpad.dtype != torch.int32:
+        raise invalid(fn, "cache_leftpad", "dtype int32", str(cache_leftpad.dtype)[6:])
+    if tuple(cache_leftpad.shape) != (batch,):
+        raise invalid(fn, "cache_leftpad", f"shape [{batch}] ([b])", shape_text(cache_leftpad))
+    if cache_leftpad.device != q.device:
+        raise invalid(fn, "cache_leftpad", f"a tensor on {q.device} (the device of q)",
+                      f"a tensor on {cache_leftpad.device}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+            raise UnsupportedError(
+                f"{fn}: argument '{name}': expected stride[0] == shape[1] * stride[1] (a "
+                f"left-padded cache on CUDA is read as a paged cache of block size 1), got "
+                f"stride {tuple(t.stride())} for shape {shape_text(t)}")
+    rows_total, s_cache = int(k_cache.shape[0]), int(k_cache.shape[1])
+    s_new = 0 if k_new is None else int(k_new.shape[1])
+    rows = (torch.arange(batch, device=q.device, dtype=torch.int64) if cache_batch_idx is None
+            else cache_batch_idx.to(torch.int64))
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:  # under graph capture the library's device-side checks see the table
+        lp, sl = cache_leftpad.tolist(), cache_seqlens.tolist()
+        for i in range(batch):
+            if not 0 <= lp[i] <= sl[i]:
+                raise invalid("flashattn::kvcache_fwd", "cache_leftpad",
+                              f"values in [0, cache_seqlens[i]] (cache_seqlens[{i}] = {sl[i]})",
+                              f"cache_leftpad[{i}] = {lp[i]}")
+            if sl[i] + s_new > s_cache:
+                raise invalid("flashattn::kvcache_fwd", "cache_seqlens",
+                              f"cache_seqlens[i] + s_new <= {s_cache} (s_cache = "
+                              f"k_cache.shape[1])", f"cache_seqlens[{i}] + {s_new} = "
+                              f"{sl[i] + s_new}")
+        if cache_batch_idx is not None:
+            for i, r in enumerate(cache_batch_idx.tolist()):
+                if not 0 <= r < rows_total:
+                    raise invalid("flashattn::kvcache_fwd", "cache_batch_idx",
+                                  f"values in [0, {rows_total}) (b_cache = k_cache.shape[0])",
+                                  f"cache_batch_idx[{i}] = {r}")
+    t = torch.arange(s_cache, device=q.device, dtype=torch.int64)
+    slot = cache_leftpad.to(torch.int64)[:, None] + t[None, :]
+    # Slots past the row's end are never used (cache_seqlens + s_new <= s_cache): -1.
+    table = torch.where(slot < s_cache, rows[:, None] * s_cache + slot, -1)
+
+    def paged(c):
+        st = c.stride()
+        step = st[1] if s_cache > 1 else st[0]  # from one slot to the next
+        return c.as_strided((rows_total * s_cache, 1, c.shape[2], c.shape[3]),
+                            (step, step, st[2], st[3]), c.storage_offset())
+
+    def per_slot(scale):  # per-(cache row, head) scales become per-(slot, head)
+        if scale is None or scale.dim() != 2:
+            return scale
+        return scale.repeat_interleave(s_cache, dim=0)
+
+    return (paged(k_cache), paged(v_cache), (cache_seqlens - cache_leftpad).to(torch.int32),
+            table.to(torch.int32).contiguous(), None, per_slot(k_scale), per_slot(v_scale))
 
 
 def _check_rotary(fn, q, k_cache, block_table, cos, sin):

@@ -204,7 +204,7 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None,
-                   qv=None):
+                   qv=None, cache_leftpad=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new), ("qv", qv)):
@@ -214,7 +214,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_
     check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                  block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
                  v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask, learnable_sink=learnable_sink, qv=qv)
+                 tree_mask=tree_mask, learnable_sink=learnable_sink, qv=qv,
+                 cache_leftpad=cache_leftpad)
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -704,6 +705,7 @@ def _kvcache_fwd(
     tree_mask: Optional[Tensor] = None,
     learnable_sink: Optional[Tensor] = None,
     qv: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
@@ -711,9 +713,11 @@ def _kvcache_fwd(
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
     learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA, CPU only for
     now) adds qv . v to every score (softmax_scale is given: the interface's default with
-    qv is 1/sqrt(d + d_v))."""
+    qv is 1/sqrt(d + d_v)); cache_leftpad int32 [b] (dense caches): sequence i's keys are
+    cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv,
+                   cache_leftpad)
     b, s_q, h_q, _ = q.shape
     out = _with_head_dim(q, v_cache)
     lse = _empty((b, h_q, s_q), q, torch.float32)
@@ -725,7 +729,8 @@ def _kvcache_fwd(
                        _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
                        _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
-                       tree_mask=_dl(_prepare(tree_mask)))
+                       tree_mask=_dl(_prepare(tree_mask)),
+                       cache_leftpad=_dl(_prepare(cache_leftpad)))
     return out, lse
 
 
@@ -738,8 +743,10 @@ kvcache_fwd = _register(
 @kvcache_fwd.register_fake
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
-      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, qv=None):
+      k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, qv=None,
+      cache_leftpad=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
-                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv)
+                   v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv,
+                   cache_leftpad)
     b, s_q, h_q, _ = q.shape
     return _with_head_dim(q, v_cache), _empty((b, h_q, s_q), q, torch.float32)

@@ -119,7 +119,7 @@ struct DTypeArgument : fa::InvalidArgument {
 bool is_index_argument(const std::string& a) {
   return a == "cu_seqlens_q" || a == "cu_seqlens_k" || a == "seqused_k" ||
          a == "cache_seqlens" || a == "block_table" || a == "cache_batch_idx" ||
-         a == "tree_mask";
+         a == "tree_mask" || a == "cache_leftpad";
 }
 
 std::int64_t int_in(const PyInt& v, const char* argument, std::int64_t lo, std::int64_t hi) {
@@ -401,7 +401,8 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
                              const In& cache_seqlens, const OptIn& block_table,
                              const OptIn& cache_batch_idx, const OptIn& k_new,
                              const OptIn& v_new, const PyInt& num_splits, const OptIn& k_scale,
-                             const OptIn& v_scale, const OptIn& tree_mask) {
+                             const OptIn& v_scale, const OptIn& tree_mask,
+                             const OptIn& cache_leftpad) {
   fa::KVCacheArgs a;
   a.q = to_tensor(q, "q");
   a.k_cache = to_tensor(k_cache, "k_cache");
@@ -415,13 +416,14 @@ fa::KVCacheArgs kvcache_args(const In& q, const Cache& k_cache, const Cache& v_c
   a.k_scale = to_tensor(k_scale, "k_scale");
   a.v_scale = to_tensor(v_scale, "v_scale");
   a.tree_mask = to_tensor(tree_mask, "tree_mask");
+  a.cache_leftpad = to_tensor(cache_leftpad, "cache_leftpad");
   return a;
 }
 
 // The fp8-cache scales and the draft-tree mask: keyword-only, after the common options.
 #define FA_KVCACHE_KWARGS                                                        \
   nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(), \
-      nb::arg("tree_mask").none() = nb::none()
+      nb::arg("tree_mask").none() = nb::none(), nb::arg("cache_leftpad").none() = nb::none()
 
 }  // namespace
 
@@ -575,12 +577,12 @@ NB_MODULE(_C, m) {
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, const PyInt& num_splits, const Out& out, const OptOut& lse,
          const OptOut& workspace, FA_COMMON_ARGS, const OptIn& k_scale, const OptIn& v_scale,
-         const OptIn& tree_mask) {
+         const OptIn& tree_mask, const OptIn& cache_leftpad) {
         const Entry entry("kvcache_forward");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,
-                                               v_scale, tree_mask);
+                                               v_scale, tree_mask, cache_leftpad);
         const fa::Tensor to = to_tensor(out, "out"), tl = to_tensor(lse, "lse");
         const fa::Workspace ws = to_workspace(workspace);
         nb::gil_scoped_release release;
@@ -596,19 +598,20 @@ NB_MODULE(_C, m) {
       "[b, s_q, ceil(s_q / 32)]) restricts which of the last s_q keys (the drafts) each query "
       "sees. v_cache / v_new / out may have another head dim d_v than q / k_cache; qv ([b, s_q, "
       "h_q, d_v], a common option: MLA decode as FlashAttention-3's qv) adds qv . v to each "
-      "score.");
+      "score; cache_leftpad (int32 [b], dense caches) starts sequence i's keys at cache row "
+      "cache_leftpad[i].");
 
   m.def(
       "kvcache_workspace_size",
       [](const In& q, const In& k_cache, const In& v_cache, const In& cache_seqlens,
          const OptIn& block_table, const OptIn& cache_batch_idx, const OptIn& k_new,
          const OptIn& v_new, const PyInt& num_splits, FA_COMMON_ARGS, const OptIn& k_scale,
-         const OptIn& v_scale, const OptIn& tree_mask) {
+         const OptIn& v_scale, const OptIn& tree_mask, const OptIn& cache_leftpad) {
         const Entry entry("kvcache_workspace_size");
         const fa::Options o = FA_COMMON_VALUES.build();
         const fa::KVCacheArgs a = kvcache_args(q, k_cache, v_cache, cache_seqlens, block_table,
                                                cache_batch_idx, k_new, v_new, num_splits, k_scale,
-                                               v_scale, tree_mask);
+                                               v_scale, tree_mask, cache_leftpad);
         return fa::kvcache_workspace_size(a, o);
       },
       nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("cache_seqlens"),

@@ -123,6 +123,16 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
            std::to_string(a.k_cache.shape[0]));
   }
 
+  if (a.cache_leftpad.defined()) {
+    if (paged) {
+      c.unsupported("cache_leftpad",
+                    "an undefined tensor with a paged cache (block_table is given; a "
+                    "left-padded cache must be dense, as in flash_attn)",
+                    "a tensor of shape " + shape_string(a.cache_leftpad));
+    }
+    c.tensor("cache_leftpad", a.cache_leftpad, {b}, "[b]", DType::kInt32, q.device);
+  }
+
   if (a.k_new.defined() != a.v_new.defined()) {
     const char* missing = a.k_new.defined() ? "v_new" : "k_new";
     c.fail(missing, "a defined tensor (k_new and v_new are given together)",
@@ -193,14 +203,16 @@ std::string describe(const SlotRange& r, bool paged) {
 void check_append_targets(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                           const std::vector<std::int32_t>& seqlens,
                           const std::vector<std::int32_t>* rows,
-                          const std::vector<std::int32_t>* table) {
+                          const std::vector<std::int32_t>* table,
+                          const std::vector<std::int32_t>* leftpad) {
   if (dims.s_new == 0 || (!dims.paged && !rows)) return;  // distinct rows 0 .. b-1
   std::vector<SlotRange> ranges;
   for (std::size_t i = 0; i < seqlens.size(); ++i) {
     const std::int64_t len = seqlens[i], keys = len + dims.s_new, seq = std::int64_t(i);
     if (!dims.paged) {
       const std::int64_t row = (*rows)[i];
-      if (len > 0) ranges.push_back({row, 0, len, false, seq, -1});
+      const std::int64_t first = leftpad ? (*leftpad)[i] : 0;  // rows before: padding
+      if (len > first) ranges.push_back({row, first, len, false, seq, -1});
       ranges.push_back({row, len, keys, true, seq, -1});
       continue;
     }
@@ -266,7 +278,19 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
     longest = std::max(longest, keys);
   }
 
-  std::optional<std::vector<std::int32_t>> rows, table;
+  std::optional<std::vector<std::int32_t>> rows, table, leftpad;
+  if (a.cache_leftpad.defined()) {
+    leftpad = detail::api::read_int32(a.cache_leftpad, target, stream);
+    if (!leftpad) return -1;
+    for (std::size_t i = 0; i < leftpad->size(); ++i) {
+      if ((*leftpad)[i] < 0 || (*leftpad)[i] > (*seqlens)[i]) {
+        c.fail("cache_leftpad",
+               "values in [0, cache_seqlens[i]] (cache_seqlens[" + std::to_string(i) +
+                   "] = " + std::to_string((*seqlens)[i]) + ")",
+               indexed("cache_leftpad", i) + " = " + std::to_string((*leftpad)[i]));
+      }
+    }
+  }
   if (a.cache_batch_idx.defined()) {
     rows = detail::api::read_int32(a.cache_batch_idx, target, stream);
     if (!rows) return -1;
@@ -298,7 +322,8 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
       }
     }
   }
-  check_append_targets(c, a, dims, *seqlens, rows ? &*rows : nullptr, table ? &*table : nullptr);
+  check_append_targets(c, a, dims, *seqlens, rows ? &*rows : nullptr, table ? &*table : nullptr,
+                       leftpad ? &*leftpad : nullptr);
   return longest;
 }
 
@@ -319,6 +344,11 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
                                "v_cache");
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
+  if (a.cache_leftpad.defined() && target != Target::kCPU) {
+    c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "
+                  "caches run on the CPU backend for now)",
+                  "a tensor of shape " + shape_string(a.cache_leftpad));
+  }
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
@@ -338,6 +368,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   p.cache_seqlens = static_cast<const int*>(a.cache_seqlens.data);
   p.seqlen_k_new = dims.s_new;
   p.cache_batch_idx = static_cast<const int*>(a.cache_batch_idx.data);
+  p.cache_leftpad = static_cast<const int*>(a.cache_leftpad.data);
   p.kv_cache_rows = dims.cache_rows;
   p.kv_cache_len = static_cast<int>(a.k_cache.shape[1]);
   if (dims.paged) {
@@ -382,6 +413,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                 {"block_table", args.block_table}, {"cache_batch_idx", args.cache_batch_idx},
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
                 {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask},
+                {"cache_leftpad", args.cache_leftpad},
                 {"opts.learnable_sink", opts.learnable_sink}});
   if (args.k_new.defined() && args.k_cache.numel() > 0 && args.k_cache.data == args.v_cache.data) {
     c.fail("v_cache", "memory apart from k_cache (the append writes both)",
@@ -399,6 +431,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                              {"cache_batch_idx", args.cache_batch_idx},
                              {"k_scale", args.k_scale}, {"v_scale", args.v_scale},
                              {"tree_mask", args.tree_mask},
+                             {"cache_leftpad", args.cache_leftpad},
                              {"opts.learnable_sink", opts.learnable_sink}});
     }
   }

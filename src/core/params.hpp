@@ -63,6 +63,10 @@ struct FwdParams {
   const int* cache_seqlens = nullptr;    // [batch] or null
   int seqlen_k_new = 0;                  // keys appended by this call (already in the cache)
   const int* cache_batch_idx = nullptr;  // [batch] or null: cache row of sequence b
+  // [batch] or null (dense caches, CPU backend): sequence b's keys start at cache row
+  // cache_leftpad[b]; it has cache_seqlens[b] - cache_leftpad[b] + seqlen_k_new keys and
+  // key j is cache row cache_leftpad[b] + j.
+  const int* cache_leftpad = nullptr;
   const int* block_table = nullptr;      // [batch, max_blocks] or null (dense)
   std::int64_t block_table_batch_stride = 0;
   int block_table_max_blocks = 0;        // block_table's second extent (paged only)
@@ -194,10 +198,16 @@ struct FwdParams {
   }
   FA_HD int seq_len_k(int b) const {
     if (seqused_k) return clamp_index(seqused_k[b], 0, stored_len_k(b));
-    if (cache_seqlens) {
-      return clamp_index(cache_seqlens[b], 0, cache_capacity() - seqlen_k_new) + seqlen_k_new;
-    }
+    if (cache_seqlens) return cached_len(b) - key_leftpad(b) + seqlen_k_new;
     return stored_len_k(b);
+  }
+  // cache_seqlens[b] in [0, capacity - seqlen_k_new].
+  FA_HD int cached_len(int b) const {
+    return clamp_index(cache_seqlens[b], 0, cache_capacity() - seqlen_k_new);
+  }
+  // cache_leftpad[b] in [0, cached_len(b)]; 0 without cache_leftpad.
+  FA_HD int key_leftpad(int b) const {
+    return cache_leftpad ? clamp_index(cache_leftpad[b], 0, cached_len(b)) : 0;
   }
   FA_HD std::int64_t q_offset(int b) const {
     return cu_seqlens_q ? std::int64_t(q_start(b)) * q_row_stride : std::int64_t(b) * q_batch_stride;
@@ -236,6 +246,7 @@ struct FwdParams {
       return std::int64_t(blk) * batch_stride + (j % block_size) * row_stride;
     }
     if (cu_seqlens_k) return (std::int64_t(k_start(b)) + j) * row_stride;
+    if (cache_leftpad) j += key_leftpad(b);
     return std::int64_t(cache_row(b)) * batch_stride + j * row_stride;
   }
   // The block (paged) or cache row (dense) holding key j of sequence b: the first

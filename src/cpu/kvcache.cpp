@@ -1,5 +1,6 @@
 // CPU KV-cache append: row r of k_new / v_new for sequence b is copied to cache
-// position cache_seqlens[b] + r, through the block table when the cache is paged and
+// position cache_seqlens[b] + r (key cache_seqlens[b] - cache_leftpad[b] + r), through
+// the block table when the cache is paged and
 // through cache_batch_idx when it is dense. When the cache has the dtype of k_new /
 // v_new each (b, r, head) row is a plain byte copy; an fp8 cache stores
 // semantics::quantize_e4m3(x, scale) with the scale of the destination (block, head).
@@ -26,7 +27,8 @@ void append_fp8(const AppendParams& p) {
   for (std::int64_t row = 0; row < rows; ++row) {
     const int b = static_cast<int>(row / p.seqlen_new);
     const int r = static_cast<int>(row % p.seqlen_new);
-    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) + r;
+    // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
+    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
     const std::int64_t block = c.kv_block(b, j);
     for (int g = 0; g < p.h_k; ++g) {
       const S* kn = k_new + std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
@@ -65,7 +67,8 @@ void append_kv(const AppendParams& p) {
   for (std::int64_t row = 0; row < rows; ++row) {
     const int b = static_cast<int>(row / p.seqlen_new);
     const int r = static_cast<int>(row % p.seqlen_new);
-    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) + r;
+    // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
+    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
     for (int g = 0; g < p.h_k; ++g) {
       const std::int64_t kn = std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
                               std::int64_t(g) * p.kn_head_stride;

@@ -218,9 +218,10 @@ def attention(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softca
 
 
 def kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None,
-                      block_table=None, cache_batch_idx=None, **kw):
+                      block_table=None, cache_batch_idx=None, cache_leftpad=None, **kw):
     """The KV-cache call on copies: returns (result dict, k_cache', v_cache') where the
-    caches have k_new/v_new appended at cache_seqlens."""
+    caches have k_new/v_new appended at cache_seqlens. With cache_leftpad, sequence i's
+    keys start at cache position cache_leftpad[i] (flash_attn's left-padded cache)."""
     q = np.asarray(q, dtype=np.float64)
     kc = np.array(k_cache, dtype=np.float64)
     vc = np.array(v_cache, dtype=np.float64)
@@ -240,8 +241,9 @@ def kvcache_attention(q, k_cache, v_cache, cache_seqlens, k_new=None, v_new=None
             vc[r, c] = v_new[i, t]
     outs, lses = [], []
     for i in range(b):
-        n = int(cache_seqlens[i]) + s_new
-        rows = [location(i, t) for t in range(n)]
+        first = 0 if cache_leftpad is None else int(cache_leftpad[i])
+        n = int(cache_seqlens[i]) + s_new - first
+        rows = [location(i, first + t) for t in range(n)]
         ks = np.stack([kc[r, c] for r, c in rows])[None] if n else np.zeros((1, 0) + kc.shape[2:])
         vs = np.stack([vc[r, c] for r, c in rows])[None] if n else np.zeros((1, 0) + vc.shape[2:])
         alibi = kw.get("alibi_slopes")

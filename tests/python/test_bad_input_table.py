@@ -75,6 +75,13 @@ def paged(kw):
     kw["block_table"] = torch.tensor([[0, 2, -1, -1], [1, 3, 5, 99]], dtype=torch.int32)
 
 
+def paged_varlen(kw):
+    """The varlen baseline on a paged k, v: 6 blocks of 2 rows, 2 blocks per sequence
+    (key counts 3, 4, 1 from cu_seqlens_k)."""
+    kw["k"], kw["v"] = rand(6, 2, H_K, D), rand(6, 2, H_K, D)
+    kw["block_table"] = i32(4, 0, 5, 2, 1, 3).reshape(3, 2)
+
+
 def setter(**changes):
     def mutate(kw):
         kw.update({name: (f(kw) if callable(f) else f) for name, f in changes.items()})
@@ -204,6 +211,15 @@ ROWS = [
     ("block_table_negative", "kvcache", then(paged, setter(block_table=torch.tensor([[0, -3, -1, -1], [1, 3, 5, 99]], dtype=torch.int32))), E, "block_table", "used entries in [0, 6)", "block_table[0][1] = -3"),
     ("block_table_out_of_range", "kvcache", then(paged, setter(block_table=torch.tensor([[0, 2, -1, -1], [1, 6, 5, 99]], dtype=torch.int32))), E, "block_table", "used entries in [0, 6)", "block_table[1][1] = 6"),
     ("block_table_int64", "kvcache", then(paged, setter(block_table=lambda kw: kw["block_table"].long())), flashattn.DTypeError, "block_table", "dtype int32", "int64"),
+    ("cache_leftpad_int64", "kvcache", setter(cache_leftpad=torch.tensor([0, 1])), flashattn.DTypeError, "cache_leftpad", "dtype int32", "int64"),
+    ("cache_leftpad_negative", "kvcache", setter(cache_leftpad=i32(0, -1)), E, "cache_leftpad", "values in [0, cache_seqlens[i]]", "cache_leftpad[1] = -1"),
+    ("cache_leftpad_past_seqlens", "kvcache", setter(cache_leftpad=i32(6, 0)), E, "cache_leftpad", "(cache_seqlens[0] = 5)", "cache_leftpad[0] = 6"),
+    ("cache_leftpad_shape", "kvcache", setter(cache_leftpad=i32(0, 0, 0)), E, "cache_leftpad", "[2]", "[3]"),
+    ("cache_leftpad_paged", "kvcache", then(paged, setter(cache_leftpad=i32(0, 1))), U, "cache_leftpad", "paged cache", "shape [2]"),
+    ("varlen_block_table_out_of_range", "varlen", then(paged_varlen, setter(block_table=i32(4, 0, 5, 6, 1, 3).reshape(3, 2))), E, "block_table", "used entries in [0, 6)", "block_table[1][1] = 6"),
+    ("varlen_block_table_too_short", "varlen", then(paged_varlen, setter(block_table=i32(0, 1, 2).reshape(3, 1), max_seqlen_k=4)), E, "block_table", "<= 2 (max_blocks_per_seq * block_size", "cu_seqlens_k[1] - cu_seqlens_k[0] = 3"),
+    ("varlen_block_table_float32", "varlen", then(paged_varlen, setter(block_table=lambda kw: kw["block_table"].float())), E, "block_table", "dtype int32", "float32"),
+    ("varlen_block_table_k_rank_3", "varlen", setter(block_table=i32(0, 1, 2).reshape(3, 1)), E, "k", "rank 4 [num_blocks, block_size, h_k, d]", "rank 3"),
     ("cache_batch_idx_out_of_range", "kvcache", setter(cache_batch_idx=i32(0, 3)), E, "cache_batch_idx", "values in [0, 3)", "cache_batch_idx[1] = 3"),
     # -------------------------------------------------------------- sizes past 2^31
     # A [2, 2^31, 4, 8] view of 8 elements (outer strides 0): described, not allocated.

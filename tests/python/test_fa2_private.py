@@ -126,7 +126,10 @@ def test_varlen_forward_backward(seed):
     for got, ref in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     assert softmax_d.shape == (4, 8)
-    with pytest.raises(flashattn.UnsupportedError, match="block_table"):
+    with pytest.raises(flashattn.UnsupportedError, match="leftpad_k"):
+        _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 6, 0.0, 0.25, True,
+                                   leftpad_k=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(flashattn.InvalidArgumentError, match="argument 'k'.*num_blocks"):
         _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, 5, 6, 0.0, 0.25, True,
                                    block_table=torch.zeros(2, 1, dtype=torch.int32))
 

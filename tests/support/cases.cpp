@@ -373,6 +373,13 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
   if (static_cast<int>(c.cache_lens.size()) != B) throw std::invalid_argument("KVCacheCase: cache_lens size");
   int max_sk = 1;
   for (int b = 0; b < B; ++b) max_sk = std::max(max_sk, c.s_k(b));
+  if (cfg.leftpad) {
+    c.leftpad = cfg.leftpads;
+    if (c.leftpad.empty())
+      for (int b = 0; b < B; ++b) c.leftpad.push_back(uniform_int(rng, 0, c.cache_lens[sz(b)]));
+    if (static_cast<int>(c.leftpad.size()) != B) throw std::invalid_argument("KVCacheCase: leftpads size");
+    c.leftpad_t = int_tensor(c.leftpad);
+  }
 
   std::int64_t rows_per = 0, slots = 0;
   if (cfg.block_size > 0) {
@@ -456,7 +463,7 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
   };
   std::normal_distribution<double> normal(0.0, 1.0);
   for (int b = 0; b < B; ++b)
-    for (int j = 0; j < c.cache_lens[b]; ++j) {
+    for (int j = c.first_key(b); j < c.cache_lens[b]; ++j) {  // left padding stays NaN
       const auto [slot, row] = c.locate(b, j);
       for (std::int64_t e = 0; e < hk * std::max(d, dv); ++e) {
         if (e < hk * d) store(c.k_cache, true, slot, row, e, normal(rng));
@@ -551,6 +558,7 @@ KVCacheArgs KVCacheCase::args() const {
   a.cache_seqlens = cache_lens_t.view();
   if (cfg.block_size > 0) a.block_table = block_table_t.view();
   if (!batch_idx.empty()) a.cache_batch_idx = batch_idx_t.view();
+  if (cfg.leftpad) a.cache_leftpad = leftpad_t.view();
   if (cfg.s_new > 0) {
     a.k_new = k_new.view();
     a.v_new = v_new.view();
@@ -583,10 +591,10 @@ RefProblem KVCacheCase::problem() const {
   for (int b = 0; b < cfg.batch; ++b) {
     RefSeq s;
     s.s_q = cfg.s_q;
-    s.s_k = s_k(b);
+    s.s_k = s_k(b) - first_key(b);  // key j is cache row first_key(b) + j
     s.q = rows_of(q, std::int64_t(b) * cfg.s_q, cfg.s_q);
     if (cfg.qv) s.qv = rows_of(qv, std::int64_t(b) * cfg.s_q, cfg.s_q);
-    for (int j = 0; j < s.s_k; ++j) {
+    for (int j = first_key(b); j < s_k(b); ++j) {
       const auto [slot, row] = locate(b, j);
       const std::int64_t base = (std::int64_t(slot) * rows_per + row) * width;
       const std::int64_t base_v = (std::int64_t(slot) * rows_per + row) * width_v;

@@ -153,6 +153,10 @@ struct KVCacheConfig {
   enum class Tree { kNone, kLinear, kRandom };
   Tree tree = Tree::kNone;
   int tree_row_pad = 0;
+  // Left-padded dense cache: cache_leftpad[b] drawn from [0, cache_seqlens[b]] (or the
+  // explicit `leftpads`); the padding rows before it stay NaN.
+  bool leftpad = false;
+  std::vector<int> leftpads;
 };
 
 struct KVCacheCase {
@@ -161,6 +165,8 @@ struct KVCacheCase {
   std::vector<int> block_table; // [batch, max_blocks] (paged)
   int max_blocks = 0, num_blocks = 0;
   std::vector<int> batch_idx;   // cache_batch_idx (dense, when used)
+  std::vector<int> leftpad;     // cache_leftpad (when cfg.leftpad)
+  HostTensor leftpad_t;
   HostTensor q, k_cache, v_cache, k_new, v_new, out, lse;
   HostTensor qv;  // when cfg.qv
   HostTensor cache_lens_t, block_table_t, batch_idx_t;
@@ -177,7 +183,8 @@ struct KVCacheCase {
   int num_splits = 1;
 
   static KVCacheCase make(Rng& rng, const KVCacheConfig& cfg);
-  int s_k(int b) const { return cache_lens[b] + cfg.s_new; }
+  int s_k(int b) const { return cache_lens[b] + cfg.s_new; }  // cache rows in use (end)
+  int first_key(int b) const { return leftpad.empty() ? 0 : leftpad[static_cast<std::size_t>(b)]; }
   // Physical row of key j of sequence b: (block or cache row, row within it).
   std::pair<int, int> locate(int b, int j) const;
   int tree_words_per_row() const { return (cfg.s_q + 31) / 32; }
