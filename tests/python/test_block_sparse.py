@@ -45,15 +45,7 @@ def pattern_prefix_lm(prefix, s_q, s_k):
 
 def pattern_window_sinks(s_q, s_k, left, right, sinks):
     """[s_q, s_k]: j < sinks or i + s_k - s_q - left <= j <= i + s_k - s_q + right."""
-    i = np.arange(s_q)[:, None]
-    j = np.arange(s_k)[None, :]
-    diag = i + s_k - s_q
-    ok = np.ones((s_q, s_k), dtype=bool)
-    if left >= 0:
-        ok &= j >= diag - left
-    if right >= 0:
-        ok &= j <= diag + right
-    return ok | (j < sinks)
+    return ref.visible(s_q, s_k, False, (left, right)) | (np.arange(s_k)[None, :] < sinks)
 
 
 def random_docs(rng, b, s, sorted_docs=True):
