@@ -5,8 +5,8 @@
 # SASS checks, the main job, the benchmark's forward and backward standard grid (bf16,
 # bench/suite.py: flashattn against FA4 when importable, cuDNN and FA2), optionally the
 # Python suite, and prints a short table last. Logs and CSVs go to $OUT (default ./out).
-#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python
-#                                 (default: all but python)
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python,upstream
+#                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
 # the git metadata of the device machine's copy of the tree can be that of an older commit.
 set -uo pipefail
@@ -89,6 +89,21 @@ fi
 if [[ $STEPS == *python* ]]; then
   timeout 280 bash tests/python/run_gpu_tests.sh >"$OUT/python.txt" 2>&1
   add "python (CUDA): rc=$? $(tail -1 "$OUT/python.txt")"
+fi
+# flash-attention's own test file against the drop-in (issue 24): a seeded sample of
+# UPSTREAM_SAMPLE tests (default 400, seed 0); needs .upstream/ from scripts/upstream_prep.sh
+# (carried: the device has no network) and the package installed by the python step with
+# every head-dim bucket (FLASHATTN_HEAD_DIMS="32;64;96;128;160;192;224;256" bash
+# scripts/gpu.sh python,upstream), else the missing buckets fail as UnsupportedError.
+if [[ $STEPS == *upstream* ]]; then
+  if [ -f .upstream/test_flash_attn.py ]; then
+    python3 -m pip install --quiet --no-index --find-links .upstream/wheels einops
+    timeout 400 bash tests/python/run_upstream.sh .upstream/test_flash_attn.py \
+      "${UPSTREAM_SAMPLE:-400}" 0 >"$OUT/upstream.txt" 2>&1
+    add "upstream ($(cat .upstream/TAG 2>/dev/null)): rc=$? $(grep -m1 '^upstream:' "$OUT/upstream.txt")"
+  else
+    add "upstream: skipped (no .upstream/: run scripts/upstream_prep.sh here and carry .upstream)"
+  fi
 fi
 
 echo
