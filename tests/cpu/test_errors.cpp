@@ -303,13 +303,13 @@ TEST_F(ErrorsDense, HeadDimUnsupportedOnCpu) {
   EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q': expected head dim d in [1, 512] (CPU backend), got d = 600");
 }
 
-TEST_F(ErrorsDense, Fp8IsReserved) {
+TEST_F(ErrorsDense, Fp8NeedsA16BitOut) {
   const fa::DType f8 = fa::DType::kFloat8E4M3;
   q = pool_.tensor(f8, {b, s_q, h_q, d});
   k = pool_.tensor(f8, {b, s_k, h_k, d});
   v = pool_.tensor(f8, {b, s_k, h_k, d});
   out = pool_.tensor(f8, {b, s_q, h_q, d}, nan);
-  EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q'", "float8_e4m3 is reserved", "got float8_e4m3");
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'out'", "bfloat16 or float16", "got float8_e4m3");
 }
 
 TEST_F(ErrorsDense, IntegerInputs) {
