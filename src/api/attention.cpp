@@ -85,9 +85,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
              const Tensor& lse, const Options& opts) {
   const Check c("forward");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::check_fp8(c, opts, q, dims.b, dims.h_k);
   detail::api::check_out(c, out, q, dims.d_v);
   detail::api::check_qv(c, opts, q, dims.d_v);
-  detail::api::check_fp8(c, opts, q, dims.b, dims.h_k);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
              q.device);

@@ -195,9 +195,9 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                     const Options& opts) {
   const Check c("varlen_forward");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::check_fp8(c, opts, args.q, dims.b, dims.h_k);
   detail::api::check_out(c, out, args.q, dims.d_v);
   detail::api::check_qv(c, opts, args.q, dims.d_v);
-  detail::api::check_fp8(c, opts, args.q, dims.b, dims.h_k);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
              args.q.device);
