@@ -548,6 +548,21 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
   }
 }
 
+TEST(ErrorsCudaRules, Fp8RunsOnTheCpuOnly) {
+  // fp8 q, k, v: the CPU backend accepts them; CUDA declines naming q, before any kernel.
+  const fa::detail::api::Check check("forward");
+  EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCPU,
+                                                   fa::DType::kFloat8E4M3, 128, 128, 2, 16));
+  try {
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2,
+                                     16);
+    FAIL() << "fp8 accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected dtype float16 or bfloat16 (CUDA backend; the fp8 "
+                                    "forward runs on the CPU backend for now), got float8_e4m3"));
+  }
+}
+
 TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {
   const fa::detail::api::Check check("kvcache_forward");
   alignas(16) static std::uint16_t buf[64];
