@@ -138,6 +138,28 @@ TEST(CpuFp8, UndefinedDescalesAreOne) {
   expect_forward_matches(c.problem(), DType::kBFloat16, forward_results(c));
 }
 
+TEST(CpuFp8, DropoutAndProbsFollowTheSemantics) {
+  // The C++ API takes every option with fp8 inputs on the CPU (the Python functions decline
+  // dropout as FlashAttention-3 has none): dropout's kept set and the debug probabilities
+  // match the oracle on the dequantized values.
+  Rng rng(0xF803);
+  DenseCase c = DenseCase::random(rng, {2, 23, 41, 4, 2, 16}, DType::kFloat32);
+  const Fp8Inputs q8 = quantize_fp8(c);
+  c.opts.dropout_p = 0.25f;
+  c.opts.seed = 1234;
+  c.opts.offset = 77;
+  c.opts.causal = true;
+  c.want_probs();
+  c.out = HostTensor(DType::kFloat16, {2, 23, 4, 16});
+  c.poison_forward();
+  Options opts = c.call_options();
+  q8.apply(opts);
+  ASSERT_NO_THROW(forward(q8.q.view(), q8.k.view(), q8.v.view(), c.out.view(), c.lse.view(), opts));
+  const ForwardResults got = forward_results(c);
+  ASSERT_FALSE(got.probs.empty());
+  expect_forward_matches(c.problem(), DType::kFloat16, got);
+}
+
 TEST(CpuFp8, BlockSparseReadsNoUnlistedKey) {
   // An fp8 call with a block-sparse mask whose unlisted key blocks hold NaN (0x7F) in v:
   // they must not be read (a NaN times probability 0 would poison the output).
