@@ -146,6 +146,18 @@ struct Options {
   // backward with qv (as in FlashAttention-3): backward / varlen_backward reject it
   // (Unsupported). CPU backend only for now (CUDA: Unsupported). Undefined = none.
   Tensor qv;
+  // fp8 forward (FlashAttention-3's q_descale, k_descale, v_descale): with q, k, v all of
+  // dtype float8_e4m3, the value of an element is float(e4m3) * descale[b, g], g the KV
+  // head of the element (for q: the KV head of its query head's group, h / (h_q / h_k)).
+  // Each is fp32 [b, h_k] (varlen: b sequences), on q's device, last dim contiguous;
+  // undefined = 1. Must be undefined unless q is float8_e4m3. With fp8 q, k, v, `out` is
+  // bfloat16 or float16 (the caller's out tensor picks; FlashAttention-3 defaults to
+  // bfloat16) and lse fp32; the CPU backend dequantizes while loading tiles, computes in
+  // fp32 and rounds the output once. Forward entry points forward and varlen_forward only:
+  // backward / varlen_backward (no fp8 backward, as in FlashAttention-3), kvcache_forward
+  // (an fp8 cache takes 16-bit q with k_scale / v_scale) and CUDA tensors (for now) decline
+  // fp8 q with Unsupported naming q; no qv with fp8 q.
+  Tensor q_descale, k_descale, v_descale;
 };
 
 // Optional caller-provided scratch memory on the call's device. When absent

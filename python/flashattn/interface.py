@@ -46,6 +46,9 @@ _KEYWORD_OF_OPTION = {
     "opts.window_left": "window_size[0]",
     "opts.window_right": "window_size[1]",
     "opts.qv": "qv",
+    "opts.q_descale": "q_descale",
+    "opts.k_descale": "k_descale",
+    "opts.v_descale": "v_descale",
 }
 
 
@@ -355,10 +358,45 @@ def _check_packed(fn, name, t, rank, dim, count, layout):
                       f"{int(t.shape[dim])} (shape {shape_text(t)})")
 
 
+def _fp8_requested(q, descales) -> bool:
+    return getattr(q, "dtype", None) == torch.float8_e4m3fn or any(
+        d is not None for d in descales)
+
+
+def _fp8_unsupported(fn, q, **options):
+    """fp8 calls take no dropout / probs / block masks / qv / paged KV / seqused_q: an
+    UnsupportedError naming the first one given."""
+    for name, (value, default) in options.items():
+        if (value is not None) if default is None else (float(value) != default):
+            raise invalid(fn, name, f"{default!r} with float8_e4m3fn q, k, v (the fp8 forward "
+                          "has no such option, as in FlashAttention-3)", repr(value)
+                          if not isinstance(value, Tensor) else f"a tensor of shape "
+                          f"{shape_text(value)}", cls=UnsupportedError)
+
+
+def _fp8_out_dtype(fn, q, out_dtype):
+    if q.dtype != torch.float8_e4m3fn:
+        return q.dtype  # the library names the descale given without fp8 inputs
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        raise invalid(fn, "out_dtype", "torch.bfloat16 or torch.float16", repr(out_dtype))
+    return out_dtype
+
+
+def _fp8_attention(fn, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                   return_attn_probs, learnable_sink, descales, out_dtype):
+    left, right = _checked_window(fn, window_size)
+    out_dtype = _fp8_out_dtype(fn, q, out_dtype)
+    out, lse = _call(ops.fwd_fp8, q, k, v, *descales, alibi_slopes, _sink(fn, learnable_sink),
+                     _scale(q, softmax_scale), bool(causal), left, right, float(softcap),
+                     out_dtype)
+    return (out, lse, None) if return_attn_probs else out
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                     return_attn_probs=False, *, learnable_sink=None, block_sparse_tensors=None,
-                    qv=None):
+                    qv=None, q_descale=None, k_descale=None, v_descale=None,
+                    out_dtype=torch.bfloat16):
     """q [b, s_q, h_q, d], k [b, s_k, h_k, d], v [b, s_k, h_k, d_v] (h_q % h_k == 0; d_v may
     differ from d, as in FlashAttention-3) -> out [b, s_q, h_q, d_v].
 
@@ -368,7 +406,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     logits (FlashAttention-4), differentiable. qv [b, s_q, h_q, d_v] (FlashAttention-3's,
     MLA): scores softmax_scale * (q . k + qv . v), default scale 1/sqrt(d + d_v); forward
     only (differentiating such a call raises UnsupportedError naming qv); CPU only for now.
+
+    fp8 (FlashAttention-3's): q, k, v of dtype torch.float8_e4m3fn with q_descale,
+    k_descale, v_descale fp32 [b, h_k] (None = 1; an element's value is float(e4m3) *
+    descale[b, its KV head], q's by the KV head of its query head's group) -> out in
+    out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); softmax_lse fp32.
+    Forward only (no autograd), no dropout / probs / block_sparse_tensors / qv; CPU
+    backend only for now (CUDA tensors: UnsupportedError naming q). With
+    return_attn_probs: (out, softmax_lse, None).
     """
+    fn = "flashattn.flash_attn_func"
+    if _fp8_requested(q, (q_descale, k_descale, v_descale)):
+        _fp8_unsupported(fn, q, dropout_p=(dropout_p, 0.0), qv=(qv, None),
+                         block_sparse_tensors=(block_sparse_tensors, None))
+        return _fp8_attention(fn, q, k, v, softmax_scale, causal, window_size, softcap,
+                              alibi_slopes, return_attn_probs, learnable_sink,
+                              (q_descale, k_descale, v_descale), out_dtype)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs,
                       learnable_sink=learnable_sink, block_sparse_tensors=block_sparse_tensors,
@@ -407,7 +460,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *,
                            learnable_sink=None, seqused_q=None, seqused_k=None,
-                           block_sparse_tensors=None, qv=None):
+                           block_sparse_tensors=None, qv=None, q_descale=None,
+                           k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """q [total_q, h_q, d], k [total_k, h_k, d], v [total_k, h_k, d_v], cu_seqlens_q/_k int32
     [b + 1] -> out [total_q, h_q, d_v] (qv [total_q, h_q, d_v]: as flash_attn_func's);
     softmax_lse [h_q, total_q] fp32. block_table (paged KV, flash_attn's): k, v
@@ -419,7 +473,22 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     sequence b are used; query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs
     on the CPU backend. block_sparse_tensors: a block-sparse mask over each sequence's
     max_seqlen_q x max_seqlen_k grid (positions within the sequence; doc ids packed
-    [total_q], [total_k]); not with a block_table."""
+    [total_q], [total_k]); not with a block_table. fp8 (q, k, v torch.float8_e4m3fn with
+    q_descale / k_descale / v_descale fp32 [b, h_k], out_dtype): as flash_attn_func's, with
+    seqused_k (no block_table, seqused_q)."""
+    fn = "flashattn.flash_attn_varlen_func"
+    if _fp8_requested(q, (q_descale, k_descale, v_descale)):
+        _fp8_unsupported(fn, q, dropout_p=(dropout_p, 0.0), qv=(qv, None),
+                         block_sparse_tensors=(block_sparse_tensors, None),
+                         block_table=(block_table, None), seqused_q=(seqused_q, None))
+        left, right = _checked_window(fn, window_size)
+        out, lse = _call(ops.varlen_fwd_fp8, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                         check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX),
+                         check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX),
+                         q_descale, k_descale, v_descale, alibi_slopes,
+                         _sink(fn, learnable_sink), _scale(q, softmax_scale), bool(causal),
+                         left, right, float(softcap), _fp8_out_dtype(fn, q, out_dtype))
+        return (out, lse, None) if return_attn_probs else out
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,

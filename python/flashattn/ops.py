@@ -374,6 +374,120 @@ def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, wind
     return _fwd_outputs(q, k, v, return_probs)
 
 
+# ---------------------------------------------------------------- fp8 (e4m3) forward
+#
+# fp8 q, k, v (torch.float8_e4m3fn) with FlashAttention-3's fp32 [b, h_k] descales
+# (None = 1); out in out_dtype (bfloat16 / float16), lse fp32. Forward only: there is no
+# fp8 backward (as in FlashAttention-3), so these ops have no autograd formula. CPU
+# backend only for now (CUDA tensors: UnsupportedError naming q).
+
+
+def _fwd_fp8(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """(out [b, s_q, h_q, d_v] in out_dtype, lse [b, h_q, s_q] fp32) of fp8 q, k, v."""
+    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink)
+    out, lse = _fwd_fp8_outputs(q, v, out_dtype)
+    opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
+                    softcap, 0.0, False, learnable_sink)
+    _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
+               q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
+               v_descale=_dl(_prepare(v_descale)), **opts)
+    return out, lse
+
+
+def _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink):
+    fn = "flashattn::fwd_fp8"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_rank(fn, name, t, 4, _DENSE)
+    check_head_dim(fn, "q", q)
+    check_head_dim(fn, "v", v)
+    check_device(fn, q, k=k, v=v, q_descale=q_descale, k_descale=k_descale,
+                 v_descale=v_descale, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+
+
+def _fwd_fp8_outputs(q: Tensor, v: Tensor, out_dtype: torch.dtype):
+    out = torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=out_dtype, device=q.device)
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
+    return out, _empty(lse_shape, q, torch.float32)
+
+
+fwd_fp8 = _register(torch.library.custom_op("flashattn::fwd_fp8", mutates_args=())(_fwd_fp8),
+                    _fwd_fp8)
+
+
+@fwd_fp8.register_fake
+def _(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink, softmax_scale,
+      causal, window_left, window_right, softcap, out_dtype):
+    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink)
+    return _fwd_fp8_outputs(q, v, out_dtype)
+
+
+def _varlen_fwd_fp8(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    seqused_k: Optional[Tensor],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    q_descale: Optional[Tensor],
+    k_descale: Optional[Tensor],
+    v_descale: Optional[Tensor],
+    alibi_slopes: Optional[Tensor],
+    learnable_sink: Optional[Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """(out [total_q, h_q, d_v] in out_dtype, lse [h_q, total_q] fp32) of fp8 q, k, v;
+    descales [b, h_k] with b = len(cu_seqlens_q) - 1."""
+    _check_varlen("flashattn::varlen_fwd_fp8", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes, learnable_sink=learnable_sink, q_descale=q_descale,
+                  k_descale=k_descale, v_descale=v_descale)
+    out, lse = _fwd_fp8_outputs(q, v, out_dtype)
+    opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
+                    softcap, 0.0, False, learnable_sink)
+    _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
+                      _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
+                      _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
+                      q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
+                      v_descale=_dl(_prepare(v_descale)), **opts)
+    return out, lse
+
+
+varlen_fwd_fp8 = _register(
+    torch.library.custom_op("flashattn::varlen_fwd_fp8", mutates_args=())(_varlen_fwd_fp8),
+    _varlen_fwd_fp8)
+
+
+@varlen_fwd_fp8.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, q_descale,
+      k_descale, v_descale, alibi_slopes, learnable_sink, softmax_scale, causal, window_left,
+      window_right, softcap, out_dtype):
+    _check_varlen("flashattn::varlen_fwd_fp8", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                  alibi_slopes, learnable_sink=learnable_sink, q_descale=q_descale,
+                  k_descale=k_descale, v_descale=v_descale)
+    return _fwd_fp8_outputs(q, v, out_dtype)
+
+
 def _bwd(
     dout: Tensor,
     q: Tensor,

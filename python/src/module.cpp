@@ -243,6 +243,8 @@ struct CommonOptions {
   OptIn mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx;
   PyInt block_size_q, block_size_k;
   OptIn q_doc_ids, k_doc_ids, prefix_keys;
+  // fp8 q, k, v: fp32 [b, h_k] descales (FlashAttention-3's names).
+  OptIn q_descale, k_descale, v_descale;
 
   fa::Options build() const {
     fa::Options o;
@@ -272,6 +274,9 @@ struct CommonOptions {
     bs.k_doc_ids = to_tensor(k_doc_ids, "k_doc_ids");
     bs.prefix_keys = to_tensor(prefix_keys, "prefix_keys");
     o.qv = to_tensor(qv, "qv");
+    o.q_descale = to_tensor(q_descale, "q_descale");
+    o.k_descale = to_tensor(k_descale, "k_descale");
+    o.v_descale = to_tensor(v_descale, "v_descale");
     o.kernel_family = static_cast<fa::KernelFamily>(g_kernel_family.load(std::memory_order_relaxed));
     o.smem_cap = g_smem_cap.load(std::memory_order_relaxed);
     return o;
@@ -354,14 +359,16 @@ void register_exceptions(nb::module_& m) {
       bool deterministic, OptOut return_probs, std::uintptr_t stream, PyInt num_threads,   \
       OptIn learnable_sink, OptOut learnable_sink_grad, OptIn qv, OptIn mask_block_cnt,     \
       OptIn mask_block_idx, OptIn full_block_cnt, OptIn full_block_idx, PyInt block_size_q, \
-      PyInt block_size_k, OptIn q_doc_ids, OptIn k_doc_ids, OptIn prefix_keys
+      PyInt block_size_k, OptIn q_doc_ids, OptIn k_doc_ids, OptIn prefix_keys,             \
+      OptIn q_descale, OptIn k_descale, OptIn v_descale
 
 #define FA_COMMON_VALUES                                                                \
   CommonOptions {                                                                       \
     softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, \
         seed, offset, deterministic, return_probs, stream, num_threads, learnable_sink, \
         learnable_sink_grad, qv, mask_block_cnt, mask_block_idx, full_block_cnt,        \
-        full_block_idx, block_size_q, block_size_k, q_doc_ids, k_doc_ids, prefix_keys   \
+        full_block_idx, block_size_q, block_size_k, q_doc_ids, k_doc_ids, prefix_keys,  \
+        q_descale, k_descale, v_descale                                                 \
   }
 
 // The keyword arguments of CommonOptions, all optional.
@@ -377,7 +384,9 @@ void register_exceptions(nb::module_& m) {
       nb::arg("mask_block_idx") = nb::none(), nb::arg("full_block_cnt") = nb::none(),       \
       nb::arg("full_block_idx") = nb::none(), nb::arg("block_size_q") = 128,                \
       nb::arg("block_size_k") = 128, nb::arg("q_doc_ids") = nb::none(),                     \
-      nb::arg("k_doc_ids") = nb::none(), nb::arg("prefix_keys") = nb::none()
+      nb::arg("k_doc_ids") = nb::none(), nb::arg("prefix_keys") = nb::none(),              \
+      nb::arg("q_descale") = nb::none(), nb::arg("k_descale") = nb::none(),                 \
+      nb::arg("v_descale") = nb::none()
 
 fa::VarlenArgs varlen_args(const In& q, const In& k, const In& v, const In& cu_seqlens_q,
                            const In& cu_seqlens_k, const OptIn& seqused_k, const PyInt& max_seqlen_q,

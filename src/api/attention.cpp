@@ -23,6 +23,10 @@ using detail::api::Scratch;
 using detail::api::Target;
 using detail::api::to_int;
 
+constexpr const char* kNoFp8Backward =
+    "there is no backward for float8_e4m3 q, k, v, as in FlashAttention-3: the fp8 forward is "
+    "for inference";
+
 struct DenseDims {
   int b, s_q, s_k, h_q, h_k, d, d_v;
 };
@@ -81,7 +85,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
              const Tensor& lse, const Options& opts) {
   const Check c("forward");
   const DenseDims dims = check_qkv(c, q, k, v);
-  c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_fp8(c, opts, q, dims.b, dims.h_k);
+  detail::api::check_out(c, out, q, dims.d_v);
   detail::api::check_qv(c, opts, q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
@@ -102,6 +107,8 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
   set_dense_inputs(dims, q, k, v, p);
   detail::api::set_qv(opts.qv, p);
   detail::api::set_out(out, p);
+  std::vector<float> descales;
+  detail::api::set_fp8(opts, out, p, descales);
   set_dense_lse(lse, p);
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
@@ -115,6 +122,7 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
               const Tensor& dv, const Options& opts, Workspace workspace) {
   const Check c("backward");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::reject_fp8(c, opts, q, kNoFp8Backward);
   detail::api::reject_qv(c, opts);
   c.like_head_dim("out", out, "q", q, dims.d_v, "same as q but the head dim d_v of v");
   c.like_head_dim("dout", dout, "q", q, dims.d_v, "same as q but the head dim d_v of v");
@@ -151,6 +159,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
                                     const Options& opts) {
   const Check c("backward_workspace_size");
   const DenseDims dims = check_qkv(c, q, k, v);
+  detail::api::reject_fp8(c, opts, q, kNoFp8Backward);
   detail::api::reject_qv(c, opts);
   BwdParams p;
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);

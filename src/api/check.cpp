@@ -286,6 +286,7 @@ RowStrides row_strides(const Tensor& t) {
 void set_qkv(const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   const int head_dim = q.rank - 2;
   p.dtype = q.dtype;
+  p.q_dtype = q.dtype;
   p.kv_dtype = k.dtype;
   p.h_q = to_int(q.shape[head_dim]);
   p.h_k = to_int(k.shape[head_dim]);
@@ -331,6 +332,85 @@ void set_out(const Tensor& out, FwdParams& p) {
   const RowStrides s = row_strides(out);
   p.out = out.data;
   p.o_batch_stride = s.batch, p.o_row_stride = s.row, p.o_head_stride = s.head;
+}
+
+void check_out(const Check& check, const Tensor& out, const Tensor& q, std::int64_t d_v) {
+  if (q.dtype != DType::kFloat8E4M3) {
+    check.like_head_dim("out", out, "q", q, d_v, "same as q but the head dim d_v of v");
+    return;
+  }
+  check.required("out", out);
+  if (out.dtype != DType::kBFloat16 && out.dtype != DType::kFloat16) {
+    check.fail("out", "dtype bfloat16 or float16 (the output of float8_e4m3 q, k, v)",
+               dtype_name(out.dtype));
+  }
+  Tensor like_q = q;
+  like_q.dtype = out.dtype;
+  check.like_head_dim("out", out, "q", like_q, d_v,
+                      "same as q but the head dim d_v of v and dtype bfloat16 / float16");
+}
+
+namespace {
+
+struct Descale {
+  const char* name;
+  const Tensor& tensor;
+};
+
+}  // namespace
+
+void check_fp8(const Check& check, const Options& opts, const Tensor& q, int batch, int h_k) {
+  const Descale descales[] = {{"opts.q_descale", opts.q_descale},
+                              {"opts.k_descale", opts.k_descale},
+                              {"opts.v_descale", opts.v_descale}};
+  const bool fp8 = q.dtype == DType::kFloat8E4M3;
+  for (const Descale& ds : descales) {
+    if (!ds.tensor.defined()) continue;
+    if (!fp8) {
+      check.fail(ds.name,
+                 "an undefined tensor when q is not float8_e4m3 (descales go with fp8 q, k, v)",
+                 "a tensor of shape " + flashattn::shape_string(ds.tensor) + " with q of dtype " +
+                     dtype_name(q.dtype));
+    }
+    check.shape(ds.name, ds.tensor, {batch, h_k}, "[b, h_k], one per (sequence, KV head)");
+    check.dtype(ds.name, ds.tensor, DType::kFloat32, "");
+    check.device(ds.name, ds.tensor, q.device, "same as q");
+    check.layout(ds.name, ds.tensor);
+  }
+  if (fp8 && opts.qv.defined()) {
+    check.unsupported("opts.qv",
+                      "an undefined tensor with float8_e4m3 q, k, v (no fp8 qv, as in "
+                      "FlashAttention-3)",
+                      "a tensor of shape " + flashattn::shape_string(opts.qv));
+  }
+}
+
+void reject_fp8(const Check& check, const Options& opts, const Tensor& q, std::string_view why) {
+  if (q.dtype == DType::kFloat8E4M3) {
+    check.unsupported("q", "dtype float16, bfloat16, float32 or float64 (" + std::string(why) + ")",
+                      dtype_name(q.dtype));
+  }
+  check_fp8(check, opts, q, 0, 0);  // descales without fp8 q
+}
+
+void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<float>& storage) {
+  if (p.q_dtype != DType::kFloat8E4M3) return;
+  const std::size_t n = std::size_t(p.batch) * std::size_t(p.h_k);
+  storage.assign(3 * n, 1.0f);
+  const Tensor* tensors[] = {&opts.q_descale, &opts.k_descale, &opts.v_descale};
+  for (int t = 0; t < 3; ++t) {
+    const Tensor& ds = *tensors[t];
+    if (!ds.defined()) continue;
+    const float* src = static_cast<const float*>(ds.data);
+    for (int b = 0; b < p.batch; ++b)
+      for (int g = 0; g < p.h_k; ++g)
+        storage[t * n + std::size_t(b) * p.h_k + g] = src[std::int64_t(b) * ds.stride[0] + g];
+  }
+  p.dtype = out.dtype;
+  p.q_descale = storage.data();
+  p.k_scale = storage.data() + n;
+  p.v_scale = storage.data() + 2 * n;
+  p.scale_block_stride = p.h_k;
 }
 
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,

@@ -136,6 +136,22 @@ void reject_qv(const Check& check, const Options& opts);
 // With qv on a CUDA target: Unsupported naming opts.qv.
 void check_qv_target(const Check& check, const Options& opts, bool cuda);
 void set_out(const Tensor& out, FwdParams& p);
+
+// fp8 (e4m3) q, k, v (a forward entry point): out has q's shape with the last dim d_v and
+// dtype bfloat16 or float16 (the output of an fp8 forward, FlashAttention-3's rule); other
+// q: like q, as before.
+void check_out(const Check& check, const Tensor& out, const Tensor& q, std::int64_t d_v);
+// opts.q_descale / k_descale / v_descale: with float8_e4m3 q (k, v are checked to match q)
+// each is undefined (1) or fp32 [batch, h_k] on q's device with a contiguous last dim;
+// without fp8 q they must be undefined. fp8 q takes no opts.qv.
+void check_fp8(const Check& check, const Options& opts, const Tensor& q, int batch, int h_k);
+// A backward / KV-cache entry point: q not float8_e4m3 and no descales, else Unsupported
+// (fp8 q) or InvalidArgument (descales); `why` ends the Unsupported message.
+void reject_fp8(const Check& check, const Options& opts, const Tensor& q, std::string_view why);
+// After set_qkv / set_out with fp8 q (CPU backend only; a no-op otherwise): p.dtype
+// becomes out's, p.q_descale / k_scale / v_scale point into `storage`, which holds the
+// three descales [3][batch * h_k] (1 where undefined) and must outlive the call.
+void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<float>& storage);
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                    BwdParams& p);
 

@@ -74,6 +74,9 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
   const Tensor& q = a.q;
   c.rank("q", q, 4, "[b, s_q, h_q, d]");
   c.layout("q", q);
+  detail::api::reject_fp8(c, opts, q,
+                          "fp8 q is not supported by the KV-cache entry point yet; an fp8 "
+                          "cache takes float16 / bfloat16 q with k_scale / v_scale");
   detail::api::check_query_heads(c, q, 2);
   const std::int64_t b = q.shape[0], h_q = q.shape[2], d = q.shape[3];
   const bool paged = a.block_table.defined();

@@ -20,6 +20,10 @@ using detail::api::Scratch;
 using detail::api::Target;
 using detail::api::to_int;
 
+constexpr const char* kNoFp8Backward =
+    "there is no backward for float8_e4m3 q, k, v, as in FlashAttention-3: the fp8 forward is "
+    "for inference";
+
 struct VarlenDims {
   int b, total_q, total_k, h_q, h_k, d, d_v;
 };
@@ -191,7 +195,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                     const Options& opts) {
   const Check c("varlen_forward");
   const VarlenDims dims = check_varlen_shapes(c, args);
-  c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
+  detail::api::check_fp8(c, opts, args.q, dims.b, dims.h_k);
+  detail::api::check_out(c, out, args.q, dims.d_v);
   detail::api::check_qv(c, opts, args.q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.h_q, dims.total_q}, "[h_q, total_q]", DType::kFloat32,
@@ -214,6 +219,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   set_varlen_inputs(args, dims, p);
   detail::api::set_qv(opts.qv, p);
   set_varlen_outputs(out, lse, p);
+  std::vector<float> descales;
+  detail::api::set_fp8(opts, out, p, descales);
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,
@@ -229,6 +236,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
                      const Options& opts, Workspace workspace) {
   const Check c("varlen_backward");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::reject_fp8(c, opts, args.q, kNoFp8Backward);
   detail::api::reject_qv(c, opts);
   c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
   c.like_head_dim("dout", dout, "q", args.q, dims.d_v, "same as q but the head dim d_v of v");
@@ -268,6 +276,7 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
 std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options& opts) {
   const Check c("varlen_backward_workspace_size");
   const VarlenDims dims = check_varlen_shapes(c, args);
+  detail::api::reject_fp8(c, opts, args.q, kNoFp8Backward);
   detail::api::reject_qv(c, opts);
   BwdParams p;
   std::vector<std::uint8_t> block_kinds;

@@ -16,7 +16,7 @@
 namespace flashattn::detail {
 
 struct FwdParams {
-  DType dtype = DType::kFloat16;  // of q, k, v, out (and dout, dq, dk, dv)
+  DType dtype = DType::kFloat16;  // of q, k, v, out (and dout, dq, dk, dv); fp8 q: of out
   int batch = 0;                  // sequences
   int h_q = 0, h_k = 0, d = 0;    // heads and head dim of q, k; h_q % h_k == 0
   int d_v = 0;                    // head dim of v, out (and dout, dv); may differ from d
@@ -79,6 +79,13 @@ struct FwdParams {
   // of key j of sequence b, KV head g, is e4m3 * scale[kv_block(b, j) * scale_block_stride + g]
   // (scale_block_stride is 0 for per-head scales [h_k], h_k for [cache_rows, h_k]).
   // Otherwise kv_dtype == dtype and the scales are null.
+  // fp8 (e4m3) q, k, v (Options::q_descale ..., CPU backend): q_dtype and kv_dtype are
+  // float8_e4m3, dtype is out's (float16 / bfloat16); k_scale / v_scale are the [b, h_k]
+  // descales (kv_block(b, j) = b, scale_block_stride = h_k) and query row (b, h) has the
+  // value e4m3 * q_descale[b * h_k + h / h_ratio]. Otherwise q_dtype == dtype and
+  // q_descale is null.
+  DType q_dtype = DType::kFloat16;
+  const float* q_descale = nullptr;
   DType kv_dtype = DType::kFloat16;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;

@@ -131,6 +131,10 @@ class Forward {
 
   // The query rows of a task into tile.q (with qv: q's d columns, then qv's d_v).
   void load_q(ForwardTile<E>& t, int b, const TaskRows& rs) const {
+    if (p_.q_dtype == DType::kFloat8E4M3) {
+      load_q_fp8(t, b, rs);
+      return;
+    }
     const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b);
     for (int r = 0; r < rs.rows; ++r) {
       T* dst = &t.q[std::size_t(r) * t.dp];
@@ -146,13 +150,27 @@ class Forward {
     }
   }
 
+  // load_q for fp8 q (no qv): each e4m3 byte decoded and multiplied by the descale of
+  // (b, the KV head of its query head), value = e4m3 * q_descale in the compute type.
+  void load_q_fp8(ForwardTile<E>& t, int b, const TaskRows& rs) const {
+    const auto* q = static_cast<const std::uint8_t*>(p_.q) + p_.q_offset(b);
+    for (int r = 0; r < rs.rows; ++r) {
+      T* dst = &t.q[std::size_t(r) * t.dp];
+      const std::uint8_t* src =
+          q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride;
+      const T qs = static_cast<T>(p_.q_descale[std::int64_t(b) * p_.h_k + rs.h(r) / p_.h_ratio]);
+      for (int c = 0; c < t.d; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(src[c])) * qs;
+      for (int c = t.d; c < t.dp; ++c) dst[c] = 0;
+    }
+  }
+
   // Keys j0 .. j0 + n of (b, KV head g) into tile.kt (zero beyond n) and, when
   // with_v, the values into tile.v. With `used` (block sparsity; no fp8 cache), keys
   // whose block no row of the task visits (used[j] == 0) are zero rows, never read.
   void load_kv(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
                const std::uint8_t* used = nullptr) const {
     if (p_.kv_dtype == DType::kFloat8E4M3) {
-      load_kv_fp8(t, b, g, j0, n, with_v);
+      load_kv_fp8(t, b, g, j0, n, with_v, used);
       return;
     }
     const S* k = static_cast<const S*>(p_.k);
@@ -180,12 +198,19 @@ class Forward {
       for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
   }
 
-  // load_kv for an fp8 cache: each e4m3 byte decoded and multiplied by the scale of its
-  // (block, KV head), value = e4m3 * scale in the compute type.
-  void load_kv_fp8(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v) const {
+  // load_kv for fp8 keys and values (an fp8 cache, or fp8 k, v with [b, h_k] descales):
+  // each e4m3 byte decoded and multiplied by the scale of its (block, KV head), value =
+  // e4m3 * scale in the compute type. Keys with used[j] == 0 are zero rows, never read.
+  void load_kv_fp8(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
+                   const std::uint8_t* used) const {
     const auto* k = static_cast<const std::uint8_t*>(p_.k);
     const auto* v = static_cast<const std::uint8_t*>(p_.v);
     for (int j = 0; j < n; ++j) {
+      if (used != nullptr && !used[j]) {
+        for (int c = 0; c < t.d; ++c) t.kt[std::size_t(c) * kBlockN + j] = 0;
+        std::fill(&t.v[std::size_t(j) * t.dvp], &t.v[std::size_t(j) * t.dvp] + t.dvp, T(0));
+        continue;
+      }
       const std::int64_t scale_at = p_.kv_block(b, j0 + j) * p_.scale_block_stride + g;
       const std::uint8_t* krow = k + p_.k_offset(b, j0 + j, g);
       const T ks = static_cast<T>(p_.k_scale[scale_at]);

@@ -208,14 +208,52 @@ void block_sparse(Call& c, std::vector<std::int32_t> cnt = {2, 1},
   c.opts.block_sparse.mask_block_idx = c.pool.int32_shaped({1, 1, 2, 2}, idx);
 }
 
+constexpr auto f8 = fa::DType::kFloat8E4M3;
+
+// The dense baseline with fp8 q, k, v, a bf16 out and valid descales ([b, h_k] = [2, 2]).
+void fp8_dense(Call& c) {
+  c.q = c.pool.input(f8, {2, 5, 4, 8});
+  c.k = c.pool.input(f8, {2, 7, 2, 8});
+  c.v = c.pool.input(f8, {2, 7, 2, 8});
+  c.out = c.pool.output(bf16, {2, 5, 4, 8});
+  c.opts.q_descale = c.pool.input(f32, {2, 2});
+  c.opts.k_descale = c.pool.input(f32, {2, 2});
+  c.opts.v_descale = c.pool.input(f32, {2, 2});
+}
+
 std::vector<Row> rows() {
   using C = Call;
   return {
       // ---------------------------------------------------------------- dtypes
       {"q_int32", F, [](C& c) { c.q = c.pool.input(i32, {2, 5, 4, 8}); c.k = c.pool.input(i32, {2, 7, 2, 8}); c.v = c.pool.input(i32, {2, 7, 2, 8}); c.out = c.pool.output(i32, {2, 5, 4, 8}); },
        I, "q", "a floating-point dtype", "int32"},
-      {"q_k_v_float8", F, [](C& c) { c.q = c.pool.input(fa::DType::kFloat8E4M3, {2, 5, 4, 8}); c.k = c.pool.input(fa::DType::kFloat8E4M3, {2, 7, 2, 8}); c.v = c.pool.input(fa::DType::kFloat8E4M3, {2, 7, 2, 8}); c.out = c.pool.output(fa::DType::kFloat8E4M3, {2, 5, 4, 8}); },
-       U, "q", "float8_e4m3 is reserved", "float8_e4m3"},
+      // fp8 q, k, v (issue 21): out bf16 / fp16, descales fp32 [b, h_k], forward only.
+      {"fp8_out_float8", F, [](C& c) { fp8_dense(c); c.out = c.pool.output(f8, {2, 5, 4, 8}); },
+       I, "out", "dtype bfloat16 or float16 (the output of float8_e4m3 q, k, v)", "float8_e4m3"},
+      {"fp8_out_float32", F, [](C& c) { fp8_dense(c); c.out = c.pool.output(f32, {2, 5, 4, 8}); },
+       I, "out", "bfloat16 or float16", "float32"},
+      {"fp8_out_shape", F, [](C& c) { fp8_dense(c); c.out = c.pool.output(bf16, {2, 5, 4, 4}); },
+       I, "out", "shape [2, 5, 4, 8]", "[2, 5, 4, 4]"},
+      {"fp8_q_bf16_k", F, [](C& c) { fp8_dense(c); c.k = c.pool.input(bf16, {2, 7, 2, 8}); },
+       I, "k", "dtype float8_e4m3 (same as q)", "bfloat16"},
+      {"fp8_q_descale_h_q", F, [](C& c) { fp8_dense(c); c.opts.q_descale = c.pool.input(f32, {2, 4}); },
+       I, "opts.q_descale", "shape [2, 2] ([b, h_k], one per (sequence, KV head))", "[2, 4]"},
+      {"fp8_k_descale_float16", F, [](C& c) { fp8_dense(c); c.opts.k_descale = c.pool.input(f16, {2, 2}); },
+       I, "opts.k_descale", "dtype float32", "float16"},
+      {"fp8_v_descale_stride", F, [](C& c) { fp8_dense(c); c.opts.v_descale = with_stride(c.pool.input(f32, {2, 2}), 1, 2); },
+       I, "opts.v_descale", "stride[1] == 1", "2"},
+      {"descale_without_fp8", F, [](C& c) { c.opts.v_descale = c.pool.input(f32, {2, 2}); },
+       I, "opts.v_descale", "an undefined tensor when q is not float8_e4m3", "float32"},
+      {"fp8_backward", B, [](C& c) { fp8_dense(c); },
+       U, "q", "no backward for float8_e4m3 q, k, v", "float8_e4m3"},
+      {"bwd_descale_without_fp8", B, [](C& c) { c.opts.q_descale = c.pool.input(f32, {2, 2}); },
+       I, "opts.q_descale", "an undefined tensor when q is not float8_e4m3", "float32"},
+      {"fp8_varlen_descale_shape", VF, [](C& c) { c.va.q = c.pool.input(f8, {7, 4, 8}); c.va.k = c.pool.input(f8, {8, 2, 8}); c.va.v = c.pool.input(f8, {8, 2, 8}); c.vout = c.pool.output(bf16, {7, 4, 8}); c.opts.k_descale = c.pool.input(f32, {2, 2}); },
+       I, "opts.k_descale", "shape [3, 2]", "[2, 2]"},
+      {"fp8_varlen_backward", VB, [](C& c) { c.va.q = c.pool.input(f8, {7, 4, 8}); c.va.k = c.pool.input(f8, {8, 2, 8}); c.va.v = c.pool.input(f8, {8, 2, 8}); },
+       U, "q", "no backward for float8_e4m3 q, k, v", "float8_e4m3"},
+      {"fp8_kvcache_q", KV, [](C& c) { c.ka.q = c.pool.input(f8, {2, 1, 4, 8}); },
+       U, "q", "not supported by the KV-cache entry point yet", "float8_e4m3"},
       {"mixed_k_float64", F, [](C& c) { c.k = c.pool.input(f64, {2, 7, 2, 8}); }, I, "k", "dtype float32 (same as q)", "float64"},
       {"mixed_v_bfloat16", F, [](C& c) { c.v = c.pool.input(bf16, {2, 7, 2, 8}); }, I, "v", "dtype float32 (same as k)", "bfloat16"},
       {"mixed_out_float16", F, [](C& c) { c.out = c.pool.output(f16, {2, 5, 4, 8}); }, I, "out", "dtype float32 (same as q)", "float16"},

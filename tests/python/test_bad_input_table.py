@@ -27,6 +27,7 @@ from flashattn import (  # noqa: E402
 from flashattn import ops  # noqa: E402
 
 F64 = torch.float64
+F8 = torch.float8_e4m3fn
 B, S_Q, S_K, H_Q, H_K, D = 2, 5, 7, 4, 2, 8
 
 
@@ -127,6 +128,16 @@ IMAX = 2**31 - 1
 ROWS = [
     # -------------------------------------------------------------- dtypes
     ("q_k_v_int32", "func", all_to(torch.int32, "q", "k", "v"), E, "q", "a floating-point dtype", "int32"),
+    # fp8 q, k, v (issue 21): FlashAttention-3's descales fp32 [b, h_k], out bf16 / fp16
+    ("fp8_out_dtype_float32", "func", then(all_to(F8, "q", "k", "v"), setter(out_dtype=torch.float32)), E, "out_dtype", "torch.bfloat16 or torch.float16", "torch.float32"),
+    ("fp8_mixed_k_float64", "func", all_to(F8, "q", "v"), E, "k", "dtype float8_e4m3 (same as q)", "float64"),
+    ("fp8_q_descale_h_q", "func", then(all_to(F8, "q", "k", "v"), setter(q_descale=torch.ones(B, H_Q))), E, "q_descale", "shape [2, 2] ([b, h_k]", "[2, 4]"),
+    ("fp8_k_descale_float64", "func", then(all_to(F8, "q", "k", "v"), setter(k_descale=torch.ones(B, H_K, dtype=F64))), E, "k_descale", "dtype float32", "float64"),
+    ("descale_without_fp8", "func", setter(v_descale=torch.ones(B, H_K)), E, "v_descale", "an undefined tensor when q is not float8_e4m3", "float64"),
+    ("fp8_dropout", "func", then(all_to(F8, "q", "k", "v"), setter(dropout_p=0.1)), U, "dropout_p", "0.0 with float8_e4m3fn q, k, v", "0.1"),
+    ("varlen_fp8_descale_shape", "varlen", then(all_to(F8, "q", "k", "v"), setter(v_descale=torch.ones(B, H_K))), E, "v_descale", "shape [3, 2]", "[2, 2]"),
+    ("varlen_fp8_seqused_q", "varlen", then(all_to(F8, "q", "k", "v"), setter(seqused_q=i32(2, 0, 5))), U, "seqused_q", "None with float8_e4m3fn", "a tensor of shape [3]"),
+    ("kv_fp8_q", "kvcache", then(all_to(F8, "q"), setter(k=None, v=None)), U, "q", "KV-cache entry point", "float8_e4m3"),
     ("mixed_k_float32", "func", all_to(torch.float32, "k"), E, "k", "dtype float64 (same as q)", "float32"),
     ("mixed_v_bfloat16", "func", all_to(torch.bfloat16, "v"), E, "v", "dtype float64 (same as k)", "bfloat16"),
     ("alibi_float64", "func", setter(alibi_slopes=torch.ones(H_Q, dtype=F64)), E, "alibi_slopes", "dtype float32", "float64"),

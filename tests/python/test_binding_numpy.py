@@ -612,3 +612,16 @@ def test_block_sparse_builders_and_binding_without_torch():
             bsm.to_dense(m, s, s, batch=b, heads=h, causal=opts.get("causal", False),
                          window_size=(opts.get("window_left", -1), opts.get("window_right", -1))),
             dense)
+
+
+def test_descales_need_fp8_inputs():
+    # numpy has no fp8 dtype, so fp8 q, k, v come from torch (tests/python/test_fp8.py); the
+    # binding still takes the descale keywords and the library rejects them on fp64 inputs.
+    rng = np.random.default_rng(21)
+    q, k, v = rand(rng, 1, 4, 2, 8), rand(rng, 1, 5, 1, 8), rand(rng, 1, 5, 1, 8)
+    out = np.full((1, 4, 2, 8), np.nan)
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        _C.forward(q, k, v, out, None, k_descale=np.ones((1, 1), dtype=np.float32))
+    assert info.value.argument == "opts.k_descale"
+    assert "an undefined tensor when q is not float8_e4m3" in info.value.expected
+    assert np.isnan(out).all()

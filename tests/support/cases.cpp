@@ -3,6 +3,7 @@
 #include "flashattn/semantics.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <set>
@@ -631,5 +632,80 @@ void KVCacheCase::poison_outputs() {
 }
 
 void KVCacheCase::run() { kvcache_forward(args(), out.view(), lse.view(), call_options()); }
+
+// ------------------------------------------------------------------ fp8 q, k, v
+
+namespace {
+
+// x holds [rows, h, d] (row-major, rows flattened over any leading dims); row r belongs
+// to sequence seq_of_row[r] (-1: padding). Quantizes into e4m3 bytes with descales
+// [batch, h_k] and overwrites x with the dequantized values.
+void quantize_rows(HostTensor& x, const std::vector<int>& seq_of_row, int batch, int h, int h_k,
+                   HostTensor& bytes, HostTensor& descale) {
+  const std::int64_t rows = static_cast<std::int64_t>(seq_of_row.size());
+  const std::int64_t d = x.numel() / (rows * h);
+  const int ratio = h / h_k;
+  bytes = HostTensor(DType::kFloat8E4M3, x.shape());
+  descale = HostTensor(DType::kFloat32, {batch, h_k});
+  std::vector<double> amax(std::size_t(batch) * h_k, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (seq_of_row[r] < 0) continue;
+    for (int hh = 0; hh < h; ++hh)
+      for (std::int64_t c = 0; c < d; ++c) {
+        double& m = amax[std::size_t(seq_of_row[r]) * h_k + hh / ratio];
+        m = std::max(m, std::abs(x.get((r * h + hh) * d + c)));
+      }
+  }
+  for (std::size_t i = 0; i < amax.size(); ++i) {
+    descale.set(static_cast<std::int64_t>(i), amax[i] > 0 ? amax[i] / 448.0 : 1.0);
+  }
+  auto* out = bytes.as<std::uint8_t>();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int hh = 0; hh < h; ++hh) {
+      const int b = seq_of_row[r];
+      const float scale =
+          b < 0 ? 1.0f : descale.as<float>()[std::size_t(b) * h_k + hh / ratio];
+      for (std::int64_t c = 0; c < d; ++c) {
+        const std::int64_t at = (r * h + hh) * d + c;
+        out[at] = semantics::quantize_e4m3(static_cast<float>(x.get(at)), scale);
+        x.set(at, dequantize_e4m3(out[at], scale));
+      }
+    }
+}
+
+}  // namespace
+
+void Fp8Inputs::apply(Options& o) const {
+  o.q_descale = q_descale.view();
+  o.k_descale = k_descale.view();
+  o.v_descale = v_descale.view();
+}
+
+Fp8Inputs quantize_fp8(DenseCase& c) {
+  Fp8Inputs f;
+  const Shape& s = c.shape;
+  std::vector<int> rows_q, rows_k;
+  for (int b = 0; b < s.batch; ++b) {
+    rows_q.insert(rows_q.end(), std::size_t(s.s_q), b);
+    rows_k.insert(rows_k.end(), std::size_t(s.s_k), b);
+  }
+  quantize_rows(c.q, rows_q, s.batch, s.h_q, s.h_k, f.q, f.q_descale);
+  quantize_rows(c.k, rows_k, s.batch, s.h_k, s.h_k, f.k, f.k_descale);
+  quantize_rows(c.v, rows_k, s.batch, s.h_k, s.h_k, f.v, f.v_descale);
+  return f;
+}
+
+Fp8Inputs quantize_fp8(VarlenCase& c) {
+  Fp8Inputs f;
+  std::vector<int> rows_q(std::size_t(c.total_q), -1), rows_k(std::size_t(c.total_k), -1);
+  for (int b = 0; b < c.batch(); ++b) {
+    for (int i = c.cu_q[b]; i < c.cu_q[b + 1]; ++i) rows_q[std::size_t(i)] = b;
+    for (int j = c.cu_k[b]; j < c.cu_k[b + 1]; ++j) rows_k[std::size_t(j)] = b;
+  }
+  quantize_rows(c.q, rows_q, c.batch(), c.h_q, c.h_k, f.q, f.q_descale);
+  quantize_rows(c.k, rows_k, c.batch(), c.h_k, c.h_k, f.k, f.k_descale);
+  quantize_rows(c.v, rows_k, c.batch(), c.h_k, c.h_k, f.v, f.v_descale);
+  return f;
+}
 
 }  // namespace flashattn::test

@@ -122,6 +122,21 @@ struct VarlenCase {
   std::vector<double> lse_unused_rows() const;
 };
 
+// ------------------------------------------------------------------ fp8 q, k, v
+// fp8 (e4m3) q, k, v with FlashAttention-3's per-(sequence, KV head) descales, quantized
+// from a case's fp32 / fp64 inputs: descale[b, g] = amax / 448 over the elements of
+// sequence b in KV head g (for q: the query heads of g's group; 1 when all are 0), byte =
+// semantics::quantize_e4m3(x, descale). The case's q, k, v are overwritten with the
+// dequantized values e4m3 * descale, so its problem() is the oracle's problem for the fp8
+// call. Padding rows of a varlen pack are quantized with descale 1.
+struct Fp8Inputs {
+  HostTensor q, k, v;                          // float8_e4m3, the case's shapes
+  HostTensor q_descale, k_descale, v_descale;  // fp32 [b, h_k]
+  void apply(Options& o) const;                // sets opts.q_descale, k_descale, v_descale
+};
+Fp8Inputs quantize_fp8(DenseCase& c);
+Fp8Inputs quantize_fp8(VarlenCase& c);
+
 // ------------------------------------------------------------------ KV cache
 struct KVCacheConfig {
   int batch = 1, s_q = 1, s_new = 0, h_q = 1, h_k = 1, d = 8;
