@@ -159,8 +159,7 @@ class Forward {
       const std::uint8_t* src =
           q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride;
       const T qs = static_cast<T>(p_.q_descale[std::int64_t(b) * p_.h_k + rs.h(r) / p_.h_ratio]);
-      for (int c = 0; c < t.d; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(src[c])) * qs;
-      for (int c = t.d; c < t.dp; ++c) dst[c] = 0;
+      load_row_e4m3<T>(dst, src, t.d, t.dp, qs);
     }
   }
 
@@ -220,8 +219,7 @@ class Forward {
         const std::uint8_t* vrow = v + p_.v_offset(b, j0 + j, g);
         const T vs = static_cast<T>(p_.v_scale[scale_at]);
         T* dst = &t.v[std::size_t(j) * t.dvp];
-        for (int c = 0; c < t.dv; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(vrow[c])) * vs;
-        for (int c = t.dv; c < t.dvp; ++c) dst[c] = 0;
+        load_row_e4m3<T>(dst, vrow, t.dv, t.dvp, vs);
         if (p_.qv)  // the value's part of the score row [k | v]
           for (int c = 0; c < t.dv; ++c) t.kt[std::size_t(p_.d + c) * kBlockN + j] = dst[c];
       }

@@ -170,6 +170,13 @@ inline void load_row(typename E::compute* dst, const typename E::storage* src, i
   for (int c = d; c < padded; ++c) dst[c] = 0;
 }
 
+// One row of d e4m3 bytes to T, each value e4m3 * scale, zero-padded to `padded`.
+template <class T>
+inline void load_row_e4m3(T* dst, const std::uint8_t* src, int d, int padded, T scale) {
+  for (int c = 0; c < d; ++c) dst[c] = static_cast<T>(semantics::e4m3_to_float(src[c])) * scale;
+  for (int c = d; c < padded; ++c) dst[c] = 0;
+}
+
 template <class E>
 inline void store_row(typename E::storage* dst, const typename E::compute* src, int d,
                       typename E::compute factor) {
