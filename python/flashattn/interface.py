@@ -163,6 +163,16 @@ def _pad_last(t: Optional[Tensor], d8: int) -> Optional[Tensor]:
     return torch.nn.functional.pad(t, [0, d8 - t.shape[-1]])
 
 
+def _padded_inputs(q, k, v, qv=None):
+    """(d8, q, k, v) of a forward: q, k, v zero-padded to d8 where _padded_head_dim pads
+    (d8 = 0: as they are). qv and block masks run on the CPU only (the library declines
+    them on CUDA), so a call with qv is not padded."""
+    d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
+    if not d8:
+        return 0, q, k, v
+    return d8, _pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8)
+
+
 def _round128(n: int) -> int:
     return (n + 127) // 128 * 128
 
@@ -220,10 +230,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                learnable_sink=None, block_sparse_tensors=None, qv=None):
     left, right = _checked_window(fn, window_size)
     scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
-    # qv and block masks run on the CPU only (the library declines them on CUDA): no padding.
-    d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
-    d = q.shape[-1]
-    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    d8, qp, kp, vp = _padded_inputs(q, k, v, qv)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
     rng = _rng_state(dropout_p)
     bs = _block_sparse(fn, block_sparse_tensors)
@@ -232,7 +239,7 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
                             right, float(softcap), float(dropout_p), bool(deterministic),
                             want_probs, sink, qv, *bs)
     if d8:
-        out = out[..., :d]
+        out = out[..., :q.shape[-1]]
     if not return_attn_probs:
         return out
     if want_probs:
@@ -260,9 +267,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
             fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
     scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
-    d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
-    d = q.shape[-1]
-    qp, kp, vp = (q, k, v) if not d8 else (_pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8))
+    d8, qp, kp, vp = _padded_inputs(q, k, v, qv)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
     rng = _rng_state(dropout_p)
     sink = _sink(fn, learnable_sink)
@@ -272,7 +277,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                             bool(deterministic), want_probs, sink, seqused_q, qv,
                             *_block_sparse(fn, block_sparse_tensors))
     if d8:
-        out = out[..., :d]
+        out = out[..., :q.shape[-1]]
     if not return_attn_probs:
         return out
     if want_probs:
