@@ -372,10 +372,8 @@ void check_fp8(const Check& check, const Options& opts, const Tensor& q, int bat
                  "a tensor of shape " + flashattn::shape_string(ds.tensor) + " with q of dtype " +
                      dtype_name(q.dtype));
     }
-    check.shape(ds.name, ds.tensor, {batch, h_k}, "[b, h_k], one per (sequence, KV head)");
-    check.dtype(ds.name, ds.tensor, DType::kFloat32, "");
-    check.device(ds.name, ds.tensor, q.device, "same as q");
-    check.layout(ds.name, ds.tensor);
+    check.tensor(ds.name, ds.tensor, {batch, h_k}, "[b, h_k], one per (sequence, KV head)",
+                 DType::kFloat32, q.device);
   }
   if (fp8 && opts.qv.defined()) {
     check.unsupported("opts.qv",
@@ -468,10 +466,8 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
 
   const Tensor& sink = opts.learnable_sink;
   if (sink.defined()) {
-    check.shape("opts.learnable_sink", sink, {h_q}, "[h_q], one logit per query head");
-    check.dtype("opts.learnable_sink", sink, DType::kFloat32, "");
-    check.device("opts.learnable_sink", sink, device, "same as q");
-    check.layout("opts.learnable_sink", sink);
+    check.tensor("opts.learnable_sink", sink, {h_q}, "[h_q], one logit per query head",
+                 DType::kFloat32, device);
     p.sink = static_cast<const float*>(sink.data);
   }
 
@@ -499,10 +495,8 @@ void fill_sink_grad(const Check& check, const Options& opts, Device device, int 
                "an undefined tensor when opts.learnable_sink is undefined (no sink, no gradient)",
                "a tensor of shape " + flashattn::shape_string(grad));
   }
-  check.shape("opts.learnable_sink_grad", grad, {h_q}, "[h_q], like opts.learnable_sink");
-  check.dtype("opts.learnable_sink_grad", grad, DType::kFloat32, "");
-  check.device("opts.learnable_sink_grad", grad, device, "same as q");
-  check.layout("opts.learnable_sink_grad", grad);
+  check.tensor("opts.learnable_sink_grad", grad, {h_q}, "[h_q], like opts.learnable_sink",
+               DType::kFloat32, device);
   p.dsink = static_cast<float*>(grad.data);
 }
 
