@@ -269,12 +269,7 @@ void check_kvcache(KVCacheCase& c) {
                std::to_string(c.cfg.qv) + " block_size=" + std::to_string(c.cfg.block_size) +
                " splits=" + std::to_string(c.num_splits) + " " + dtype_name(c.cfg.dtype) + " " +
                describe(c.call_options()));
-  c.poison_outputs();
-  ASSERT_NO_THROW(c.run());
-  const RefProblem p = c.problem();
-  expect_forward_matches(p, c.cfg.dtype, forward_results(c));
-  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected));
-  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected));
+  run_and_check_kvcache(c);
 }
 
 TEST(CpuHeadDimsKVCache, DensePagedSplitsAppendAndGqa) {

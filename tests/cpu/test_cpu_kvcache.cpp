@@ -31,14 +31,7 @@ std::string describe_case(const KVCacheCase& c) {
 // against the expected append. Returns the out/lse for split comparisons.
 ForwardResults check_kvcache(KVCacheCase& c, const ForwardExpectation* expectation = nullptr) {
   SCOPED_TRACE(describe_case(c));
-  c.poison_outputs();
-  EXPECT_NO_THROW(c.run());
-  const ForwardResults got = forward_results(c);
-  expect_forward_matches(c.problem(), c.cfg.dtype, got, expectation);
-  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected))
-      << "k_cache after the call differs from the expected append (new rows at cache_seqlens, rest untouched)";
-  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected)) << "v_cache after the call differs from the expected append";
-  return got;
+  return run_and_check_kvcache(c, expectation);
 }
 
 TEST(CpuKVCache, PagedBlockSizes) {

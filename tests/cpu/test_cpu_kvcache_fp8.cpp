@@ -36,15 +36,8 @@ std::string describe_case(const KVCacheCase& c) {
 }
 
 ForwardResults check_fp8(KVCacheCase& c, const ForwardExpectation* expectation = nullptr) {
-  SCOPED_TRACE(describe_case(c));
-  c.poison_outputs();
-  EXPECT_NO_THROW(c.run());
-  const ForwardResults got = forward_results(c);
-  expect_forward_matches(c.problem(), c.cfg.dtype, got, expectation);
-  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected))
-      << "k_cache bytes after the call differ from the expected append (quantize_e4m3 at cache_seqlens, rest untouched)";
-  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected)) << "v_cache bytes differ from the expected append";
-  return got;
+  SCOPED_TRACE(describe_case(c) + " (an append quantizes with quantize_e4m3)");
+  return run_and_check_kvcache(c, expectation);
 }
 
 KVCacheConfig random_config(Rng& rng) {

@@ -30,12 +30,7 @@ std::string describe_case(const KVCacheCase& c) {
 
 void check_leftpad(KVCacheCase& c) {
   SCOPED_TRACE(describe_case(c));
-  c.poison_outputs();
-  ASSERT_NO_THROW(c.run());
-  expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected))
-      << "k_cache after the call differs from the expected append (new rows at cache_seqlens)";
-  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected));
+  run_and_check_kvcache(c);
 }
 
 TEST(CpuKVCacheLeftpad, RandomFeatures) {

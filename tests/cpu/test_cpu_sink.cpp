@@ -406,13 +406,8 @@ void check_kvcache(KVCacheCase& c) {
                std::to_string(c.cfg.h_q) + " h_k=" + std::to_string(c.cfg.h_k) + " block_size=" +
                std::to_string(c.cfg.block_size) + " splits=" + std::to_string(c.num_splits) + " " +
                dtype_name(c.cfg.dtype) + " " + describe(c.call_options()));
-  c.poison_outputs();
-  ASSERT_NO_THROW(c.run());
-  const RefProblem p = c.problem();
-  ASSERT_FALSE(p.sink.empty());
-  expect_forward_matches(p, c.cfg.dtype, forward_results(c));
-  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected));
-  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected));
+  ASSERT_FALSE(c.sink.logits.empty());
+  run_and_check_kvcache(c);
 }
 
 TEST(CpuSinkKVCache, DecodePagedDenseSplitsAndWindows) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 
 #include <gtest/gtest.h>
 
@@ -177,6 +178,23 @@ BackwardResults backward_results(const VarlenCase& c) {
 }
 
 ForwardResults forward_results(const KVCacheCase& c) { return {c.out.to_double(), c.lse.to_double(), {}}; }
+
+ForwardResults run_and_check_kvcache(KVCacheCase& c, const ForwardExpectation* expectation) {
+  c.poison_outputs();
+  try {
+    c.run();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "kvcache_forward threw: " << e.what();
+    return {};
+  }
+  const ForwardResults got = forward_results(c);
+  expect_forward_matches(c.problem(), c.cfg.dtype, got, expectation);
+  EXPECT_TRUE(c.k_cache.bitwise_equal(c.k_cache_expected))
+      << "k_cache after the call differs from the expected append (new rows at cache_seqlens, rest untouched)";
+  EXPECT_TRUE(c.v_cache.bitwise_equal(c.v_cache_expected))
+      << "v_cache after the call differs from the expected append (new rows at cache_seqlens, rest untouched)";
+  return got;
+}
 
 SplitAgreement SplitAgreement::of(const ForwardExpectation& expect) {
   return {error_stats(concat_out(expect.naive), concat_out(expect.ref)).max_abs_err,

@@ -59,4 +59,10 @@ ForwardResults forward_results(const VarlenCase& c);
 BackwardResults backward_results(const VarlenCase& c);
 ForwardResults forward_results(const KVCacheCase& c);
 
+// Runs a KV-cache case (host tensors: the CPU backend) on poisoned outputs and checks out /
+// lse against the oracle and both caches bitwise against the expected append (new rows at
+// cache_seqlens, the rest untouched). A throwing call is one failure and returns empty
+// results. Returns out / lse, e.g. for split-KV comparisons.
+ForwardResults run_and_check_kvcache(KVCacheCase& c, const ForwardExpectation* expectation = nullptr);
+
 }  // namespace flashattn::test
