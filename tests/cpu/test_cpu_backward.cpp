@@ -181,38 +181,7 @@ TEST_P(CpuBackwardFiniteDifferences, Fp64) {
   c.opts.dropout_p = f.dropout;
   c.opts.seed = rng();
   SCOPED_TRACE(describe(c.call_options()));
-  auto loss = [&] {
-    c.run_forward();
-    double l = 0;
-    for (std::int64_t e = 0; e < c.out.numel(); ++e) l += c.out.get(e) * c.dout.get(e);
-    return l;
-  };
-  ASSERT_NO_THROW(c.run_forward());
-  c.poison_backward();
-  ASSERT_NO_THROW(c.run_backward());
-  constexpr double kStep = 1e-5;
-  const std::pair<HostTensor*, HostTensor*> pairs[] = {{&c.q, &c.dq}, {&c.k, &c.dk}, {&c.v, &c.dv}};
-  const char* names[] = {"dq", "dk", "dv"};
-  for (int t = 0; t < 3; ++t) {
-    HostTensor& x = *pairs[t].first;
-    const std::vector<double> analytic = pairs[t].second->to_double();
-    std::vector<double> fd(analytic.size());
-    for (std::int64_t e = 0; e < x.numel(); ++e) {
-      const double x0 = x.get(e);
-      x.set(e, x0 + kStep);
-      const double lp = loss();
-      x.set(e, x0 - kStep);
-      const double lm = loss();
-      x.set(e, x0);
-      fd[static_cast<std::size_t>(e)] = (lp - lm) / (2 * kStep);
-    }
-    const ErrorStats s = error_stats(analytic, fd);
-    EXPECT_TRUE(fully_written(names[t], analytic));
-    // The backward reads the fp32 lse, so its gradients carry ~1e-7 relative error.
-    EXPECT_LE(s.max_abs_err, 1e-6 * std::max(1.0, s.max_abs_ref))
-        << names[t] << " worst [" << s.worst << "]: backward " << analytic[s.worst] << " vs FD " << fd[s.worst];
-    EXPECT_GT(s.max_abs_ref, 0.0) << names[t] << " vanishes: vacuous check";
-  }
+  expect_gradients_match_central_differences(c);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, CpuBackwardFiniteDifferences,

@@ -59,6 +59,11 @@ ForwardResults forward_results(const VarlenCase& c);
 BackwardResults backward_results(const VarlenCase& c);
 ForwardResults forward_results(const KVCacheCase& c);
 
+// dq, dk, dv of c's backward (run here, after c's forward) against central differences
+// (step 1e-5) of the loss sum(out * dout) of c's forward, each within 1e-6 * max(1, max
+// |FD|) and not all zero. For small fp64 cases on the CPU backend (thousands of forwards).
+void expect_gradients_match_central_differences(DenseCase& c);
+
 // Runs a KV-cache case (host tensors: the CPU backend) on poisoned outputs and checks out /
 // lse against the oracle and both caches bitwise against the expected append (new rows at
 // cache_seqlens, the rest untouched). A throwing call is one failure and returns empty
