@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in one call: builds what is missing (preset h200: sm90
 # SASS, every head dim), runs the CUDA tests per kernel family, compute-sanitizer
-# (memcheck, racecheck, synccheck, initcheck) on a small filter, the
-# SASS checks, the main job, the benchmark's forward and backward standard grid (bf16,
-# bench/suite.py: flashattn against FA4 when importable, cuDNN and FA2), optionally the
-# Python suite, and prints a short table last. Logs and CSVs go to $OUT (default ./out).
+# (memcheck, racecheck, synccheck, initcheck; SANITIZERS="memcheck racecheck" picks tools,
+# SANITIZE_TIMEOUT the seconds each) on a small filter, the SASS checks, the main job,
+# the benchmark's forward and backward standard grid (bf16, bench/suite.py: flashattn
+# against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
+# short table last. Logs and CSVs go to $OUT (default ./out).
 #   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python,upstream
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
@@ -47,8 +48,8 @@ if [[ $STEPS == *sanitize* ]]; then
   # the buckets) and the sm80 kernels (the backward with dropout, decode and split merge);
   # the clamped index guards under capture, non-finite inputs and sinks (issues 22, 25).
   f='Cuda/CudaForwardFeature.MatchesOracle/plain:Cuda/CudaForwardFeature.MatchesOracle/gqa4_causal:Cuda/CudaForwardFeature.MatchesOracle/alibi:Cuda/CudaForwardFeature.MatchesOracle/everything:Cuda/CudaForwardFeature.MatchesOracle/hd256_long:CudaForward.VarlenWith*:CudaForward.KVCache*:Cuda/CudaBackwardFeature.MatchesOracle/plain:Cuda/CudaBackwardFeature.MatchesOracle/gqa2:Cuda/CudaBackwardFeature.MatchesOracle/causal:Cuda/CudaBackwardFeature.MatchesOracle/window_both:Cuda/CudaBackwardFeature.MatchesOracle/softcap:Cuda/CudaBackwardFeature.MatchesOracle/dropout:CudaBackward.HeadDims:CudaBackward.VarlenWith*:CudaKVCache.RandomPagedLayouts:CudaKVCache.Fp8Caches:CudaKVCache.Split*:CudaIndexGuards.*:CudaNonFinite.*:CudaSink.VarlenForwardAndBackward:CudaSink.KVCacheDecodeSplitsPagedWindows'
-  for tool in memcheck racecheck synccheck initcheck; do
-    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_filter="$f" >"$OUT/$tool.txt" 2>&1
+  for tool in ${SANITIZERS:-memcheck racecheck synccheck initcheck}; do
+    timeout "${SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool $tool --error-exitcode 9 "$T" --gtest_filter="$f" >"$OUT/$tool.txt" 2>&1
     add "$tool: rc=$? $(grep -m1 -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/$tool.txt")"
   done
 fi
