@@ -188,6 +188,57 @@ TEST_P(CpuIsa, ForwardVarlenSplitsBf16) {
   expect_forward_matches(v.problem(), DType::kBFloat16, forward_results(v));
 }
 
+void check_dense_backward(DenseCase& c) {
+  SCOPED_TRACE(c.shape.str() + " " + dtype_name(c.dtype) + " " + describe(c.call_options()));
+  c.poison_forward();
+  ASSERT_NO_THROW(c.run_forward());
+  const RefProblem p = c.problem();
+  const ForwardResults fwd = forward_results(c);
+  expect_forward_matches(p, c.dtype, fwd);
+  c.poison_backward();
+  ASSERT_NO_THROW(c.run_backward());
+  expect_backward_matches(p, c.dtype, fwd, backward_results(c));
+}
+
+TEST_P(CpuIsa, BackwardOddShapesBf16) {
+  FA_SEEDED_RNG(rng);
+  int n = 0;
+  for (int d : {1, 3, 17, 64, 80, 128}) {
+    for (bool causal : {false, true}) {
+      DenseCase c = DenseCase::random(rng, shape_of(2, 37, 97, 4, 2, d), DType::kBFloat16);
+      c.opts.causal = causal;
+      if (n % 3 == 1) c.opts.softcap = 5.0f;
+      if (n % 4 == 2) c.opts.window_left = 40;
+      if (n % 5 == 3) c.opts.dropout_p = 0.25f;
+      ++n;
+      check_dense_backward(c);
+    }
+  }
+  // d_v != d (dO V^T over d_v = 24, Q K^T over d = 40), and s_q > s_k.
+  DenseCase v = DenseCase::random(rng, shape_of(1, 130, 67, 2, 1, 40, 24), DType::kBFloat16);
+  check_dense_backward(v);
+  DenseCase h = DenseCase::random(rng, shape_of(1, 70, 70, 2, 2, 48), DType::kFloat16);
+  h.opts.causal = true;
+  check_dense_backward(h);
+}
+
+TEST_P(CpuIsa, BackwardVarlenBf16) {
+  FA_SEEDED_RNG(rng);
+  const std::vector<int> lq = {0, 5, 77, 1}, lk = {7, 0, 130, 65};
+  std::vector<int> cq{0}, ck{0};
+  for (int x : lq) cq.push_back(cq.back() + x);
+  for (int x : lk) ck.push_back(ck.back() + x);
+  VarlenCase v = VarlenCase::make(rng, cq, ck, 6, 2, 33, DType::kBFloat16, 1, 2);
+  v.opts.causal = true;
+  v.poison_forward();
+  ASSERT_NO_THROW(v.run_forward());
+  const ForwardResults fwd = forward_results(v);
+  expect_forward_matches(v.problem(), DType::kBFloat16, fwd);
+  v.poison_backward();
+  ASSERT_NO_THROW(v.run_backward());
+  expect_backward_matches(v.problem(), DType::kBFloat16, fwd, backward_results(v));
+}
+
 // Decode: one query row (packed GQA rows), paged and dense caches, odd lengths, splits.
 TEST_P(CpuIsa, DecodeOddShapesBf16) {
   FA_SEEDED_RNG(rng);
