@@ -65,7 +65,80 @@ inline void dot_strip(int pairs, const std::uint32_t* a, std::int64_t lda, const
     for (int x = 0; x < 4; ++x) _mm512_storeu_ps(s + r * lds + 16 * x, acc[r][x]);
 }
 
+// acc[r][16 x ..] += P16[r] . vp over `pairs` key pairs, for NV vectors of 16 columns.
+template <int R, int NV>
+inline void pv_strip(int pairs, const std::uint32_t* p16, const std::uint32_t* vp, int ldw,
+                     float* acc, std::int64_t ldacc) {
+  __m512 a[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NV; ++x) a[r][x] = _mm512_loadu_ps(acc + r * ldacc + 16 * x);
+  for (int c = 0; c < pairs; ++c) {
+    __m512i b[NV];
+    for (int x = 0; x < NV; ++x) b[x] = _mm512_loadu_si512(vp + std::int64_t(c) * ldw + 16 * x);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(p16[r * (kKeys / 2) + c]));
+      for (int x = 0; x < NV; ++x) a[r][x] = _mm512_dpbf16_ps(a[r][x], as_bh(pv), as_bh(b[x]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NV; ++x) _mm512_storeu_ps(acc + r * ldacc + 16 * x, a[r][x]);
+}
+
+template <int R>
+inline void pv_rows(int pairs, const float* p, std::int64_t ldp, const std::uint32_t* vp, int ldw,
+                    int cols, float* acc, std::int64_t ldacc) {
+  // The R rows of P rounded to bf16 words (key 2c low, 2c + 1 high).
+  alignas(64) std::uint32_t p16[R * (kKeys / 2)];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kKeys; c += 32) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + r * ldp + c + 16),
+                                             _mm512_loadu_ps(p + r * ldp + c));
+      _mm512_store_si512(p16 + r * (kKeys / 2) + c / 2, (__m512i)w);
+    }
+  int col = 0;
+  for (; col + 64 <= cols; col += 64) pv_strip<R, 4>(pairs, p16, vp + col, ldw, acc + col, ldacc);
+  switch ((cols - col) / 16) {
+    case 3: pv_strip<R, 3>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
+    case 2: pv_strip<R, 2>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
+    case 1: pv_strip<R, 1>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
+    default: break;
+  }
+}
+
 }  // namespace
+
+void pack_value_pairs(const std::uint16_t* const* rows, int n, int cols, std::uint32_t* dst,
+                      int ldw) {
+  alignas(64) static constexpr short kIdx[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i idx0 = _mm512_load_si512(kIdx[0]), idx1 = _mm512_load_si512(kIdx[1]);
+  const int pairs = (n + 1) / 2;
+  for (int c = 0; c < pairs; ++c) {
+    const std::uint16_t* r0 = rows[2 * c];
+    const std::uint16_t* r1 = 2 * c + 1 < n ? rows[2 * c + 1] : nullptr;
+    std::uint32_t* out = dst + std::int64_t(c) * ldw;
+    for (int col = 0; col < ldw; col += 32) {
+      const int left = cols - col;
+      const __mmask32 m = left >= 32 ? ~__mmask32(0) : left <= 0 ? __mmask32(0) : (__mmask32(1) << left) - 1;
+      const __m512i lo = r0 ? _mm512_maskz_loadu_epi16(m, r0 + col) : _mm512_setzero_si512();
+      const __m512i hi = r1 ? _mm512_maskz_loadu_epi16(m, r1 + col) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + col, _mm512_permutex2var_epi16(lo, idx0, hi));
+      if (col + 16 < ldw) _mm512_storeu_si512(out + col + 16, _mm512_permutex2var_epi16(lo, idx1, hi));
+    }
+  }
+}
+
+void pv_block(int rows, int pairs, const float* p, std::int64_t ldp, const std::uint32_t* vp,
+              int ldw, int cols, float* acc, std::int64_t ldacc) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6) pv_rows<6>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r + 4 <= rows; r += 4) pv_rows<4>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r + 2 <= rows; r += 2) pv_rows<2>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r < rows; ++r) pv_rows<1>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+}
 
 void pack_block(const std::uint16_t* const* rows, int n, int elems, std::uint32_t* dst) {
   const int pairs = (elems + 1) / 2;
@@ -127,6 +200,11 @@ void dot_block(int, int, const std::uint32_t*, std::int64_t, const std::uint32_t
   std::abort();
 }
 void widen(const std::uint16_t*, int, float*) { std::abort(); }
+void pack_value_pairs(const std::uint16_t* const*, int, int, std::uint32_t*, int) { std::abort(); }
+void pv_block(int, int, const float*, std::int64_t, const std::uint32_t*, int, int, float*,
+              std::int64_t) {
+  std::abort();
+}
 }  // namespace flashattn::detail::cpu::bf16x
 
 #endif

@@ -27,6 +27,20 @@ void pack_block(const std::uint16_t* const* rows, int n, int elems, std::uint32_
 void dot_block(int rows, int pairs, const std::uint32_t* a, std::int64_t lda,
                const std::uint32_t* bp, float* s, std::int64_t lds);
 
+// Packs a block of value rows for pv_block: dst[c * ldw + col] holds (row 2c, row 2c + 1) at
+// column col, for c < pairs = ceil(n / 2) and col < ldw (a multiple of 16, >= cols); rows[j]
+// (j < n) points to `cols` bf16 values (nullptr: a zero row); row n of an odd n, and the
+// columns from cols to ldw, are zero.
+void pack_value_pairs(const std::uint16_t* const* rows, int n, int cols, std::uint32_t* dst,
+                      int ldw);
+
+// acc[r * ldacc + col] += sum over key pairs c < pairs of the two products of
+// (bf16(p[r * ldp + 2c]), bf16(p[r * ldp + 2c + 1])) and vp[c * ldw + col], for r < rows and
+// col < cols (a multiple of 16): P rounded to bf16 (round to nearest even), products exact,
+// sums in fp32 in the same order for every row. p's rows have 2 * pairs readable entries.
+void pv_block(int rows, int pairs, const float* p, std::int64_t ldp, const std::uint32_t* vp,
+              int ldw, int cols, float* acc, std::int64_t ldacc);
+
 // Whether this build compiled the kernels (x86-64 with a compiler that knows AVX512_BF16).
 bool built() noexcept;
 

@@ -117,6 +117,8 @@ struct ForwardTile {
   std::vector<std::uint32_t> kp;    // [pairs][kBlockN]  key block packed by bf16x::pack_block
   std::vector<std::uint16_t> k16;   // [kBlockN][d_s]    key rows [k | v] (with qv)
   std::vector<const std::uint16_t*> key_rows;  // [kBlockN]  rows to pack (nullptr: zero)
+  std::vector<std::uint32_t> vp;    // [kBlockN / 2][dvp] value rows in pairs (pack_value_pairs)
+  std::vector<const std::uint16_t*> value_rows;  // [kBlockN]
 
   ForwardTile(int score_dim, int value_dim, bool bf16)
       : d(score_dim),
@@ -138,7 +140,9 @@ struct ForwardTile {
         q16(bf16 ? std::size_t(kBlockM) * pairs : 0),
         kp(bf16 ? std::size_t(pairs) * kBlockN : 0),
         k16(bf16 ? std::size_t(kBlockN) * score_dim : 0),
-        key_rows(bf16 ? kBlockN : 0) {}
+        key_rows(bf16 ? kBlockN : 0),
+        vp(bf16 ? std::size_t(kBlockN / 2) * dvp : 0),
+        value_rows(bf16 ? kBlockN : 0) {}
 };
 
 template <class E>
@@ -196,16 +200,15 @@ class Forward {
   }
 
   // load_kv for bf16 scores: the key rows ([k | v] with qv) packed into tile.kp straight
-  // from the tensors, and with with_v the values widened into tile.v.
+  // from the tensors, and with with_v the values in pairs of rows into tile.vp.
   void load_kv_bf16(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
                     const std::uint8_t* used) const {
     const auto* k = static_cast<const std::uint16_t*>(p_.k);
     const auto* v = static_cast<const std::uint16_t*>(p_.v);
     for (int j = 0; j < n; ++j) {
-      T* vrow = &t.v[std::size_t(j) * t.dvp];
       if (used != nullptr && !used[j]) {
         t.key_rows[j] = nullptr;
-        if (with_v) std::fill(vrow, vrow + t.dvp, T(0));
+        t.value_rows[j] = nullptr;
         continue;
       }
       const std::uint16_t* krow = k + p_.k_offset(b, j0 + j, g);
@@ -217,12 +220,10 @@ class Forward {
         krow = row;
       }
       t.key_rows[j] = krow;
-      if (with_v) {
-        if constexpr (std::is_same_v<T, float>) bf16x::widen(vsrc, t.dv, vrow);  // bf16_ only
-        std::fill(vrow + t.dv, vrow + t.dvp, T(0));
-      }
+      t.value_rows[j] = vsrc;
     }
     bf16x::pack_block(t.key_rows.data(), n, t.d, t.kp.data());
+    if (with_v) bf16x::pack_value_pairs(t.value_rows.data(), n, t.dv, t.vp.data(), t.dvp);
   }
 
   // load_q for fp8 q (no qv): each e4m3 byte decoded and multiplied by the descale of
@@ -396,6 +397,13 @@ class Forward {
       scores(t, b, rs, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
       online_softmax(t, rows, dropout);
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_) {  // P rounded to bf16 for P V (docs/semantics.md, CPU backend)
+          bf16x::pv_block(rows, (n + 1) / 2, t.s.data(), kBlockN, t.vp.data(), t.dvp, t.dvp,
+                          t.acc.data(), t.dvp);
+          continue;
+        }
+      }
       gemm<T>(rows, n, t.dvp, t.s.data(), kBlockN, t.v.data(), t.dvp, t.acc.data(), t.dvp, true);
     }
   }

@@ -119,6 +119,61 @@ TEST(CpuIsaKernels, Bf16DotBlockMatchesFp64) {
   }
 }
 
+// pack_value_pairs + pv_block against fp64 sums of bf16(P) times V: P rounded to bf16 (round
+// to nearest even) is the only rounding before the fp32 sums; odd key counts, zero rows,
+// column counts that are not multiples of 16 (the padding columns stay 0 + acc).
+TEST(CpuIsaKernels, Bf16PvBlockMatchesFp64) {
+  if (!detail::cpu::isa_supported(Isa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  namespace bx = detail::cpu::bf16x;
+  FA_SEEDED_RNG(rng);
+  for (int cols : {1, 16, 24, 64, 80, 130}) {
+    for (int n : {1, 17, 64}) {
+      for (int rows : {1, 3, 6, 11}) {
+        SCOPED_TRACE("cols " + std::to_string(cols) + " n " + std::to_string(n) + " rows " +
+                     std::to_string(rows));
+        const int ldw = (cols + 15) / 16 * 16, ldv = cols + 5;
+        std::vector<std::uint16_t> v(std::size_t(n) * ldv, 0x7fc0);  // NaN past each row
+        std::vector<const std::uint16_t*> ptr(bx::kKeys, nullptr);
+        for (int j = 0; j < n; ++j) {
+          for (int c = 0; c < cols; ++c)
+            v[std::size_t(j) * ldv + c] = float_to_bf16(static_cast<float>(uniform_real(rng, -3, 3)));
+          ptr[j] = (j % 7 == 4) ? nullptr : &v[std::size_t(j) * ldv];
+        }
+        const int pairs = (n + 1) / 2;
+        std::vector<std::uint32_t> vp(std::size_t(pairs) * ldw, 0xffffffffu);
+        bx::pack_value_pairs(ptr.data(), n, cols, vp.data(), ldw);
+        const int ldp = bx::kKeys;
+        std::vector<float> p(std::size_t(rows) * ldp, 0.0f);
+        for (int r = 0; r < rows; ++r)
+          for (int j = 0; j < n; ++j) p[std::size_t(r) * ldp + j] = static_cast<float>(uniform_real(rng, 0, 1));
+        const int lda = ldw + 3;
+        std::vector<float> acc(std::size_t(rows) * lda), init(acc.size());
+        for (std::size_t i = 0; i < acc.size(); ++i) acc[i] = init[i] = static_cast<float>(uniform_real(rng, -1, 1));
+        bx::pv_block(rows, pairs, p.data(), ldp, vp.data(), ldw, ldw, acc.data(), lda);
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < lda; ++c) {
+            const float got = acc[std::size_t(r) * lda + c];
+            if (c >= ldw) {
+              EXPECT_EQ(got, init[std::size_t(r) * lda + c]) << "written past the columns, r " << r << " c " << c;
+              continue;
+            }
+            double want = init[std::size_t(r) * lda + c], mag = std::fabs(want);
+            if (c < cols)
+              for (int j = 0; j < n; ++j) {
+                if (ptr[j] == nullptr) continue;
+                const double x = double(bf16_to_float(float_to_bf16(p[std::size_t(r) * ldp + j]))) *
+                                 double(bf16_to_float(ptr[j][c]));
+                want += x;
+                mag += std::fabs(x);
+              }
+            ASSERT_TRUE(std::isfinite(got)) << "r " << r << " c " << c;
+            EXPECT_LE(std::fabs(got - want), (n + 1) * 0x1p-24 * mag) << "r " << r << " c " << c;
+          }
+      }
+    }
+  }
+}
+
 TEST(CpuIsaKernels, Bf16WidenIsExact) {
   if (!detail::cpu::isa_supported(Isa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
   FA_SEEDED_RNG(rng);
