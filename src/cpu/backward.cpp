@@ -74,6 +74,12 @@ struct BackwardTile {
   std::vector<std::uint32_t> kp;   // [qpairs][kBlockN] key block packed by bf16x::pack_block
   std::vector<std::uint32_t> vp;   // [vpairs][kBlockN] value block, packed
   std::vector<const std::uint16_t*> k_rows, v_rows;  // [kBlockN] rows to pack (nullptr: zero)
+  // The right-hand sides of dV += P^T dO, dK += dS^T Q, dQ += dS K in pairs of rows
+  // (bf16x::pack_value_pairs).
+  std::vector<std::uint32_t> q_pairs;   // [kBlockM / 2][dp]
+  std::vector<std::uint32_t> do_pairs;  // [kBlockM / 2][dvp]
+  std::vector<std::uint32_t> k_pairs;   // [kBlockN / 2][dp]
+  std::vector<const std::uint16_t*> q_rows, do_rows;  // [kBlockM]
 
   BackwardTile(int head_dim, int value_dim, bool bf16)
       : d(head_dim),
@@ -105,7 +111,12 @@ struct BackwardTile {
         kp(bf16 ? std::size_t(qpairs) * kBlockN : 0),
         vp(bf16 ? std::size_t(vpairs) * kBlockN : 0),
         k_rows(bf16 ? kBlockN : 0),
-        v_rows(bf16 ? kBlockN : 0) {}
+        v_rows(bf16 ? kBlockN : 0),
+        q_pairs(bf16 ? std::size_t(kBlockM / 2) * dp : 0),
+        do_pairs(bf16 ? std::size_t(kBlockM / 2) * dvp : 0),
+        k_pairs(bf16 ? std::size_t(kBlockN / 2) * dp : 0),
+        q_rows(bf16 ? kBlockM : 0),
+        do_rows(bf16 ? kBlockM : 0) {}
 };
 
 template <class E>
@@ -136,6 +147,8 @@ class Backward {
       if (bf16_) {
         copy_words(&t.q16[std::size_t(r) * t.qpairs], q + i * p_.q_row_stride, t.d, t.qpairs);
         copy_words(&t.do16[std::size_t(r) * t.vpairs], dout + i * p_.do_row_stride, t.dv, t.vpairs);
+        t.q_rows[r] = reinterpret_cast<const std::uint16_t*>(q + i * p_.q_row_stride);
+        t.do_rows[r] = reinterpret_cast<const std::uint16_t*>(dout + i * p_.do_row_stride);
       }
       load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.dv, t.dvp);
       T dot = 0;
@@ -143,6 +156,10 @@ class Backward {
       for (int c = 0; c < t.dvp; ++c) dot += dor[c] * t.o_row[c];
       t.delta[r] = dot;
       t.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
+    }
+    if (bf16_) {
+      bf16x::pack_value_pairs(t.q_rows.data(), rows, t.d, t.q_pairs.data(), t.dp);
+      bf16x::pack_value_pairs(t.do_rows.data(), rows, t.dv, t.do_pairs.data(), t.dvp);
     }
   }
 
@@ -154,7 +171,7 @@ class Backward {
 
   // Keys j0 .. j0 + n of (b, g): k (row-major), kt and vt (zero beyond n). Rows are
   // converted with unit stride, then transposed blockwise. With bf16 products: kp and vp
-  // packed from the tensors, and k (row-major) only when with_k (pass 2's dQ += dS K).
+  // packed from the tensors, and k_pairs only when with_k (pass 2's dQ += dS K).
   // With `used` (block sparsity), keys with used[j] == 0 are zero rows, never read.
   void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n,
                const std::uint8_t* used = nullptr, bool with_k = true) const {
@@ -166,16 +183,9 @@ class Backward {
         const S* ksrc = k + p_.k_offset(b, j0 + j, g);
         t.k_rows[j] = skip ? nullptr : reinterpret_cast<const std::uint16_t*>(ksrc);
         t.v_rows[j] = skip ? nullptr : reinterpret_cast<const std::uint16_t*>(v + p_.v_offset(b, j0 + j, g));
-        if (!with_k) continue;
-        T* kr = &t.k[std::size_t(j) * t.dp];
-        if (skip) {
-          std::fill(kr, kr + t.dp, T(0));
-        } else {
-          if constexpr (std::is_same_v<T, float>) bf16x::widen(t.k_rows[j], t.d, kr);  // bf16_ only
-          std::fill(kr + t.d, kr + t.dp, T(0));
-        }
       }
       bf16x::pack_block(t.k_rows.data(), n, t.d, t.kp.data());
+      if (with_k) bf16x::pack_value_pairs(t.k_rows.data(), n, t.d, t.k_pairs.data(), t.dp);
       bf16x::pack_block(t.v_rows.data(), n, t.dv, t.vp.data());
       return;
     }
@@ -261,6 +271,14 @@ class Backward {
     }
   }
 
+  // tr[n][kBlockM] = src[rows][kBlockN]^T, and column `rows` 0 when rows is odd (pv_block
+  // reads whole pairs of rows; a stale value there would meet the zero pad row of the pairs).
+  static void transposed_pairs(const T* src, int rows, int n, T* tr) {
+    transpose<T>(src, kBlockN, rows, n, tr, kBlockM);
+    if (rows % 2 != 0)
+      for (int j = 0; j < n; ++j) tr[std::size_t(j) * kBlockM + rows] = T(0);
+  }
+
   // Pass 1 task: dK and dV of key block kb of (b, g).
   void key_block(BackwardTile<E>& t, int b, int g, int kb) const {
     const std::int64_t j0 = std::int64_t(kb) * kBlockN;
@@ -299,6 +317,16 @@ class Backward {
           load_rows(t, b, h, i0, rows);
           probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
           // dV[n][dvp] += P^T[n][rows] dO[rows][dvp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
+          if constexpr (std::is_same_v<T, float>) {
+            if (bf16_) {  // P and dX rounded to bf16 (docs/semantics.md, CPU backend)
+              const int pairs = (rows + 1) / 2;
+              transposed_pairs(t.s.data(), rows, n, t.tr.data());
+              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.do_pairs.data(), t.dvp, t.dvp, dv, t.dvp);
+              transposed_pairs(t.ds.data(), rows, n, t.tr.data());
+              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.q_pairs.data(), t.dp, t.dp, dk, t.dp);
+              continue;
+            }
+          }
           transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
           gemm<T>(n, rows, t.dvp, t.tr.data(), kBlockM, t.dout.data(), t.dvp, dv, t.dvp, true);
           transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
@@ -336,6 +364,12 @@ class Backward {
         load_kv(t, b, g, j0, n, sparse ? t.used.data() : nullptr);
         probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
         // dQ[rows][dp] += dX[rows][n] K[n][dp]
+        if constexpr (std::is_same_v<T, float>) {
+          if (bf16_) {  // dX rounded to bf16
+            bf16x::pv_block(rows, (n + 1) / 2, t.ds.data(), kBlockN, t.k_pairs.data(), t.dp, t.dp, dq, t.dp);
+            continue;
+          }
+        }
         gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);
       }
     }
