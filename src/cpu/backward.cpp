@@ -258,16 +258,27 @@ class Backward {
       // A masked key (score -inf) gets P = 0 and dS = 0 by a select, not by 0 * x: a NaN
       // row (NaN lse, dO, D) or a NaN dP (a NaN value row) must not reach the keys and
       // rows the mask separates (docs/semantics.md, non-finite values).
+      // One loop per (softcap, dropout) case: with the null-pointer tests inside, GCC left
+      // the loop (and its exp) scalar.
+      auto grads = [&](auto with_softcap, auto with_dropout) {
 #pragma omp simd
-      for (int j = 0; j < kBlockN; ++j) {
-        const bool visible = sr[j] != -static_cast<T>(INFINITY);
-        const T pr = E::exp(std::min(sr[j] - lse, T(0)));
-        const T kept = dropout ? kr[j] * rp : T(1);
-        T ds = pr * (dsr[j] * kept - delta);
-        if (cr) ds *= semantics::softcap_grad<T>(cr[j], softcap);
-        dsr[j] = visible ? ds : T(0);
-        sr[j] = visible ? pr * kept : T(0);
-      }
+        for (int j = 0; j < kBlockN; ++j) {
+          const bool visible = sr[j] != -static_cast<T>(INFINITY);
+          const T pr = E::exp(std::min(sr[j] - lse, T(0)));
+          T kept = T(1);
+          if constexpr (decltype(with_dropout)::value) kept = kr[j] * rp;
+          T ds = pr * (dsr[j] * kept - delta);
+          if constexpr (decltype(with_softcap)::value) ds *= semantics::softcap_grad<T>(cr[j], softcap);
+          dsr[j] = visible ? ds : T(0);
+          sr[j] = visible ? pr * kept : T(0);
+        }
+      };
+      using Yes = std::true_type;
+      using No = std::false_type;
+      if (cr)
+        dropout ? grads(Yes{}, Yes{}) : grads(Yes{}, No{});
+      else
+        dropout ? grads(No{}, Yes{}) : grads(No{}, No{});
     }
   }
 
