@@ -106,7 +106,10 @@ struct Options {
   Backend backend = Backend::kAuto;
   // cudaStream_t for CUDA calls (nullptr = the legacy default stream).
   void* stream = nullptr;
-  // CPU backend threads; 0 = the OpenMP default.
+  // CPU backend threads; 0 = the OpenMP default. (The CPU backend's instruction-set path is
+  // chosen once per process by cpuid, or by FLASHATTN_CPU_ISA = avx2 | avx512bf16; on
+  // avx512bf16, bf16 calls round P and dS to bf16 before their products as the CUDA kernels
+  // do: docs/semantics.md, "CPU backend: instruction-set paths".)
   int num_threads = 0;
   // CUDA: the kernel family (kAuto: the environment variable FLASHATTN_KERNEL_FAMILY =
   // auto | sm80 | sm90 if set, else the best for the GPU).

@@ -26,12 +26,22 @@
 // A learnable sink needs nothing in passes 1 and 2: lse includes it, so P = exp(S - lse)
 // is already normalised with it, and D_i = sum_j P_ij dP_ij still equals rowsum(dO * O)
 // (the sink's dP is 0: it carries no value). Its own gradient is a third pass.
+#include <cstring>
+
 #include "core/backend.hpp"
+#include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
+#include "cpu/isa.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
 namespace {
+
+// Whether S = Q K^T and dP = dO V^T run as bf16 dot products (Isa::kAvx512Bf16, bf16
+// tensors): the tile then also keeps q, dO and the key block as raw bf16 words.
+bool bf16_products(const BwdParams& p) {
+  return p.dtype == DType::kBFloat16 && active_isa() == Isa::kAvx512Bf16;
+}
 
 // Per-thread tiles of the backward, in the compute type T.
 template <class E>
@@ -57,8 +67,21 @@ struct BackwardTile {
   std::vector<T> acc_b;   // [kBlockN][dvp] dV (pass 1)
   std::vector<std::uint8_t> used;  // [kBlockN] block sparsity: keys of the block read
   std::vector<std::uint8_t> any;   // [kBlockN] block sparsity: their union (pass 1)
+  // bf16 products (bf16_products): words of two bf16 values.
+  int qpairs, vpairs;              // ceil(d / 2), ceil(d_v / 2)
+  std::vector<std::uint32_t> q16;  // [kBlockM][qpairs] query rows, zero-padded
+  std::vector<std::uint32_t> do16; // [kBlockM][vpairs] output gradient rows, zero-padded
+  std::vector<std::uint32_t> kp;   // [qpairs][kBlockN] key block packed by bf16x::pack_block
+  std::vector<std::uint32_t> vp;   // [vpairs][kBlockN] value block, packed
+  std::vector<const std::uint16_t*> k_rows, v_rows;  // [kBlockN] rows to pack (nullptr: zero)
+  // The right-hand sides of dV += P^T dO, dK += dS^T Q, dQ += dS K in pairs of rows
+  // (bf16x::pack_value_pairs).
+  std::vector<std::uint32_t> q_pairs;   // [kBlockM / 2][dp]
+  std::vector<std::uint32_t> do_pairs;  // [kBlockM / 2][dvp]
+  std::vector<std::uint32_t> k_pairs;   // [kBlockN / 2][dp]
+  std::vector<const std::uint16_t*> q_rows, do_rows;  // [kBlockM]
 
-  BackwardTile(int head_dim, int value_dim)
+  BackwardTile(int head_dim, int value_dim, bool bf16)
       : d(head_dim),
         dp(padded_dim<T>(head_dim)),
         dv(value_dim),
@@ -80,7 +103,20 @@ struct BackwardTile {
         acc_a(std::size_t(std::max(kBlockM, kBlockN)) * dp),
         acc_b(std::size_t(kBlockN) * dvp),
         used(kBlockN),
-        any(kBlockN) {}
+        any(kBlockN),
+        qpairs((head_dim + 1) / 2),
+        vpairs((value_dim + 1) / 2),
+        q16(bf16 ? std::size_t(kBlockM) * qpairs : 0),
+        do16(bf16 ? std::size_t(kBlockM) * vpairs : 0),
+        kp(bf16 ? std::size_t(qpairs) * kBlockN : 0),
+        vp(bf16 ? std::size_t(vpairs) * kBlockN : 0),
+        k_rows(bf16 ? kBlockN : 0),
+        v_rows(bf16 ? kBlockN : 0),
+        q_pairs(bf16 ? std::size_t(kBlockM / 2) * dp : 0),
+        do_pairs(bf16 ? std::size_t(kBlockM / 2) * dvp : 0),
+        k_pairs(bf16 ? std::size_t(kBlockN / 2) * dp : 0),
+        q_rows(bf16 ? kBlockM : 0),
+        do_rows(bf16 ? kBlockM : 0) {}
 };
 
 template <class E>
@@ -89,7 +125,7 @@ class Backward {
   using T = typename E::compute;
   using S = typename E::storage;
 
-  explicit Backward(const BwdParams& p) : p_(p) {}
+  explicit Backward(const BwdParams& p) : p_(p), bf16_(bf16_products(p)) {}
 
   // Keys stored for sequence b (dk/dv rows to write); s_k(b) of them take part.
   int stored_keys(int b) const {
@@ -108,6 +144,12 @@ class Backward {
       T* dor = &t.dout[std::size_t(r) * t.dvp];
       load_row<E>(qr, q + i * p_.q_row_stride, t.d, t.dp);
       load_row<E>(dor, dout + i * p_.do_row_stride, t.dv, t.dvp);
+      if (bf16_) {
+        copy_words(&t.q16[std::size_t(r) * t.qpairs], q + i * p_.q_row_stride, t.d, t.qpairs);
+        copy_words(&t.do16[std::size_t(r) * t.vpairs], dout + i * p_.do_row_stride, t.dv, t.vpairs);
+        t.q_rows[r] = reinterpret_cast<const std::uint16_t*>(q + i * p_.q_row_stride);
+        t.do_rows[r] = reinterpret_cast<const std::uint16_t*>(dout + i * p_.do_row_stride);
+      }
       load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.dv, t.dvp);
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
@@ -115,15 +157,38 @@ class Backward {
       t.delta[r] = dot;
       t.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
     }
+    if (bf16_) {
+      bf16x::pack_value_pairs(t.q_rows.data(), rows, t.d, t.q_pairs.data(), t.dp);
+      bf16x::pack_value_pairs(t.do_rows.data(), rows, t.dv, t.do_pairs.data(), t.dvp);
+    }
+  }
+
+  // n bf16 values (storage elements) into `pairs` words, the last one zero-padded.
+  static void copy_words(std::uint32_t* dst, const S* src, int n, int pairs) {
+    dst[pairs - 1] = 0;
+    std::memcpy(dst, src, sizeof(S) * std::size_t(n));
   }
 
   // Keys j0 .. j0 + n of (b, g): k (row-major), kt and vt (zero beyond n). Rows are
-  // converted with unit stride, then transposed blockwise.
+  // converted with unit stride, then transposed blockwise. With bf16 products: kp and vp
+  // packed from the tensors, and k_pairs only when with_k (pass 2's dQ += dS K).
   // With `used` (block sparsity), keys with used[j] == 0 are zero rows, never read.
   void load_kv(BackwardTile<E>& t, int b, int g, std::int64_t j0, int n,
-               const std::uint8_t* used = nullptr) const {
+               const std::uint8_t* used = nullptr, bool with_k = true) const {
     const S* k = static_cast<const S*>(p_.k);
     const S* v = static_cast<const S*>(p_.v);
+    if (bf16_) {
+      for (int j = 0; j < n; ++j) {
+        const bool skip = used && !used[j];
+        const S* ksrc = k + p_.k_offset(b, j0 + j, g);
+        t.k_rows[j] = skip ? nullptr : reinterpret_cast<const std::uint16_t*>(ksrc);
+        t.v_rows[j] = skip ? nullptr : reinterpret_cast<const std::uint16_t*>(v + p_.v_offset(b, j0 + j, g));
+      }
+      bf16x::pack_block(t.k_rows.data(), n, t.d, t.kp.data());
+      if (with_k) bf16x::pack_value_pairs(t.k_rows.data(), n, t.d, t.k_pairs.data(), t.dp);
+      bf16x::pack_block(t.v_rows.data(), n, t.dv, t.vp.data());
+      return;
+    }
     for (int j = 0; j < n; ++j) {
       T* kr = &t.k[std::size_t(j) * t.dp];
       T* vr = &t.v[std::size_t(j) * t.dvp];
@@ -147,9 +212,16 @@ class Backward {
   // when dropout is on, i.e. the probabilities V was weighted with) and t.ds = dX.
   void probs_and_grads(BackwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
                        std::int64_t j0, int n) const {
-    gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
-    gemm<T>(rows, t.dv, kBlockN, t.dout.data(), t.dvp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
-            false);
+    if (bf16_) {
+      if constexpr (std::is_same_v<T, float>) {
+        bf16x::dot_block(rows, t.qpairs, t.q16.data(), t.qpairs, t.kp.data(), t.s.data(), kBlockN);
+        bf16x::dot_block(rows, t.vpairs, t.do16.data(), t.vpairs, t.vp.data(), t.ds.data(), kBlockN);
+      }
+    } else {
+      gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+      gemm<T>(rows, t.dv, kBlockN, t.dout.data(), t.dvp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
+              false);
+    }
     const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
     const semantics::KeyRange last = semantics::visible_keys(i0 + rows - 1, s_q, s_k, p_.mask);
     const bool interior = last.begin <= j0 && j0 + kBlockN <= first.end;
@@ -186,17 +258,36 @@ class Backward {
       // A masked key (score -inf) gets P = 0 and dS = 0 by a select, not by 0 * x: a NaN
       // row (NaN lse, dO, D) or a NaN dP (a NaN value row) must not reach the keys and
       // rows the mask separates (docs/semantics.md, non-finite values).
+      // One loop per (softcap, dropout) case: with the null-pointer tests inside, GCC left
+      // the loop (and its exp) scalar.
+      auto grads = [&](auto with_softcap, auto with_dropout) {
 #pragma omp simd
-      for (int j = 0; j < kBlockN; ++j) {
-        const bool visible = sr[j] != -static_cast<T>(INFINITY);
-        const T pr = E::exp(std::min(sr[j] - lse, T(0)));
-        const T kept = dropout ? kr[j] * rp : T(1);
-        T ds = pr * (dsr[j] * kept - delta);
-        if (cr) ds *= semantics::softcap_grad<T>(cr[j], softcap);
-        dsr[j] = visible ? ds : T(0);
-        sr[j] = visible ? pr * kept : T(0);
-      }
+        for (int j = 0; j < kBlockN; ++j) {
+          const bool visible = sr[j] != -static_cast<T>(INFINITY);
+          const T pr = E::exp(std::min(sr[j] - lse, T(0)));
+          T kept = T(1);
+          if constexpr (decltype(with_dropout)::value) kept = kr[j] * rp;
+          T ds = pr * (dsr[j] * kept - delta);
+          if constexpr (decltype(with_softcap)::value) ds *= semantics::softcap_grad<T>(cr[j], softcap);
+          dsr[j] = visible ? ds : T(0);
+          sr[j] = visible ? pr * kept : T(0);
+        }
+      };
+      using Yes = std::true_type;
+      using No = std::false_type;
+      if (cr)
+        dropout ? grads(Yes{}, Yes{}) : grads(Yes{}, No{});
+      else
+        dropout ? grads(No{}, Yes{}) : grads(No{}, No{});
     }
+  }
+
+  // tr[n][kBlockM] = src[rows][kBlockN]^T, and column `rows` 0 when rows is odd (pv_block
+  // reads whole pairs of rows; a stale value there would meet the zero pad row of the pairs).
+  static void transposed_pairs(const T* src, int rows, int n, T* tr) {
+    transpose<T>(src, kBlockN, rows, n, tr, kBlockM);
+    if (rows % 2 != 0)
+      for (int j = 0; j < n; ++j) tr[std::size_t(j) * kBlockM + rows] = T(0);
   }
 
   // Pass 1 task: dK and dV of key block kb of (b, g).
@@ -222,7 +313,7 @@ class Backward {
       }
     }
     if (n > 0 && any_visited) {
-      load_kv(t, b, g, j0, n, sparse ? t.any.data() : nullptr);
+      load_kv(t, b, g, j0, n, sparse ? t.any.data() : nullptr, false);
       for (int hr = 0; hr < p_.h_ratio; ++hr) {
         const int h = g * p_.h_ratio + hr;
         for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
@@ -237,6 +328,16 @@ class Backward {
           load_rows(t, b, h, i0, rows);
           probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
           // dV[n][dvp] += P^T[n][rows] dO[rows][dvp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
+          if constexpr (std::is_same_v<T, float>) {
+            if (bf16_) {  // P and dX rounded to bf16 (docs/semantics.md, CPU backend)
+              const int pairs = (rows + 1) / 2;
+              transposed_pairs(t.s.data(), rows, n, t.tr.data());
+              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.do_pairs.data(), t.dvp, t.dvp, dv, t.dvp);
+              transposed_pairs(t.ds.data(), rows, n, t.tr.data());
+              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.q_pairs.data(), t.dp, t.dp, dk, t.dp);
+              continue;
+            }
+          }
           transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
           gemm<T>(n, rows, t.dvp, t.tr.data(), kBlockM, t.dout.data(), t.dvp, dv, t.dvp, true);
           transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
@@ -274,6 +375,12 @@ class Backward {
         load_kv(t, b, g, j0, n, sparse ? t.used.data() : nullptr);
         probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
         // dQ[rows][dp] += dX[rows][n] K[n][dp]
+        if constexpr (std::is_same_v<T, float>) {
+          if (bf16_) {  // dX rounded to bf16
+            bf16x::pv_block(rows, (n + 1) / 2, t.ds.data(), kBlockN, t.k_pairs.data(), t.dp, t.dp, dq, t.dp);
+            continue;
+          }
+        }
         gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);
       }
     }
@@ -319,7 +426,7 @@ class Backward {
     if (p_.dsink) {
 #pragma omp parallel num_threads(team_size(p_.num_threads))
       {
-        BackwardTile<E> t(p_.d, p_.d_v);
+        BackwardTile<E> t(p_.d, p_.d_v, bf16_);
 #pragma omp for schedule(dynamic)
         for (int h = 0; h < p_.h_q; ++h) sink_grad(t, h);
       }
@@ -332,7 +439,7 @@ class Backward {
     const int kblocks = (p_.seqlen_k + kBlockN - 1) / kBlockN;
 #pragma omp parallel num_threads(team_size(p_.num_threads))
     {
-      BackwardTile<E> t(p_.d, p_.d_v);
+      BackwardTile<E> t(p_.d, p_.d_v, bf16_);
 #pragma omp for schedule(dynamic) nowait
       for (std::int64_t task = 0; task < key_tasks; ++task) {
         const int kb = static_cast<int>(task % kblocks);
@@ -352,6 +459,7 @@ class Backward {
 
  private:
   const BwdParams& p_;
+  const bool bf16_;  // bf16_products(p_)
 };
 
 }  // namespace

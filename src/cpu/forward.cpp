@@ -18,7 +18,9 @@
 #include <limits>
 
 #include "core/backend.hpp"
+#include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
+#include "cpu/isa.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -82,6 +84,13 @@ struct TaskRows {
   int i_end() const { return packed ? i0 + 1 : i0 + rows; }  // one past the last query index
 };
 
+// Whether the scores S = Q K^T run as bf16 dot products (Isa::kAvx512Bf16, bf16 q, k, v):
+// the tile then keeps q and the key block as raw bf16 words (q16, kp) instead of fp32.
+bool bf16_scores(const FwdParams& p) {
+  return p.dtype == DType::kBFloat16 && p.q_dtype == DType::kBFloat16 &&
+         p.kv_dtype == DType::kBFloat16 && active_isa() == Isa::kAvx512Bf16;
+}
+
 // Per-thread tiles of one forward task, in the compute type T.
 //
 // The score dot product runs over d_s = d (q . k) or, with qv (MLA), d + d_v: each query
@@ -102,8 +111,16 @@ struct ForwardTile {
   std::vector<T> row_sum;       // [kBlockM]          running sum of exp(score - max)
   std::vector<T> lse;           // [kBlockM]          final log-sum-exp (probs pass)
   std::vector<std::uint8_t> used;  // [kBlockN]       block sparsity: keys of the block read
+  // bf16 scores (bf16_scores): words of two bf16 values, pairs = ceil(d_s / 2).
+  int pairs;
+  std::vector<std::uint32_t> q16;   // [kBlockM][pairs]  query rows [q | qv], zero-padded
+  std::vector<std::uint32_t> kp;    // [pairs][kBlockN]  key block packed by bf16x::pack_block
+  std::vector<std::uint16_t> k16;   // [kBlockN][d_s]    key rows [k | v] (with qv)
+  std::vector<const std::uint16_t*> key_rows;  // [kBlockN]  rows to pack (nullptr: zero)
+  std::vector<std::uint32_t> vp;    // [kBlockN / 2][dvp] value rows in pairs (pack_value_pairs)
+  std::vector<const std::uint16_t*> value_rows;  // [kBlockN]
 
-  ForwardTile(int score_dim, int value_dim)
+  ForwardTile(int score_dim, int value_dim, bool bf16)
       : d(score_dim),
         dp(padded_dim<T>(score_dim)),
         dv(value_dim),
@@ -118,7 +135,14 @@ struct ForwardTile {
         row_max(kBlockM),
         row_sum(kBlockM),
         lse(kBlockM),
-        used(kBlockN) {}
+        used(kBlockN),
+        pairs((score_dim + 1) / 2),
+        q16(bf16 ? std::size_t(kBlockM) * pairs : 0),
+        kp(bf16 ? std::size_t(pairs) * kBlockN : 0),
+        k16(bf16 ? std::size_t(kBlockN) * score_dim : 0),
+        key_rows(bf16 ? kBlockN : 0),
+        vp(bf16 ? std::size_t(kBlockN / 2) * dvp : 0),
+        value_rows(bf16 ? kBlockN : 0) {}
 };
 
 template <class E>
@@ -127,7 +151,7 @@ class Forward {
   using T = typename E::compute;
   using S = typename E::storage;
 
-  explicit Forward(const FwdParams& p) : p_(p) {}
+  explicit Forward(const FwdParams& p) : p_(p), bf16_(bf16_scores(p)) {}
 
   // The query rows of a task into tile.q (with qv: q's d columns, then qv's d_v).
   void load_q(ForwardTile<E>& t, int b, const TaskRows& rs) const {
@@ -136,6 +160,10 @@ class Forward {
       return;
     }
     const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b);
+    if (bf16_) {
+      load_q_bf16(t, b, rs);
+      return;
+    }
     for (int r = 0; r < rs.rows; ++r) {
       T* dst = &t.q[std::size_t(r) * t.dp];
       const S* src = q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride;
@@ -148,6 +176,54 @@ class Forward {
       load_row<E>(dst, src, p_.d, p_.d);
       load_row<E>(dst + p_.d, qv, p_.d_v, t.dp - p_.d);
     }
+  }
+
+  // load_q for bf16 scores: the raw bf16 rows [q | qv] into tile.q16, zero-padded to
+  // whole words.
+  void load_q_bf16(ForwardTile<E>& t, int b, const TaskRows& rs) const {
+    const auto* q = static_cast<const std::uint16_t*>(p_.q) + p_.q_offset(b);
+    for (int r = 0; r < rs.rows; ++r) {
+      std::uint32_t* w = &t.q16[std::size_t(r) * t.pairs];
+      w[t.pairs - 1] = 0;
+      auto* dst = reinterpret_cast<unsigned char*>(w);
+      const std::uint16_t* src =
+          q + std::int64_t(rs.h(r)) * p_.q_head_stride + std::int64_t(rs.i(r)) * p_.q_row_stride;
+      std::memcpy(dst, src, sizeof(std::uint16_t) * std::size_t(p_.d));
+      if (p_.qv) {
+        const auto* qv = static_cast<const std::uint16_t*>(p_.qv) + p_.qv_offset(b) +
+                         std::int64_t(rs.h(r)) * p_.qv_head_stride +
+                         std::int64_t(rs.i(r)) * p_.qv_row_stride;
+        std::memcpy(dst + sizeof(std::uint16_t) * std::size_t(p_.d), qv,
+                    sizeof(std::uint16_t) * std::size_t(p_.d_v));
+      }
+    }
+  }
+
+  // load_kv for bf16 scores: the key rows ([k | v] with qv) packed into tile.kp straight
+  // from the tensors, and with with_v the values in pairs of rows into tile.vp.
+  void load_kv_bf16(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
+                    const std::uint8_t* used) const {
+    const auto* k = static_cast<const std::uint16_t*>(p_.k);
+    const auto* v = static_cast<const std::uint16_t*>(p_.v);
+    for (int j = 0; j < n; ++j) {
+      if (used != nullptr && !used[j]) {
+        t.key_rows[j] = nullptr;
+        t.value_rows[j] = nullptr;
+        continue;
+      }
+      const std::uint16_t* krow = k + p_.k_offset(b, j0 + j, g);
+      const std::uint16_t* vsrc = v + p_.v_offset(b, j0 + j, g);
+      if (p_.qv) {
+        std::uint16_t* row = &t.k16[std::size_t(j) * t.d];
+        std::memcpy(row, krow, sizeof(std::uint16_t) * std::size_t(p_.d));
+        std::memcpy(row + p_.d, vsrc, sizeof(std::uint16_t) * std::size_t(p_.d_v));
+        krow = row;
+      }
+      t.key_rows[j] = krow;
+      t.value_rows[j] = vsrc;
+    }
+    bf16x::pack_block(t.key_rows.data(), n, t.d, t.kp.data());
+    if (with_v) bf16x::pack_value_pairs(t.value_rows.data(), n, t.dv, t.vp.data(), t.dvp);
   }
 
   // load_q for fp8 q (no qv): each e4m3 byte decoded and multiplied by the descale of
@@ -170,6 +246,10 @@ class Forward {
                const std::uint8_t* used = nullptr) const {
     if (p_.kv_dtype == DType::kFloat8E4M3) {
       load_kv_fp8(t, b, g, j0, n, with_v, used);
+      return;
+    }
+    if (bf16_) {
+      load_kv_bf16(t, b, g, j0, n, with_v, used);
       return;
     }
     const S* k = static_cast<const S*>(p_.k);
@@ -251,7 +331,14 @@ class Forward {
   void scores(ForwardTile<E>& t, int b, const TaskRows& rs, int s_q, int s_k,
               std::int64_t j0) const {
     const int rows = rs.rows;
-    gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_)
+        bf16x::dot_block(rows, t.pairs, t.q16.data(), t.pairs, t.kp.data(), t.s.data(), kBlockN);
+      else
+        gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    } else {
+      gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+    }
     if (p_.block_kinds) {
       // Block sparsity: the block kinds and the partial blocks' element rule replace the
       // plain mask (a full block is not causal / window masked).
@@ -310,6 +397,13 @@ class Forward {
       scores(t, b, rs, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
       online_softmax(t, rows, dropout);
+      if constexpr (std::is_same_v<T, float>) {
+        if (bf16_) {  // P rounded to bf16 for P V (docs/semantics.md, CPU backend)
+          bf16x::pv_block(rows, (n + 1) / 2, t.s.data(), kBlockN, t.vp.data(), t.dvp, t.dvp,
+                          t.acc.data(), t.dvp);
+          continue;
+        }
+      }
       gemm<T>(rows, n, t.dvp, t.s.data(), kBlockN, t.v.data(), t.dvp, t.acc.data(), t.dvp, true);
     }
   }
@@ -467,7 +561,7 @@ class Forward {
 
 #pragma omp parallel num_threads(team_size(p_.num_threads))
     {
-      ForwardTile<E> t(score_dim(p_), p_.d_v);
+      ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_);
 #pragma omp for schedule(dynamic)
       for (std::int64_t task = 0; task < attend_tasks * splits; ++task) {
         const int split = static_cast<int>(task % splits);
@@ -553,6 +647,7 @@ class Forward {
 
  private:
   const FwdParams& p_;
+  const bool bf16_;  // bf16_scores(p_)
 };
 
 }  // namespace

@@ -34,10 +34,16 @@ inline constexpr int kBlockN = 64;
 // ------------------------------------------------------------------ exp
 
 // exp(x) for x <= 0 (including -inf, which gives 0), written so that it
-// vectorises: Cody-Waite reduction x = n ln2 + r, a degree-7 polynomial for e^r on
+// vectorises (always inlined: a call would keep the caller's loop scalar): Cody-Waite reduction x = n ln2 + r, a degree-7 polynomial for e^r on
 // |r| <= ln2/2 (Cephes' expf coefficients, about 1 ulp), and 2^n built from the
 // exponent bits. Arguments below -87.33 (where e^x leaves the normal range) give 0.
-inline float exp_nonpositive(float x) {
+#if defined(__GNUC__)
+#define FLASHATTN_CPU_INLINE inline __attribute__((always_inline))
+#else
+#define FLASHATTN_CPU_INLINE inline
+#endif
+
+FLASHATTN_CPU_INLINE float exp_nonpositive(float x) {
   const float xc = x < -87.33f ? -87.33f : x;
   const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
   float r = xc - n * 0.693359375f;
@@ -60,7 +66,7 @@ inline float exp_nonpositive(float x) {
 // split in fdlibm's hi / lo parts, the degree-13 Taylor polynomial of e^r on
 // |r| <= ln2/2 (within about 1 fp64 ulp of std::exp on [-708, 0]) and 2^n from the
 // exponent bits. Arguments below -708 (where e^x leaves the normal range) give 0.
-inline double exp_nonpositive_fp64(double x) {
+FLASHATTN_CPU_INLINE double exp_nonpositive_fp64(double x) {
   constexpr double kShift = 0x1.8p52;
   const double xc = x < -708.0 ? -708.0 : x;
   const double shifted = xc * 1.4426950408889634074 + kShift;
