@@ -319,6 +319,11 @@ FA_HD std::uint32_t dropout_threshold(float p) {
   return t >= 4294967295.0 ? 4294967295u : static_cast<std::uint32_t>(t);
 }
 
+// The scale of kept values, 1 / (1 - p), in double: an fp32 computation rounds it once to
+// fp32 (FwdParams / BwdParams::rp_dropout), an fp64 one uses it as is (an fp32 scale put
+// an error of up to 2^-24 relative on every fp64 output and gradient under dropout).
+FA_HD double dropout_keep_scale(float p) { return p > 0.0f ? 1.0 / (1.0 - static_cast<double>(p)) : 1.0; }
+
 // One Philox call yields the random words of four elements:
 //   rows i and i ^ 8 (same i >> 4 and i & 7), columns j and j ^ 1 (same j >> 1).
 // This is the set one thread holds in an m16n8 tensor-core accumulator, so a

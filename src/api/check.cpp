@@ -476,7 +476,7 @@ void fill_options(const Check& check, const Options& opts, Device device, int ba
   p.softcap = opts.softcap;
   p.mask = semantics::Mask::make(opts.causal, opts.window_left, opts.window_right);
   p.dropout_p = opts.dropout_p;
-  p.rp_dropout = 1.0f / (1.0f - opts.dropout_p);
+  p.rp_dropout = static_cast<float>(semantics::dropout_keep_scale(opts.dropout_p));
   p.rng.seed = opts.seed;
   p.rng.offset = opts.offset;
   p.rng.threshold = semantics::dropout_threshold(opts.dropout_p);

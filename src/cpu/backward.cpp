@@ -228,7 +228,7 @@ class Backward {
     const T slope = static_cast<T>(p_.alibi_slope(b, h));
     const T softcap = static_cast<T>(p_.softcap);
     const bool dropout = p_.rng.threshold != 0u;
-    const T rp = static_cast<T>(p_.rp_dropout);
+    const T rp = static_cast<T>(semantics::dropout_keep_scale(p_.dropout_p));
     if (dropout)
       dropout_keep_tile<T>(p_.rng, p_.dropout_bh(b, h), i0, rows, j0, n, t.keep.data(), kBlockN);
     for (int r = 0; r < rows; ++r) {

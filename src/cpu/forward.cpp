@@ -585,7 +585,7 @@ class Forward {
           const T lse = row_lse(t, r);
           T factor = lse == -static_cast<T>(INFINITY)
                          ? T(0)
-                         : static_cast<T>(p_.rp_dropout) / t.row_sum[r];
+                         : static_cast<T>(semantics::dropout_keep_scale(p_.dropout_p)) / t.row_sum[r];
           const T* o = &t.acc[std::size_t(r) * t.dvp];
           if (splits == 1) {
             // The sink joins the denominator once, after every key (split partials get it
