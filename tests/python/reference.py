@@ -105,8 +105,10 @@ class Head:
             self.P = np.where(empty, 0.0, e / np.where(empty, 1.0, denom))
             self.lse = np.where(empty[:, 0], -np.inf,
                                 (m + np.log(np.where(empty, 1.0, denom)))[:, 0])
-        # The library scales kept probabilities by the fp32 value 1 / (1 - p).
-        self.rp = float(np.float32(1.0) / (np.float32(1.0) - np.float32(p)))
+        # Kept probabilities are scaled by 1 / (1 - p) computed in double from the fp32 p
+        # (semantics::dropout_keep_scale): exact in an fp64 computation, rounded once to fp32
+        # in an fp32 one (whose tolerances cover the difference).
+        self.rp = 1.0 / (1.0 - float(np.float32(p)))
         self.Pd = self.P * keep * self.rp
         self.out = self.Pd @ self.v
         self.probs = self.P * keep
