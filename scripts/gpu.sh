@@ -5,7 +5,7 @@
 # SANITIZE_TIMEOUT the seconds each) on a small filter, the SASS checks, the main job,
 # the benchmark's forward and backward standard grid (bf16, bench/suite.py: flashattn
 # against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
-# short table last. Logs and CSVs go to $OUT (default ./out).
+# short table last. Logs and CSVs go to $OUT (default ./out), bundled into logs.tgz at the end.
 #   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python,upstream
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
@@ -31,15 +31,40 @@ fi
 
 # tests: every family the H200 runs: auto (the sm90 forward, sm80 elsewhere), the sm80
 # family forced, and the sm80 forward under a 99 KiB shared-memory cap (sm86 / sm89 parts;
-# the backward and decode kernels have no 99 KiB configurations yet).
+# the backward and decode kernels have no 99 KiB configurations yet). One process per test
+# suite, so that a crash (2026-12-05: a segfault in CudaIndexGuards) names its test and the
+# other suites still run; the failing tests' output goes to the log.
+run_suites() {  # name [filter]: one process per suite (or one for the filter); sets passed / failed / crashed
+  local name=$1 filter=$2 s rc n log="$OUT/cuda_tests_$1.txt"
+  passed=0 failed=0 crashed=""
+  : >"$log"
+  for s in $(if [ -n "$filter" ]; then echo "$filter"; else "$T" --gtest_list_tests | grep -E '^[^ ]+\.( |$)' | sed 's/\. *.*$/.*/'; fi); do
+    timeout 200 "$T" --gtest_brief=1 --gtest_filter="$s" >/tmp/suite.txt 2>&1; rc=$?
+    n=$(grep -oE 'PASSED  \] [0-9]+' /tmp/suite.txt | grep -oE '[0-9]+$')
+    passed=$((passed + ${n:-0}))
+    if [ $rc != 0 ]; then
+      { echo "== $s rc=$rc"; cat /tmp/suite.txt; } >>"$log"
+      failed=$((failed + $(grep -c '^\[  FAILED  \] [A-Za-z]' /tmp/suite.txt)))
+      if [ $rc -ge 124 ]; then  # killed, timed out or crashed: name the test
+        local t
+        t=$("$T" --gtest_filter="$s" 2>&1 | grep -E '^\[ RUN' | tail -1 | sed 's/.*RUN *\] *//')
+        crashed="$crashed $t (rc $rc)"
+        # Where it crashed (cuda-gdb debugs the host side too): the backtrace into the log.
+        [ -n "$t" ] && timeout 120 cuda-gdb -batch -ex run -ex bt --args "$T" --gtest_filter="$t" 2>&1 |
+          grep -E '^#|signal' | head -30 >>"$log"
+      fi
+    fi
+  done
+}
 if [[ $STEPS == *tests* ]]; then
   for run in "auto::" "sm80::" "sm80-99k:101376:Cuda/CudaForwardFeature.*:CudaForward.HeadDims:CudaForward.RandomGrid"; do
     IFS=: read -r name cap filter <<<"$run"
     family=${name%-99k}
-    FLASHATTN_KERNEL_FAMILY=$family FLASHATTN_SMEM_CAP=${cap:-0} timeout 300 "$T" --gtest_brief=1 \
-      ${filter:+--gtest_filter=$filter} >"$OUT/cuda_tests_$name.txt" 2>&1; rc=$?
+    export FLASHATTN_KERNEL_FAMILY=$family FLASHATTN_SMEM_CAP=${cap:-0}
+    run_suites "$name" "$filter"
+    unset FLASHATTN_KERNEL_FAMILY FLASHATTN_SMEM_CAP
     grep -E "^\[  FAILED|Failure" "$OUT/cuda_tests_$name.txt" | head -10
-    add "CUDA tests ($name): rc=$rc, $(grep -E '^\[  PASSED  \]' "$OUT/cuda_tests_$name.txt" | sed 's/\[  PASSED  \] //') passed, $(grep -c '^\[  FAILED  \]' "$OUT/cuda_tests_$name.txt") failed lines"
+    add "CUDA tests ($name): $passed passed, $failed failed${crashed:+, crashed:$crashed}"
   done
 fi
 if [[ $STEPS == *sanitize* ]]; then
@@ -113,3 +138,10 @@ echo
 [ -f "$OUT/decode_order.txt" ] && cat "$OUT/decode_order.txt"
 echo
 printf '%s\n' "${summary[@]}"
+# The device tool brings back at most 8 files from $OUT: every log and result in one
+# archive (GPU_BUNDLE=0 keeps them apart), the summary beside it.
+printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+if [ "${GPU_BUNDLE:-1}" = 1 ]; then
+  (cd "$OUT" && tar czf /tmp/gpu_logs.tgz --exclude=summary.txt . && find . -mindepth 1 ! -name summary.txt -delete &&
+    mv /tmp/gpu_logs.tgz logs.tgz)
+fi
