@@ -68,8 +68,14 @@ HostTensor::HostTensor(DType dtype, std::vector<std::int64_t> shape)
   std::memset(data_.get(), 0, alloc);
 }
 
-HostTensor::HostTensor(const HostTensor& other) : HostTensor(other.dtype_, other.shape_) {
-  if (other.data_ && bytes_) std::memcpy(data_.get(), other.data_.get(), bytes_);
+HostTensor::HostTensor(const HostTensor& other) : dtype_(other.dtype_) {
+  // A default-constructed (undefined) tensor copies as undefined: through the shape
+  // constructor its empty shape made a one-element scalar, so a copied case's unset qv
+  // looked set (VarlenCase::problem then read it as rows: the segfault of
+  // CudaIndexGuards.VarlenOutOfRangeUnderCapture on the H100).
+  if (!other.data_) return;
+  *this = HostTensor(other.dtype_, other.shape_);
+  if (bytes_) std::memcpy(data_.get(), other.data_.get(), bytes_);
 }
 
 HostTensor& HostTensor::operator=(const HostTensor& other) {
