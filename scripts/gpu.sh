@@ -21,7 +21,18 @@ summary=()
 add() { summary+=("$1"); }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
-if [ ! -x "$T" ] || [ ! -x "$B/bench/flashattn_main" ]; then
+# Binaries packed here by scripts/device_pack.sh and carried (.carry/bin.tar.zst).
+if [ -f .carry/bin.tar.zst ] && [ ! -x "$T" ]; then
+  LD_LIBRARY_PATH=.carry/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} .carry/tools/zstd -dc .carry/bin.tar.zst | tar xf -
+fi
+need=()
+[[ $STEPS == *tests* || $STEPS == *sanitize* || $STEPS == *sass* ]] && need+=("$T")
+[[ $STEPS == *main* ]] && need+=("$B/bench/flashattn_main")
+[[ $STEPS == *memory* ]] && need+=("$B/bench/flashattn_cuda_bwd_bench")
+[[ $STEPS == *decode* ]] && need+=("$B/bench/flashattn_cuda_decode_bench")
+missing=0
+for x in "${need[@]}"; do [ -x "$x" ] || missing=1; done
+if [ $missing = 1 ]; then
   echo "== building $B"
   t0=$(date +%s)
   cmake --preset h200 >/dev/null && cmake --build --preset h200 -j"$(nproc)" >"$OUT/build.log" 2>&1 \
