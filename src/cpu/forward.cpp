@@ -21,6 +21,7 @@
 #include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/pool.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -559,11 +560,13 @@ class Forward {
                  p_.h_q + h;
     };
 
-#pragma omp parallel num_threads(team_size(p_.num_threads))
-    {
+    // Workers (cpu/pool.hpp): the caller starts on the tasks at once and returns when they
+    // are done, without waiting for helpers that wake after the last task was claimed.
+    const int threads = team_size(p_.num_threads);
+    TaskQueue attend_queue(attend_tasks * splits);
+    auto attend_body = [&](TaskQueue& queue) {
       ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_);
-#pragma omp for schedule(dynamic)
-      for (std::int64_t task = 0; task < attend_tasks * splits; ++task) {
+      for (std::int64_t task; (task = queue.next()) >= 0;) {
         const int split = static_cast<int>(task % splits);
         const std::int64_t row_task = task / splits;
         const int qb = static_cast<int>(row_task % qblocks);
@@ -604,45 +607,50 @@ class Forward {
         }
         if (splits == 1 && p_.probs) write_probs(t, b, rs.h0, i0, rows, s_q, s_k, width);  // never packed
       }
+    };
+    run_workers(attend_queue, threads, attend_body);
+    if (splits == 1) return;
 
-      if (splits > 1) {
-        std::vector<T> merged(p_.d_v);
-#pragma omp for schedule(dynamic)
-        for (std::int64_t row_task = 0; row_task < row_tasks; ++row_task) {
-          const int qb = static_cast<int>(row_task % qblocks);
-          const int h = static_cast<int>(row_task / qblocks % p_.h_q);
-          const int b = static_cast<int>(row_task / qblocks / p_.h_q);
-          const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
-          const int i0 = qb * kBlockM;
-          if (i0 >= s_q) continue;
-          const int rows = std::min(kBlockM, s_q - i0);
-          const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
-          for (int r = 0; r < rows; ++r) {
-            const std::int64_t pr0 = part_row(0, b, h, i0 + r);
-            const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
-            // With a sink, the merge weights are taken against the lse that includes it.
-            const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
-            std::fill(merged.begin(), merged.end(), T(0));
-            if (keys_lse != -static_cast<T>(INFINITY)) {
-              for (int s = 0; s < splits; ++s) {
-                const std::int64_t pr = pr0 + s * split_stride;
-                const T w = semantics::merge_weight<T>(lse_part[pr], lse);
-                if (w == T(0)) continue;
-                const T* o = o_part + pr * p_.d_v;
-                for (int c = 0; c < p_.d_v; ++c) merged[c] += w * o[c];
-              }
+    // The merge, after every partial is written (run_workers returned).
+    TaskQueue merge_queue(row_tasks);
+    auto merge_body = [&](TaskQueue& queue) {
+      ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_);
+      std::vector<T> merged(p_.d_v);
+      for (std::int64_t row_task; (row_task = queue.next()) >= 0;) {
+        const int qb = static_cast<int>(row_task % qblocks);
+        const int h = static_cast<int>(row_task / qblocks % p_.h_q);
+        const int b = static_cast<int>(row_task / qblocks / p_.h_q);
+        const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+        const int i0 = qb * kBlockM;
+        if (i0 >= s_q) continue;
+        const int rows = std::min(kBlockM, s_q - i0);
+        const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
+        for (int r = 0; r < rows; ++r) {
+          const std::int64_t pr0 = part_row(0, b, h, i0 + r);
+          const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+          // With a sink, the merge weights are taken against the lse that includes it.
+          const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
+          std::fill(merged.begin(), merged.end(), T(0));
+          if (keys_lse != -static_cast<T>(INFINITY)) {
+            for (int s = 0; s < splits; ++s) {
+              const std::int64_t pr = pr0 + s * split_stride;
+              const T w = semantics::merge_weight<T>(lse_part[pr], lse);
+              if (w == T(0)) continue;
+              const T* o = o_part + pr * p_.d_v;
+              for (int c = 0; c < p_.d_v; ++c) merged[c] += w * o[c];
             }
-            store_out_row(b, h, i0 + r, merged.data(), T(1));
-            store_lse(b, h, i0 + r, lse);
-            t.lse[r] = lse;
           }
-          if (p_.probs) {
-            load_q(t, b, TaskRows{h, i0, rows, false});
-            write_probs(t, b, h, i0, rows, s_q, s_k, width);
-          }
+          store_out_row(b, h, i0 + r, merged.data(), T(1));
+          store_lse(b, h, i0 + r, lse);
+          t.lse[r] = lse;
+        }
+        if (p_.probs) {
+          load_q(t, b, TaskRows{h, i0, rows, false});
+          write_probs(t, b, h, i0, rows, s_q, s_k, width);
         }
       }
-    }
+    };
+    run_workers(merge_queue, threads, merge_body);
   }
 
  private:
