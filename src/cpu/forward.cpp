@@ -85,6 +85,32 @@ struct TaskRows {
   int i_end() const { return packed ? i0 + 1 : i0 + rows; }  // one past the last query index
 };
 
+// Offsets of the key / value rows j of (sequence b, KV head g), walked in increasing j: the
+// full FwdParams::k_offset / v_offset (cache row or block table lookup, clamps, left
+// padding) once per run of rows that are contiguous in memory (the whole sequence for
+// dense and varlen tensors, a block of a paged cache), then a row stride per key.
+class KvRowWalk {
+ public:
+  KvRowWalk(const FwdParams& p, int b, int g) : p_(p), b_(b), g_(g) {}
+  // Offsets (elements) of key j; calls must come with j increasing.
+  void at(std::int64_t j, std::int64_t& k_off, std::int64_t& v_off) {
+    if (j >= end_ || j < start_) {
+      start_ = j;
+      end_ = p_.block_table ? (j / p_.block_size + 1) * p_.block_size
+                            : std::numeric_limits<std::int64_t>::max();
+      k0_ = p_.k_offset(b_, j, g_);
+      v0_ = p_.v_offset(b_, j, g_);
+    }
+    k_off = k0_ + (j - start_) * p_.k_row_stride;
+    v_off = v0_ + (j - start_) * p_.v_row_stride;
+  }
+
+ private:
+  const FwdParams& p_;
+  const int b_, g_;
+  std::int64_t start_ = 0, end_ = 0, k0_ = 0, v0_ = 0;
+};
+
 // Whether the scores S = Q K^T run as bf16 dot products (Isa::kAvx512Bf16, bf16 q, k, v):
 // the tile then keeps q and the key block as raw bf16 words (q16, kp) instead of fp32.
 bool bf16_scores(const FwdParams& p) {
@@ -206,14 +232,17 @@ class Forward {
                     const std::uint8_t* used) const {
     const auto* k = static_cast<const std::uint16_t*>(p_.k);
     const auto* v = static_cast<const std::uint16_t*>(p_.v);
+    KvRowWalk walk(p_, b, g);
     for (int j = 0; j < n; ++j) {
       if (used != nullptr && !used[j]) {
         t.key_rows[j] = nullptr;
         t.value_rows[j] = nullptr;
         continue;
       }
-      const std::uint16_t* krow = k + p_.k_offset(b, j0 + j, g);
-      const std::uint16_t* vsrc = v + p_.v_offset(b, j0 + j, g);
+      std::int64_t k_off, v_off;
+      walk.at(j0 + j, k_off, v_off);
+      const std::uint16_t* krow = k + k_off;
+      const std::uint16_t* vsrc = v + v_off;
       if (p_.qv) {
         std::uint16_t* row = &t.k16[std::size_t(j) * t.d];
         std::memcpy(row, krow, sizeof(std::uint16_t) * std::size_t(p_.d));
@@ -257,6 +286,7 @@ class Forward {
     const S* v = static_cast<const S*>(p_.v);
     // Rows converted with unit stride, then one blocked transpose into kt. With qv each
     // key row is [k | v] (the value takes part in the score).
+    KvRowWalk walk(p_, b, g);
     for (int j = 0; j < n; ++j) {
       T* krow = &t.k[std::size_t(j) * t.dp];
       T* vrow = &t.v[std::size_t(j) * t.dvp];
@@ -265,13 +295,15 @@ class Forward {
         if (with_v) std::fill(vrow, vrow + t.dvp, T(0));
         continue;
       }
+      std::int64_t k_off, v_off;
+      walk.at(j0 + j, k_off, v_off);
       if (p_.qv) {
-        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), p_.d, p_.d);
-        load_row<E>(krow + p_.d, v + p_.v_offset(b, j0 + j, g), p_.d_v, t.dp - p_.d);
+        load_row<E>(krow, k + k_off, p_.d, p_.d);
+        load_row<E>(krow + p_.d, v + v_off, p_.d_v, t.dp - p_.d);
       } else {
-        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+        load_row<E>(krow, k + k_off, t.d, t.dp);
       }
-      if (with_v) load_row<E>(vrow, v + p_.v_offset(b, j0 + j, g), t.dv, t.dvp);
+      if (with_v) load_row<E>(vrow, v + v_off, t.dv, t.dvp);
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)

@@ -115,7 +115,7 @@ class CpuPoolIsa : public ::testing::TestWithParam<detail::cpu::Isa> {
   }
 };
 
-// Decode (packed GQA rows, paged and dense, odd lengths, forced splits and the automatic
+// Decode (packed GQA rows, paged (block sizes 7, 16) and dense, odd lengths, forced splits and the automatic
 // choice) on 1 .. 5 threads: every result matches the fp64 oracle, and with a given split
 // count the outputs and lse are the same bits whatever the thread count (each task writes
 // its own rows; the split merge sums in split order). The automatic split count depends on
@@ -124,7 +124,7 @@ TEST_P(CpuPoolIsa, DecodeResultsDoNotDependOnThreads) {
   const IsaScope scope(GetParam());
   FA_SEEDED_RNG(rng);
   for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
-    for (int block_size : {0, 16}) {
+    for (int block_size : {0, 7, 16}) {  // 7: pages that split the 64-key blocks unevenly
       for (int splits : {0, 1, 3}) {
         KVCacheConfig cfg;
         cfg.batch = 2;
