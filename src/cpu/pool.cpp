@@ -10,6 +10,8 @@
 // false and leaves without touching the job (Dekker's argument on seq_cst operations).
 #include "cpu/pool.hpp"
 
+#include <unistd.h>
+
 #include <mutex>
 #include <system_error>
 #include <thread>
@@ -28,6 +30,8 @@ void cpu_relax() noexcept {
 }
 
 struct Pool {
+  explicit Pool(pid_t owner) : pid(owner) {}
+  const pid_t pid;        // the process whose helpers these are
   std::mutex call_mutex;  // one job at a time
   std::atomic<std::uint32_t> gen{0};
   std::atomic<bool> active{false};
@@ -39,8 +43,18 @@ struct Pool {
   std::atomic<int> started{0};
 };
 
+// The pool of this process. A child made by fork() has none of the parent's helpers (and
+// may have copied a job in flight: `busy` above 0, call_mutex held): its first call makes
+// its own pool. Pools are leaked on purpose (see the file comment).
 Pool& pool() {
-  static Pool* p = new Pool;  // leaked on purpose (see the file comment)
+  static std::atomic<Pool*> current{nullptr};
+  Pool* p = current.load();
+  const pid_t pid = getpid();
+  while (p == nullptr || p->pid != pid) {
+    Pool* fresh = new Pool(pid);
+    if (current.compare_exchange_strong(p, fresh)) return *fresh;
+    delete fresh;  // another thread installed one (no helper has seen ours): check that one
+  }
   return *p;
 }
 

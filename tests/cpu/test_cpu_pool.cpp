@@ -10,6 +10,9 @@
 #include <thread>
 #include <vector>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include "cpu/isa.hpp"
@@ -98,6 +101,29 @@ TEST(CpuPool, NestedAndConcurrentCalls) {
   }
   for (auto& t : callers) t.join();
   EXPECT_EQ(good.load(), 4 * 50);
+}
+
+// A child made by fork() while the parent has helpers runs its calls (with its own pool),
+// and the parent's pool still works afterwards.
+TEST(CpuPool, WorksInAForkedChild) {
+  const std::vector<int> before = run_counting(500, 2);  // the parent's helpers exist
+  ASSERT_EQ(std::count(before.begin(), before.end(), 1), 500);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    bool ok = true;
+    for (int rep = 0; rep < 20 && ok; ++rep) {
+      const std::vector<int> count =
+          run_counting(300, 2, nullptr, std::chrono::microseconds(rep == 0 ? 100 : 0));
+      ok = std::count(count.begin(), count.end(), 1) == 300;
+    }
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "status " << status;
+  const std::vector<int> count = run_counting(300, 2);
+  EXPECT_EQ(std::count(count.begin(), count.end(), 1), 300);
 }
 
 struct IsaScope {
