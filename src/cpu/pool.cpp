@@ -12,7 +12,10 @@
 
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <system_error>
 #include <thread>
 
@@ -60,8 +63,32 @@ Pool& pool() {
 
 thread_local bool t_in_body = false;
 
+// How long a helper keeps polling for the next job before it sleeps, following the OpenMP
+// runtime's OMP_WAIT_POLICY (read once): passive 0 (sleep at once: the setting for a
+// machine shared with other work), active 20 ms, unset 200 us (libgomp's default also
+// spins a while, so back-to-back calls find their threads awake).
+std::chrono::nanoseconds helper_spin() {
+  static const std::chrono::nanoseconds spin = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    const std::string v = policy ? policy : "";
+    if (v == "passive" || v == "PASSIVE" || v == "Passive") return std::chrono::nanoseconds(0);
+    if (v == "active" || v == "ACTIVE" || v == "Active")
+      return std::chrono::nanoseconds(std::chrono::milliseconds(20));
+    return std::chrono::nanoseconds(std::chrono::microseconds(200));
+  }();
+  return spin;
+}
+
 void helper_main(Pool* p, int index, std::uint32_t seen) {
+  const std::chrono::nanoseconds spin = helper_spin();
   for (;;) {
+    if (spin.count() > 0 && p->gen.load(std::memory_order_relaxed) == seen) {
+      const auto end = std::chrono::steady_clock::now() + spin;
+      for (int i = 1; p->gen.load(std::memory_order_relaxed) == seen; ++i) {
+        cpu_relax();
+        if (i % 64 == 0 && std::chrono::steady_clock::now() >= end) break;
+      }
+    }
     p->gen.wait(seen);
     seen = p->gen.load();
     p->busy.fetch_add(1);
