@@ -591,9 +591,23 @@ def run_prefill(torch, impls, timer, cfg, cpu, args, rows, progress):
 # ----------------------------------------------------------------- decode
 
 
+DECODE_ROUNDS_CPU = 3
+
+
+def decode_dtypes(cfg):
+    """The dtypes the decode grid runs: cfg["dtypes"] (the CPU grid, where --dtypes replaces
+    them), else its one cfg["dtype"]."""
+    return tuple(cfg.get("dtypes") or (cfg["dtype"],))
+
+
 def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
+    for dt_name in decode_dtypes(cfg):
+        run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progress)
+
+
+def run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progress):
     device = "cpu" if cpu else "cuda"
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt_name]
     b, hq, hk, d = cfg["batch"], cfg["heads"], cfg["heads_kv"], cfg["hdim"]
     g = hq // hk
     peers = ["sdpa_cpu"] if cpu else ["sdpa_cudnn", "sdpa_flash"]
@@ -610,7 +624,7 @@ def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
             seqlens = torch.full((b,), s, dtype=torch.int32, device=device)
         except Exception as exc:
             for impl in [R.OURS] + peers:
-                rows.append(R.na("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
+                rows.append(R.na("decode", impl, dt_name, d, False, s, b, hq, "decode",
                                  reason_of(exc, []), heads_kv=hk))
                 progress.update(f"decode {s} {impl}")
             continue
@@ -632,25 +646,45 @@ def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
         variants = {R.OURS: [("", ours)]}
         for p in peers:
             variants[p] = [("enable_gqa", gqa), ("query heads as rows", packed)]
+        # On the CPU every variant is timed DECODE_ROUNDS_CPU times, ours and the peers'
+        # in turn within each round (a shared machine's load drifts over seconds), and a
+        # variant's time is the median of its rounds.
+        rounds = DECODE_ROUNDS_CPU if cpu else 1
+        times, why = {}, {impl: [] for impl in variants}
+        for _ in range(rounds):
+            for impl in [R.OURS] + peers:
+                for vname, make in variants[impl]:
+                    if (impl, vname) in times and times[(impl, vname)] is None:
+                        continue  # failed in an earlier round
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        try:
+                            with impls.context(impl):
+                                ms, reps, how = time_decode(torch, timer,
+                                                            [make(t) for t in sets], cpu)
+                            times.setdefault((impl, vname), []).append((ms, reps, how))
+                        except Exception as exc:
+                            times[(impl, vname)] = None
+                            why[impl].append(f"{vname or impl}: {reason_of(exc, caught)}")
         for impl in [R.OURS] + peers:
-            best, why = None, []
-            for vname, make in variants[impl]:
-                with warnings.catch_warnings(record=True) as caught:
-                    warnings.simplefilter("always")
-                    try:
-                        with impls.context(impl):
-                            ms, reps, how = time_decode(torch, timer, [make(t) for t in sets], cpu)
-                        if best is None or ms < best[0]:
-                            best = (ms, reps, ", ".join(x for x in (vname, how) if x))
-                    except Exception as exc:
-                        why.append(f"{vname or impl}: {reason_of(exc, caught)}")
+            best = None
+            for vname, _ in variants[impl]:
+                got = times.get((impl, vname))
+                if not got:
+                    continue
+                ms = R.median([m for m, _, _ in got])
+                note = ", ".join(x for x in (vname, got[-1][2]) if x)
+                if rounds > 1:
+                    note = ", ".join(x for x in (note, f"median of {rounds} interleaved rounds") if x)
+                if best is None or ms < best[0]:
+                    best = (ms, sum(r for _, r, _ in got), note)
             if best:
-                rows.append(R.row("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
+                rows.append(R.row("decode", impl, dt_name, d, False, s, b, hq, "decode",
                                   heads_kv=hk, ms=best[0], tbps=R.tbps(nbytes, best[0]),
                                   reps=best[1], note=best[2]))
             else:
-                rows.append(R.na("decode", impl, cfg["dtype"], d, False, s, b, hq, "decode",
-                                 "; ".join(why), heads_kv=hk))
+                rows.append(R.na("decode", impl, dt_name, d, False, s, b, hq, "decode",
+                                 "; ".join(why[impl]), heads_kv=hk))
             progress.update(f"decode {s} {impl}")
         del sets
         gc.collect()
@@ -782,7 +816,8 @@ def build_parser():
                     help="standard grid directions: comma list of fwd, bwd, fwd_bwd (default all)")
     ap.add_argument("--hdims", help="standard grid head dims, e.g. 64,128,256")
     ap.add_argument("--seqlens", help="standard grid seqlens, e.g. 512,2k,16k")
-    ap.add_argument("--dtypes", help="standard grid dtypes: comma list of bf16, fp16 (fp32 on the CPU)")
+    ap.add_argument("--dtypes", help="standard grid dtypes: comma list of bf16, fp16 (fp32 on the "
+                    "CPU); on the CPU also the decode grid's (default fp32 and bf16)")
     ap.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                     help="standard grid: causal cells, non-causal cells or both")
     ap.add_argument("--impls", help="comma list of implementations (default: all; "
@@ -855,6 +890,21 @@ def resolve(args, cpu):
     return grid, grids, names, families
 
 
+def decode_grid(args, cpu):
+    """The decode grid of the options: R.DECODE_CPU with the --dtypes of the run on the CPU
+    (default fp32 and bf16), R.DECODE (bf16) on the GPU, with fewer contexts for --quick."""
+    if cpu:
+        dec = dict(R.DECODE_CPU)
+        if args.dtypes:
+            dec["dtypes"] = tuple(R.parse_list(args.dtypes, allowed=("bf16", "fp16", "fp32"),
+                                               what="--dtypes entry"))
+        return dec
+    dec = dict(R.DECODE)
+    if args.quick:
+        dec["contexts"] = (4096, 32768)
+    return dec
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
 
@@ -895,12 +945,11 @@ def main(argv=None):
         fa4, fa4_version, fa4_reason = load_fa4()
         if fa4 is None:
             names.remove("fa4")
-    dec = R.DECODE_CPU if cpu else R.DECODE
+    dec = decode_grid(args, cpu)
     mem = R.MEMORY_CPU if cpu else R.MEMORY
     pre = R.PREFILL_CPU if cpu else R.PREFILL
     if args.quick and not cpu:
         mem = dict(mem, seqlens=(4096, 16384, 32768))
-        dec = dict(dec, contexts=(4096, 32768))
 
     meta = metadata(torch, cpu, args)
     out = args.out or R.default_out_dir(os.path.join(REPO, "build", "bench-results"), meta["device"])
@@ -928,7 +977,7 @@ def main(argv=None):
     if "standard" in grids:
         total += len(R.standard_cells(grid)) * len(names)
     if "decode" in grids:
-        total += len(dec["contexts"]) * 3 if not cpu else len(dec["contexts"]) * 2
+        total += len(dec["contexts"]) * len(decode_dtypes(dec)) * (3 if not cpu else 2)
     if "memory" in grids:
         total += 2 * len(mem["seqlens"])
     if "prefill" in grids:

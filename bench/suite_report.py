@@ -27,7 +27,10 @@ DIRECTIONS = ("fwd", "bwd", "fwd_bwd")
 CAUSALS = (False, True)
 DECODE = dict(batch=8, heads=32, heads_kv=8, hdim=128, contexts=(4096, 32768, 131072),
               dtype="bf16")
-DECODE_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, contexts=(1024, 4096), dtype="fp32")
+# The CPU decode grid runs each of its dtypes (--dtypes replaces them): fp32 (computed in fp64
+# by the CPU backend's exactness rule) and bf16 (issue 24's target).
+DECODE_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, contexts=(1024, 4096),
+                  dtypes=("fp32", "bf16"))
 # Memory sweep: forward + backward, batch 1, 16 heads, hdim 128, bf16, non-causal.
 MEMORY = dict(batch=1, heads=16, hdim=128, dtype="bf16",
               seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536))
@@ -456,32 +459,37 @@ def summary_table(rows, grid="standard", min_seqlen=0):
 
 def decode_table(rows, unit="TB/s"):
     """Markdown: per context, our TB/s (us per call), ours / best peer, then each peer's
-    TB/s (ours/peer)."""
+    TB/s (ours/peer); with rows of several dtypes (the CPU grid), a row per dtype and
+    context, the dtype in the first column."""
     rs = [r for r in rows if r["grid"] == "decode"]
     if not rs:
         return ""
     k = 1e3 if unit == "GB/s" else 1.0
     peers = [i for i in impls_in(rows, "decode") if not is_ours(i)]
-    head = ["context", f"ours {unit} (us)", "vs best"] + \
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rs))
+    several = len(dtypes) > 1
+    head = (["dtype"] if several else []) + ["context", f"ours {unit} (us)", "vs best"] + \
         [f"{SHORT.get(p, p)} {unit} (ours/peer)" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by = {(r["seqlen"], r["impl"]): r for r in rs}
-    for s in sorted({r["seqlen"] for r in rs}):
-        o = by.get((s, OURS))
-        bname, brow = best_peer({p: by.get((s, p)) for p in peers}, "tbps")
-        q = ratio(o, brow, "tbps")
-        cols = [_seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a",
+    by = {(r["dtype"], r["seqlen"], r["impl"]): r for r in rs}
+    for dt in dtypes:
+        for s in sorted({r["seqlen"] for r in rs if r["dtype"] == dt}):
+            o = by.get((dt, s, OURS))
+            bname, brow = best_peer({p: by.get((dt, s, p)) for p in peers}, "tbps")
+            q = ratio(o, brow, "tbps")
+            cols = ([dt] if several else []) + [
+                _seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a",
                 f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-"]
-        for p in peers:
-            pr = by.get((s, p))
-            q = ratio(o, pr, "tbps")
-            if q is not None:
-                cols.append(f"{pr['tbps'] * k:.2f} ({q:.2f})")
-            elif _ok(pr, "tbps"):
-                cols.append(f"{pr['tbps'] * k:.2f} (-)")
-            else:
-                cols.append("n/a")
-        lines.append("| " + " | ".join(cols) + " |")
+            for p in peers:
+                pr = by.get((dt, s, p))
+                q = ratio(o, pr, "tbps")
+                if q is not None:
+                    cols.append(f"{pr['tbps'] * k:.2f} ({q:.2f})")
+                elif _ok(pr, "tbps"):
+                    cols.append(f"{pr['tbps'] * k:.2f} (-)")
+                else:
+                    cols.append("n/a")
+            lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
@@ -708,20 +716,23 @@ def plot_all(meta, rows, out_dir):
     dec = [r for r in rows if r["grid"] == "decode"]
     if dec:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for impl in impls_in(rows, "decode"):
-            pts = sorted((r["seqlen"], r["tbps"] * scale) for r in dec
-                         if r["impl"] == impl and _ok(r, "tbps"))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        lw=2.2 if impl == OURS else 1.3, color=_COLORS.get(impl),
-                        label=LABELS.get(impl, impl))
+        dtypes = list(dict.fromkeys(r["dtype"] for r in dec))
+        for dt in dtypes:
+            for impl in impls_in(rows, "decode"):
+                pts = sorted((r["seqlen"], r["tbps"] * scale) for r in dec
+                             if r["impl"] == impl and r["dtype"] == dt and _ok(r, "tbps"))
+                if pts:
+                    label = LABELS.get(impl, impl) + (f" {dt}" if len(dtypes) > 1 else "")
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            lw=2.2 if impl == OURS else 1.3, color=_COLORS.get(impl),
+                            ls="-" if dt == dtypes[-1] else "--", label=label)
         ax.set_xscale("log", base=2)
         seqs = sorted({r["seqlen"] for r in dec})
         ax.set_xticks(seqs)
         ax.set_xticklabels([_seq(s) for s in seqs])
         r0 = dec[0]
         ax.set_title(f"decode: b {r0['batch']}, {r0['heads']} q / {r0['heads_kv']} kv heads, "
-                     f"hdim {r0['hdim']}, {r0['dtype']}", fontsize=9)
+                     f"hdim {r0['hdim']}, {', '.join(dtypes)}", fontsize=9)
         ax.set_xlabel("context length")
         ax.set_ylabel(("GB/s" if scale > 1 else "TB/s") + " of K and V read")
         ax.set_ylim(bottom=0)

@@ -106,10 +106,16 @@ struct Options {
   Backend backend = Backend::kAuto;
   // cudaStream_t for CUDA calls (nullptr = the legacy default stream).
   void* stream = nullptr;
-  // CPU backend threads; 0 = the OpenMP default. (The CPU backend's instruction-set path is
-  // chosen once per process by cpuid, or by FLASHATTN_CPU_ISA = avx2 | avx512bf16; on
-  // avx512bf16, bf16 calls round P and dS to bf16 before their products as the CUDA kernels
-  // do: docs/semantics.md, "CPU backend: instruction-set paths".)
+  // CPU backend threads; 0 = the OpenMP default (omp_get_max_threads()). The forward and
+  // the KV-cache append run on the calling thread plus helpers of a process-wide pool
+  // (src/cpu/pool.hpp; helpers poll for work between calls as OMP_WAIT_POLICY says) and
+  // return when their tasks are done, without waiting for helpers that woke too late to
+  // take one; the backward uses OpenMP teams. Results do not depend on the thread count,
+  // except through the automatic split-KV count (num_splits = 0), which follows it. (The
+  // CPU backend's instruction-set path is chosen once per process by cpuid, or by
+  // FLASHATTN_CPU_ISA = avx2 | avx512bf16; on avx512bf16, bf16 calls round P and dS to bf16
+  // before their products as the CUDA kernels do: docs/semantics.md, "CPU backend:
+  // instruction-set paths".)
   int num_threads = 0;
   // CUDA: the kernel family (kAuto: the environment variable FLASHATTN_KERNEL_FAMILY =
   // auto | sm80 | sm90 if set, else the best for the GPU).

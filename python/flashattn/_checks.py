@@ -27,12 +27,14 @@ def check_rank(function: str, argument: str, t, rank: int, layout: str) -> None:
     sees the call); layout names the dimensions."""
     if t is None:
         return
-    if t.dim() != rank:
+    shape = t.shape
+    if len(shape) != rank:
         raise invalid(function, argument, f"rank {rank} {layout}",
                       f"rank {t.dim()} (shape {shape_text(t)})")
-    for i, n in enumerate(t.shape):
-        if n > INT32_MAX:
-            raise invalid(function, argument, f"shape[{i}] < 2^31", int(n))
+    if rank and max(shape) > INT32_MAX:  # (one C-level pass on the hot path)
+        for i, n in enumerate(shape):
+            if n > INT32_MAX:
+                raise invalid(function, argument, f"shape[{i}] < 2^31", int(n))
 
 
 def check_head_dim(function: str, argument: str, t) -> None:
@@ -44,9 +46,15 @@ def check_head_dim(function: str, argument: str, t) -> None:
 def check_device(function: str, q, **tensors) -> None:
     """Every tensor given (None skipped) on q's device: the fake implementations and the
     library would otherwise see tensors on two devices (a CPU q with meta k and v)."""
-    for name, t in tensors.items():
-        if t is not None and t.device != q.device:
-            raise invalid(function, name, f"a tensor on {q.device} (the device of q)",
+    check_devices(function, q, tensors.items())
+
+
+def check_devices(function: str, q, named) -> None:
+    """check_device over (name, tensor or None) pairs (no keyword dict on the hot path)."""
+    device = q.device
+    for name, t in named:
+        if t is not None and t.device != device:
+            raise invalid(function, name, f"a tensor on {device} (the device of q)",
                           f"a tensor on {t.device}")
 
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from . import _C
 from ._C import UnsupportedError
-from ._checks import check_device, check_head_dim, check_rank, invalid
+from ._checks import check_device, check_devices, check_head_dim, check_rank, invalid
 
 _U64 = (1 << 64) - 1
 
@@ -83,7 +83,8 @@ def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
     16-byte aligned data and rows (strides multiple of 8 elements). Copies otherwise."""
     if t is None:
         return None
-    t = t.detach()
+    if t.requires_grad:  # (a tensor that needs none is already the view: no new object)
+        t = t.detach()
     if t.dim() == 0:
         return t
     ok = t.stride(-1) == 1
@@ -99,6 +100,16 @@ def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
     fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     fresh.copy_(t)
     return fresh
+
+
+def _detached(t: Tensor) -> Tensor:
+    """t, detached when it requires grad (no copy)."""
+    return t.detach() if t.requires_grad else t
+
+
+def _arg(t: Optional[Tensor]):
+    """An optional tensor argument for the binding: None, or _dl(_prepare(t))."""
+    return None if t is None else _dl(_prepare(t))
 
 
 def _options(
@@ -211,11 +222,13 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
     check_head_dim(fn, "v_cache", v_cache)
-    check_device(fn, q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
-                 block_table=block_table, cache_batch_idx=cache_batch_idx, k_new=k_new,
-                 v_new=v_new, alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
-                 tree_mask=tree_mask, learnable_sink=learnable_sink, qv=qv,
-                 cache_leftpad=cache_leftpad)
+    check_devices(fn, q, (("k_cache", k_cache), ("v_cache", v_cache),
+                          ("cache_seqlens", cache_seqlens), ("block_table", block_table),
+                          ("cache_batch_idx", cache_batch_idx), ("k_new", k_new),
+                          ("v_new", v_new), ("alibi_slopes", alibi_slopes), ("k_scale", k_scale),
+                          ("v_scale", v_scale), ("tree_mask", tree_mask),
+                          ("learnable_sink", learnable_sink), ("qv", qv),
+                          ("cache_leftpad", cache_leftpad)))
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -838,13 +851,11 @@ def _kvcache_fwd(
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
                     softcap, 0.0, False, learnable_sink, qv=qv)
     # The caches are written in place: they go as they are (no copy).
-    _C.kvcache_forward(_dl(_prepare(q)), _dl(k_cache.detach()), _dl(v_cache.detach()),
-                       _dl(_prepare(cache_seqlens)), _dl(_prepare(block_table)),
-                       _dl(_prepare(cache_batch_idx)), _dl(_prepare(k_new)),
-                       _dl(_prepare(v_new)), num_splits, _dl(out), _dl(lse), None, **opts,
-                       k_scale=_dl(_prepare(k_scale)), v_scale=_dl(_prepare(v_scale)),
-                       tree_mask=_dl(_prepare(tree_mask)),
-                       cache_leftpad=_dl(_prepare(cache_leftpad)))
+    _C.kvcache_forward(_dl(_prepare(q)), _dl(_detached(k_cache)), _dl(_detached(v_cache)),
+                       _dl(_prepare(cache_seqlens)), _arg(block_table), _arg(cache_batch_idx),
+                       _arg(k_new), _arg(v_new), num_splits, _dl(out), _dl(lse), None, **opts,
+                       k_scale=_arg(k_scale), v_scale=_arg(v_scale), tree_mask=_arg(tree_mask),
+                       cache_leftpad=_arg(cache_leftpad))
     return out, lse
 
 

@@ -21,6 +21,7 @@
 #include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/pool.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -84,6 +85,32 @@ struct TaskRows {
   int i_end() const { return packed ? i0 + 1 : i0 + rows; }  // one past the last query index
 };
 
+// Offsets of the key / value rows j of (sequence b, KV head g), walked in increasing j: the
+// full FwdParams::k_offset / v_offset (cache row or block table lookup, clamps, left
+// padding) once per run of rows that are contiguous in memory (the whole sequence for
+// dense and varlen tensors, a block of a paged cache), then a row stride per key.
+class KvRowWalk {
+ public:
+  KvRowWalk(const FwdParams& p, int b, int g) : p_(p), b_(b), g_(g) {}
+  // Offsets (elements) of key j; calls must come with j increasing.
+  void at(std::int64_t j, std::int64_t& k_off, std::int64_t& v_off) {
+    if (j >= end_ || j < start_) {
+      start_ = j;
+      end_ = p_.block_table ? (j / p_.block_size + 1) * p_.block_size
+                            : std::numeric_limits<std::int64_t>::max();
+      k0_ = p_.k_offset(b_, j, g_);
+      v0_ = p_.v_offset(b_, j, g_);
+    }
+    k_off = k0_ + (j - start_) * p_.k_row_stride;
+    v_off = v0_ + (j - start_) * p_.v_row_stride;
+  }
+
+ private:
+  const FwdParams& p_;
+  const int b_, g_;
+  std::int64_t start_ = 0, end_ = 0, k0_ = 0, v0_ = 0;
+};
+
 // Whether the scores S = Q K^T run as bf16 dot products (Isa::kAvx512Bf16, bf16 q, k, v):
 // the tile then keeps q and the key block as raw bf16 words (q16, kp) instead of fp32.
 bool bf16_scores(const FwdParams& p) {
@@ -120,17 +147,20 @@ struct ForwardTile {
   std::vector<std::uint32_t> vp;    // [kBlockN / 2][dvp] value rows in pairs (pack_value_pairs)
   std::vector<const std::uint16_t*> value_rows;  // [kBlockN]
 
-  ForwardTile(int score_dim, int value_dim, bool bf16)
+  // Buffers a call does not use are left empty (no allocation, no zeroing: a decode call
+  // spent a fifth of its fixed time clearing them): q, kt, k, v with bf16 scores, keep
+  // without dropout.
+  ForwardTile(int score_dim, int value_dim, bool bf16, bool dropout)
       : d(score_dim),
         dp(padded_dim<T>(score_dim)),
         dv(value_dim),
         dvp(padded_dim<T>(value_dim)),
-        q(std::size_t(kBlockM) * dp),
-        kt(std::size_t(score_dim) * kBlockN),
-        k(std::size_t(kBlockN) * dp),
-        v(std::size_t(kBlockN) * dvp),
+        q(bf16 ? 0 : std::size_t(kBlockM) * dp),
+        kt(bf16 ? 0 : std::size_t(score_dim) * kBlockN),
+        k(bf16 ? 0 : std::size_t(kBlockN) * dp),
+        v(bf16 ? 0 : std::size_t(kBlockN) * dvp),
         s(std::size_t(kBlockM) * kBlockN),
-        keep(std::size_t(kBlockM) * kBlockN),
+        keep(dropout ? std::size_t(kBlockM) * kBlockN : 0),
         acc(std::size_t(kBlockM) * dvp),
         row_max(kBlockM),
         row_sum(kBlockM),
@@ -205,14 +235,17 @@ class Forward {
                     const std::uint8_t* used) const {
     const auto* k = static_cast<const std::uint16_t*>(p_.k);
     const auto* v = static_cast<const std::uint16_t*>(p_.v);
+    KvRowWalk walk(p_, b, g);
     for (int j = 0; j < n; ++j) {
       if (used != nullptr && !used[j]) {
         t.key_rows[j] = nullptr;
         t.value_rows[j] = nullptr;
         continue;
       }
-      const std::uint16_t* krow = k + p_.k_offset(b, j0 + j, g);
-      const std::uint16_t* vsrc = v + p_.v_offset(b, j0 + j, g);
+      std::int64_t k_off, v_off;
+      walk.at(j0 + j, k_off, v_off);
+      const std::uint16_t* krow = k + k_off;
+      const std::uint16_t* vsrc = v + v_off;
       if (p_.qv) {
         std::uint16_t* row = &t.k16[std::size_t(j) * t.d];
         std::memcpy(row, krow, sizeof(std::uint16_t) * std::size_t(p_.d));
@@ -256,6 +289,7 @@ class Forward {
     const S* v = static_cast<const S*>(p_.v);
     // Rows converted with unit stride, then one blocked transpose into kt. With qv each
     // key row is [k | v] (the value takes part in the score).
+    KvRowWalk walk(p_, b, g);
     for (int j = 0; j < n; ++j) {
       T* krow = &t.k[std::size_t(j) * t.dp];
       T* vrow = &t.v[std::size_t(j) * t.dvp];
@@ -264,13 +298,15 @@ class Forward {
         if (with_v) std::fill(vrow, vrow + t.dvp, T(0));
         continue;
       }
+      std::int64_t k_off, v_off;
+      walk.at(j0 + j, k_off, v_off);
       if (p_.qv) {
-        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), p_.d, p_.d);
-        load_row<E>(krow + p_.d, v + p_.v_offset(b, j0 + j, g), p_.d_v, t.dp - p_.d);
+        load_row<E>(krow, k + k_off, p_.d, p_.d);
+        load_row<E>(krow + p_.d, v + v_off, p_.d_v, t.dp - p_.d);
       } else {
-        load_row<E>(krow, k + p_.k_offset(b, j0 + j, g), t.d, t.dp);
+        load_row<E>(krow, k + k_off, t.d, t.dp);
       }
-      if (with_v) load_row<E>(vrow, v + p_.v_offset(b, j0 + j, g), t.dv, t.dvp);
+      if (with_v) load_row<E>(vrow, v + v_off, t.dv, t.dvp);
     }
     transpose<T>(t.k.data(), t.dp, n, t.d, t.kt.data(), kBlockN);
     for (int c = 0; c < t.d; ++c)
@@ -559,11 +595,13 @@ class Forward {
                  p_.h_q + h;
     };
 
-#pragma omp parallel num_threads(team_size(p_.num_threads))
-    {
-      ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_);
-#pragma omp for schedule(dynamic)
-      for (std::int64_t task = 0; task < attend_tasks * splits; ++task) {
+    // Workers (cpu/pool.hpp): the caller starts on the tasks at once and returns when they
+    // are done, without waiting for helpers that wake after the last task was claimed.
+    const int threads = team_size(p_.num_threads);
+    TaskQueue attend_queue(attend_tasks * splits);
+    auto attend_body = [&](TaskQueue& queue) {
+      ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_, p_.rng.threshold != 0u);
+      for (std::int64_t task; (task = queue.next()) >= 0;) {
         const int split = static_cast<int>(task % splits);
         const std::int64_t row_task = task / splits;
         const int qb = static_cast<int>(row_task % qblocks);
@@ -604,45 +642,50 @@ class Forward {
         }
         if (splits == 1 && p_.probs) write_probs(t, b, rs.h0, i0, rows, s_q, s_k, width);  // never packed
       }
+    };
+    run_workers(attend_queue, threads, attend_body);
+    if (splits == 1) return;
 
-      if (splits > 1) {
-        std::vector<T> merged(p_.d_v);
-#pragma omp for schedule(dynamic)
-        for (std::int64_t row_task = 0; row_task < row_tasks; ++row_task) {
-          const int qb = static_cast<int>(row_task % qblocks);
-          const int h = static_cast<int>(row_task / qblocks % p_.h_q);
-          const int b = static_cast<int>(row_task / qblocks / p_.h_q);
-          const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
-          const int i0 = qb * kBlockM;
-          if (i0 >= s_q) continue;
-          const int rows = std::min(kBlockM, s_q - i0);
-          const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
-          for (int r = 0; r < rows; ++r) {
-            const std::int64_t pr0 = part_row(0, b, h, i0 + r);
-            const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
-            // With a sink, the merge weights are taken against the lse that includes it.
-            const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
-            std::fill(merged.begin(), merged.end(), T(0));
-            if (keys_lse != -static_cast<T>(INFINITY)) {
-              for (int s = 0; s < splits; ++s) {
-                const std::int64_t pr = pr0 + s * split_stride;
-                const T w = semantics::merge_weight<T>(lse_part[pr], lse);
-                if (w == T(0)) continue;
-                const T* o = o_part + pr * p_.d_v;
-                for (int c = 0; c < p_.d_v; ++c) merged[c] += w * o[c];
-              }
+    // The merge, after every partial is written (run_workers returned).
+    TaskQueue merge_queue(row_tasks);
+    auto merge_body = [&](TaskQueue& queue) {
+      ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_, p_.rng.threshold != 0u);
+      std::vector<T> merged(p_.d_v);
+      for (std::int64_t row_task; (row_task = queue.next()) >= 0;) {
+        const int qb = static_cast<int>(row_task % qblocks);
+        const int h = static_cast<int>(row_task / qblocks % p_.h_q);
+        const int b = static_cast<int>(row_task / qblocks / p_.h_q);
+        const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+        const int i0 = qb * kBlockM;
+        if (i0 >= s_q) continue;
+        const int rows = std::min(kBlockM, s_q - i0);
+        const std::int64_t split_stride = std::int64_t(p_.batch) * p_.seqlen_q * p_.h_q;
+        for (int r = 0; r < rows; ++r) {
+          const std::int64_t pr0 = part_row(0, b, h, i0 + r);
+          const T keys_lse = semantics::merged_lse<T>(lse_part + pr0, splits, split_stride);
+          // With a sink, the merge weights are taken against the lse that includes it.
+          const T lse = semantics::lse_with_sink<T>(keys_lse, sink_of(h));
+          std::fill(merged.begin(), merged.end(), T(0));
+          if (keys_lse != -static_cast<T>(INFINITY)) {
+            for (int s = 0; s < splits; ++s) {
+              const std::int64_t pr = pr0 + s * split_stride;
+              const T w = semantics::merge_weight<T>(lse_part[pr], lse);
+              if (w == T(0)) continue;
+              const T* o = o_part + pr * p_.d_v;
+              for (int c = 0; c < p_.d_v; ++c) merged[c] += w * o[c];
             }
-            store_out_row(b, h, i0 + r, merged.data(), T(1));
-            store_lse(b, h, i0 + r, lse);
-            t.lse[r] = lse;
           }
-          if (p_.probs) {
-            load_q(t, b, TaskRows{h, i0, rows, false});
-            write_probs(t, b, h, i0, rows, s_q, s_k, width);
-          }
+          store_out_row(b, h, i0 + r, merged.data(), T(1));
+          store_lse(b, h, i0 + r, lse);
+          t.lse[r] = lse;
+        }
+        if (p_.probs) {
+          load_q(t, b, TaskRows{h, i0, rows, false});
+          write_probs(t, b, h, i0, rows, s_q, s_k, width);
         }
       }
-    }
+    };
+    run_workers(merge_queue, threads, merge_body);
   }
 
  private:

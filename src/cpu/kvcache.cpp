@@ -4,9 +4,12 @@
 // through cache_batch_idx when it is dense. When the cache has the dtype of k_new /
 // v_new each (b, r, head) row is a plain byte copy; an fp8 cache stores
 // semantics::quantize_e4m3(x, scale) with the scale of the destination (block, head).
+// The rows are tasks of run_workers (cpu/pool.hpp): a decode step's append (a few rows)
+// does not wait for a thread team to wake.
 #include <cstring>
 
 #include "core/backend.hpp"
+#include "cpu/pool.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -23,26 +26,31 @@ void append_fp8(const AppendParams& p) {
   auto* v_cache = static_cast<std::uint8_t*>(const_cast<void*>(c.v));
   const auto* k_new = static_cast<const S*>(p.k_new);
   const auto* v_new = static_cast<const S*>(p.v_new);
-#pragma omp parallel for schedule(static) num_threads(team_size(c.num_threads))
-  for (std::int64_t row = 0; row < rows; ++row) {
-    const int b = static_cast<int>(row / p.seqlen_new);
-    const int r = static_cast<int>(row % p.seqlen_new);
-    // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
-    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
-    const std::int64_t block = c.kv_block(b, j);
-    for (int g = 0; g < p.h_k; ++g) {
-      const S* kn = k_new + std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
-                    std::int64_t(g) * p.kn_head_stride;
-      const S* vn = v_new + std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
-                    std::int64_t(g) * p.vn_head_stride;
-      const float ks = c.k_scale[block * c.scale_block_stride + g];
-      const float vs = c.v_scale[block * c.scale_block_stride + g];
-      std::uint8_t* kd = k_cache + c.k_offset(b, j, g);
-      std::uint8_t* vd = v_cache + c.v_offset(b, j, g);
-      for (int e = 0; e < p.d; ++e) kd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(kn[e])), ks);
-      for (int e = 0; e < p.d_v; ++e) vd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(vn[e])), vs);
+  TaskQueue queue(rows);
+  auto body = [&](TaskQueue& q) {
+    for (std::int64_t row; (row = q.next()) >= 0;) {
+      const int b = static_cast<int>(row / p.seqlen_new);
+      const int r = static_cast<int>(row % p.seqlen_new);
+      // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
+      const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
+      const std::int64_t block = c.kv_block(b, j);
+      for (int g = 0; g < p.h_k; ++g) {
+        const S* kn = k_new + std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
+                      std::int64_t(g) * p.kn_head_stride;
+        const S* vn = v_new + std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
+                      std::int64_t(g) * p.vn_head_stride;
+        const float ks = c.k_scale[block * c.scale_block_stride + g];
+        const float vs = c.v_scale[block * c.scale_block_stride + g];
+        std::uint8_t* kd = k_cache + c.k_offset(b, j, g);
+        std::uint8_t* vd = v_cache + c.v_offset(b, j, g);
+        for (int e = 0; e < p.d; ++e)
+          kd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(kn[e])), ks);
+        for (int e = 0; e < p.d_v; ++e)
+          vd[e] = semantics::quantize_e4m3(static_cast<float>(E::load(vn[e])), vs);
+      }
     }
-  }
+  };
+  run_workers(queue, team_size(c.num_threads), body);
 }
 
 }  // namespace
@@ -63,21 +71,24 @@ void append_kv(const AppendParams& p) {
   auto* v_cache = static_cast<unsigned char*>(const_cast<void*>(c.v));
   const auto* k_new = static_cast<const unsigned char*>(p.k_new);
   const auto* v_new = static_cast<const unsigned char*>(p.v_new);
-#pragma omp parallel for schedule(static) num_threads(team_size(c.num_threads))
-  for (std::int64_t row = 0; row < rows; ++row) {
-    const int b = static_cast<int>(row / p.seqlen_new);
-    const int r = static_cast<int>(row % p.seqlen_new);
-    // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
-    const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
-    for (int g = 0; g < p.h_k; ++g) {
-      const std::int64_t kn = std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
-                              std::int64_t(g) * p.kn_head_stride;
-      const std::int64_t vn = std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
-                              std::int64_t(g) * p.vn_head_stride;
-      std::memcpy(k_cache + c.k_offset(b, j, g) * elem, k_new + kn * elem, row_bytes);
-      std::memcpy(v_cache + c.v_offset(b, j, g) * elem, v_new + vn * elem, v_row_bytes);
+  TaskQueue queue(rows);
+  auto body = [&](TaskQueue& q) {
+    for (std::int64_t row; (row = q.next()) >= 0;) {
+      const int b = static_cast<int>(row / p.seqlen_new);
+      const int r = static_cast<int>(row % p.seqlen_new);
+      // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
+      const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
+      for (int g = 0; g < p.h_k; ++g) {
+        const std::int64_t kn = std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
+                                std::int64_t(g) * p.kn_head_stride;
+        const std::int64_t vn = std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
+                                std::int64_t(g) * p.vn_head_stride;
+        std::memcpy(k_cache + c.k_offset(b, j, g) * elem, k_new + kn * elem, row_bytes);
+        std::memcpy(v_cache + c.v_offset(b, j, g) * elem, v_new + vn * elem, v_row_bytes);
+      }
     }
-  }
+  };
+  run_workers(queue, team_size(c.num_threads), body);
 }
 
 }  // namespace flashattn::detail::cpu

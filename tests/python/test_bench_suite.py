@@ -685,3 +685,35 @@ def test_measure_cell_records_how_it_was_timed(seed):
     pool = torch.randn(2, 4, 2 * 8 * 2 * 16, dtype=torch.float32)
     r = suite.measure_cell(torch, impls, timer, pool, "flashattn", "fwd", 2, 8, 2, 16, True, 2)
     assert r[0] == "ok" and r[3] == "CUDA graph, 6 calls per replay"
+
+
+def test_cpu_decode_grid_follows_dtypes_and_runs_each(seed):
+    import suite  # noqa: PLC0415
+    ap = suite.build_parser()
+    assert suite.decode_grid(ap.parse_args([]), cpu=True)["dtypes"] == ("fp32", "bf16")
+    assert suite.decode_grid(ap.parse_args(["--dtypes", "bf16"]), cpu=True)["dtypes"] == ("bf16",)
+    # The GPU grid stays bf16 whatever the standard grid's dtypes.
+    assert suite.decode_dtypes(suite.decode_grid(ap.parse_args(["--dtypes", "fp16"]), cpu=False)) \
+        == ("bf16",)
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("flashattn")
+    torch.manual_seed(seed)
+    impls = suite.Impls(torch, cpu=True)
+    timer = suite.Timer(torch, True, budget_ms=2.0, min_reps=2, max_reps=3)
+    args = ap.parse_args(["--cpu", "--dtypes", "bf16,fp32"])
+    args.sets = 2
+    cfg = dict(suite.decode_grid(args, cpu=True), contexts=(67, 130))
+
+    class NoProgress:
+        def update(self, _):
+            pass
+    rows = []
+    suite.run_decode(torch, impls, timer, cfg, True, args, rows, NoProgress())
+    assert {(r["dtype"], r["seqlen"], r["impl"]) for r in rows} == {
+        (dt, s, i) for dt in ("bf16", "fp32") for s in (67, 130) for i in ("flashattn", "sdpa_cpu")}
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        assert "interleaved rounds" in r["note"]
+    _, body = _parse(R.decode_table(rows))
+    assert [row[:2] for row in body] == [["bf16", "67"], ["bf16", "130"], ["fp32", "67"],
+                                         ["fp32", "130"]]
