@@ -162,10 +162,10 @@ struct Options {
   // undefined = 1. Must be undefined unless q is float8_e4m3. With fp8 q, k, v, `out` is
   // bfloat16 or float16 (the caller's out tensor picks; FlashAttention-3 defaults to
   // bfloat16) and lse fp32; the CPU backend dequantizes while loading tiles, computes in
-  // fp32 and rounds the output once. Forward entry points forward and varlen_forward only:
-  // backward / varlen_backward (no fp8 backward, as in FlashAttention-3), kvcache_forward
-  // (an fp8 cache takes 16-bit q with k_scale / v_scale) and CUDA tensors (for now) decline
-  // fp8 q with Unsupported naming q; no qv with fp8 q.
+  // fp32 and rounds the output once. Forward entry points forward, varlen_forward and
+  // kvcache_forward (fp8 q over an fp8 cache: see KVCacheArgs); backward / varlen_backward
+  // (no fp8 backward, as in FlashAttention-3) and CUDA tensors (for now) decline fp8 q with
+  // Unsupported naming q; no qv with fp8 q.
   Tensor q_descale, k_descale, v_descale;
 };
 
@@ -250,8 +250,16 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 //   k_scale, v_scale  [h_k]             one scale per KV head, or
 //                     [cache_rows, h_k] one per (block, KV head); cache_rows = k_cache.shape[0]
 //                                       (num_blocks when paged, b_cache when dense),
-// both of one layout. Scales are required for an fp8 cache and must be undefined
-// otherwise. k_new / v_new are quantized into the cache on append with the scale of the
+// both of one layout. Scales are required for an fp8 cache under 16-bit q and must be
+// undefined otherwise.
+//
+// fp8 q (FlashAttention-3's fp8 decode): q, k_cache, v_cache (and k_new, v_new) all
+// float8_e4m3, dequantized by Options::q_descale / k_descale / v_descale fp32 [b, h_k]
+// (undefined = 1): key j of sequence i, KV head g is float(e4m3) * k_descale[i][g]
+// whatever block or cache row holds it (a block shared by two sequences is read under each
+// one's descale); k_new / v_new are appended as bytes. k_scale / v_scale must be undefined,
+// a 16-bit cache is an InvalidArgument naming k_cache; out bfloat16 / float16. CPU backend
+// only (CUDA: Unsupported naming q). k_new / v_new are quantized into the cache on append with the scale of the
 // destination (block, head): e4m3(float(x) / scale), fp32 quotient, round to nearest
 // even, saturating at +-448 (NaN -> 0x7F); see semantics::quantize_e4m3.
 //

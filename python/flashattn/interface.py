@@ -540,7 +540,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False, *, k_scale=None, v_scale=None,
-                            tree_mask=None, learnable_sink=None, qv=None):
+                            tree_mask=None, learnable_sink=None, qv=None, q_descale=None,
+                            k_descale=None, v_descale=None, out_dtype=torch.bfloat16):
     """Attention of q [b, s_q, h_q, d] against a KV cache, flash_attn's decoding call.
 
     k_cache, v_cache: [b_cache, s_cache, h_k, d], or [num_blocks, block_size, h_k, d] with
@@ -568,6 +569,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     appended k, v (q's dtype) are stored as e4m3(x / scale), round to nearest even,
     saturating at +-448.
 
+    fp8 q (FlashAttention-3's call): q, k_cache, v_cache (and k, v) of dtype
+    torch.float8_e4m3fn with q_descale, k_descale, v_descale fp32 [b, h_k] (None = 1), one
+    per (sequence, KV head): q's element means float(e4m3) * q_descale[b, KV head of its
+    query head], a cached key or value of sequence b float(e4m3) * k_descale[b, g] /
+    v_descale[b, g] whatever block or cache row holds it; k, v are appended as bytes.
+    out in out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); lse fp32. Not
+    with k_scale / v_scale (those are for an fp8 cache under 16-bit q), rotary_cos /
+    rotary_sin (rotate before quantizing) or qv. CPU tensors only for now (CUDA tensors:
+    UnsupportedError naming q).
+
     tree_mask (speculative decoding): int32 [b, s_q, ceil(s_q / 32)]; the last s_q keys
     of each sequence are the draft tokens and query i sees draft t only when bit t % 32 of
     tree_mask[b, i, t // 32] is set (and-ed with causal / window_size).
@@ -593,6 +604,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                     ("qv", qv)):
         check_rank(fn, name, t, 4, "[b, s, h, d]")
     check_rank(fn, "block_table", block_table, 2, "[b, max_blocks_per_seq]")
+    fp8 = _fp8_requested(q, (q_descale, k_descale, v_descale))
+    if fp8:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if t is not None:
+                raise invalid(fn, name, "None with float8_e4m3fn q (rotate q and k before "
+                              "quantizing them to fp8)", f"a tensor of shape {shape_text(t)}",
+                              cls=UnsupportedError)
+        out_dtype = _fp8_out_dtype(fn, q, out_dtype)
+        if q.dtype != torch.float8_e4m3fn:
+            out_dtype = None  # descales without fp8 q: the library names the descale
+    else:
+        out_dtype = None
     if (isinstance(qv, Tensor) and qv.requires_grad and torch.is_grad_enabled()):
         # kvcache_fwd has no backward; for qv say so before the call (FlashAttention-3's qv
         # has no backward either).
@@ -630,7 +653,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
     d = q.shape[-1]
-    d8 = 0 if qv is not None else _padded_head_dim(q, k_cache, v_cache)
+    # fp8 q goes as it is (no padding, no left-padding emulation): on CUDA tensors the
+    # library declines it naming q.
+    d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache)
     if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
         d8 = 0  # the library names the mismatch
     if d8:
@@ -640,7 +665,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k, v = _pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8)
         k_cache, v_cache = _padded_copy(k_cache, d8), _padded_copy(v_cache, d8)
         cache_padded = (k_cache, v_cache)
-    if cache_leftpad is not None and block_table is None and _cuda_path(q):
+    if cache_leftpad is not None and block_table is None and _cuda_path(q) and not fp8:
         # The CUDA kernels have no left padding: the same keys as a paged cache of block
         # size 1 (one block per cache row slot, sequence i's table starting at its row's
         # slot cache_leftpad[i]), which they run exactly. Rotary positions above stay the
@@ -652,7 +677,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = _call(ops.kvcache_fwd, q, k_cache, v_cache, cache_seqlens, block_table,
                         cache_batch_idx, k, v, alibi_slopes, scale,
                         bool(causal), left, right, float(softcap), int(num_splits), k_scale,
-                        v_scale, tree_mask, _sink(fn, learnable_sink), qv, cache_leftpad)
+                        v_scale, tree_mask, _sink(fn, learnable_sink), qv, cache_leftpad,
+                        q_descale, k_descale, v_descale, out_dtype)
     if d8:
         out = out[..., :d]
         if k is not None:

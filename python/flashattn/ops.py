@@ -215,7 +215,8 @@ def _check_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slop
 
 def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink=None,
-                   qv=None, cache_leftpad=None):
+                   qv=None, cache_leftpad=None, q_descale=None, k_descale=None,
+                   v_descale=None):
     fn = "flashattn::kvcache_fwd"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new), ("qv", qv)):
@@ -228,7 +229,8 @@ def _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_
                           ("v_new", v_new), ("alibi_slopes", alibi_slopes), ("k_scale", k_scale),
                           ("v_scale", v_scale), ("tree_mask", tree_mask),
                           ("learnable_sink", learnable_sink), ("qv", qv),
-                          ("cache_leftpad", cache_leftpad)))
+                          ("cache_leftpad", cache_leftpad), ("q_descale", q_descale),
+                          ("k_descale", k_descale), ("v_descale", v_descale)))
 
 
 def _sink_grad_output(q: Tensor, h_q: int, learnable_sink: Optional[Tensor]) -> Tensor:
@@ -833,6 +835,10 @@ def _kvcache_fwd(
     learnable_sink: Optional[Tensor] = None,
     qv: Optional[Tensor] = None,
     cache_leftpad: Optional[Tensor] = None,
+    q_descale: Optional[Tensor] = None,
+    k_descale: Optional[Tensor] = None,
+    v_descale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> tuple[Tensor, Tensor]:
     """(out [b, s_q, h_q, d_v], lse [b, h_q, s_q] fp32). k_new/v_new are written into the
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
@@ -841,12 +847,15 @@ def _kvcache_fwd(
     learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA, CPU only for
     now) adds qv . v to every score (softmax_scale is given: the interface's default with
     qv is 1/sqrt(d + d_v)); cache_leftpad int32 [b] (dense caches): sequence i's keys are
-    cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1."""
+    cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1. fp8 q (FlashAttention-3's
+    call): q, k_cache, v_cache, k_new, v_new float8_e4m3fn with q_descale / k_descale /
+    v_descale fp32 [b, h_k] (None = 1; no k_scale / v_scale), out in out_dtype (bfloat16
+    when None, or float16); CPU only for now."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv,
-                   cache_leftpad)
+                   cache_leftpad, q_descale, k_descale, v_descale)
     b, s_q, h_q, _ = q.shape
-    out = _with_head_dim(q, v_cache)
+    out = _kvcache_out(q, v_cache, out_dtype)
     lse = _empty((b, h_q, s_q), q, torch.float32)
     opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
                     softcap, 0.0, False, learnable_sink, qv=qv)
@@ -855,8 +864,18 @@ def _kvcache_fwd(
                        _dl(_prepare(cache_seqlens)), _arg(block_table), _arg(cache_batch_idx),
                        _arg(k_new), _arg(v_new), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_arg(k_scale), v_scale=_arg(v_scale), tree_mask=_arg(tree_mask),
-                       cache_leftpad=_arg(cache_leftpad))
+                       cache_leftpad=_arg(cache_leftpad), q_descale=_arg(q_descale),
+                       k_descale=_arg(k_descale), v_descale=_arg(v_descale))
     return out, lse
+
+
+def _kvcache_out(q: Tensor, v_cache: Tensor, out_dtype: Optional[torch.dtype]) -> Tensor:
+    """out [b, s_q, h_q, d_v]: q's dtype, or for fp8 q out_dtype (None: bfloat16, as in
+    FlashAttention-3); the library checks the dtype."""
+    if q.dtype != torch.float8_e4m3fn:
+        return _with_head_dim(q, v_cache)
+    dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    return torch.empty(tuple(q.shape[:-1]) + (v_cache.shape[-1],), dtype=dtype, device=q.device)
 
 
 kvcache_fwd = _register(
@@ -869,9 +888,9 @@ kvcache_fwd = _register(
 def _(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new, v_new,
       alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, num_splits,
       k_scale=None, v_scale=None, tree_mask=None, learnable_sink=None, qv=None,
-      cache_leftpad=None):
+      cache_leftpad=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv,
-                   cache_leftpad)
+                   cache_leftpad, q_descale, k_descale, v_descale)
     b, s_q, h_q, _ = q.shape
-    return _with_head_dim(q, v_cache), _empty((b, h_q, s_q), q, torch.float32)
+    return _kvcache_out(q, v_cache, out_dtype), _empty((b, h_q, s_q), q, torch.float32)

@@ -409,6 +409,7 @@ void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<f
   p.k_scale = storage.data() + n;
   p.v_scale = storage.data() + 2 * n;
   p.scale_block_stride = p.h_k;
+  p.scale_by_sequence = true;
 }
 
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,

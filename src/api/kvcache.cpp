@@ -32,7 +32,8 @@ struct CacheDims {
   int cache_rows;  // b_cache (dense) or num_blocks (paged): k_cache.shape[0]
   int block_size;  // paged: k_cache.shape[1]
   int capacity;    // keys one sequence can hold: s_cache or max_blocks * block_size
-  bool fp8;              // float8_e4m3 cache with k_scale / v_scale
+  bool fp8;              // float8_e4m3 cache with k_scale / v_scale (16-bit, fp32, fp64 q)
+  bool fp8_q;            // float8_e4m3 q and cache with opts.q/k/v_descale [b, h_k] (FA3)
   bool scale_per_block;  // scales [cache_rows, h_k] (else [h_k])
 };
 
@@ -74,9 +75,6 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
   const Tensor& q = a.q;
   c.rank("q", q, 4, "[b, s_q, h_q, d]");
   c.layout("q", q);
-  detail::api::reject_fp8(c, opts, q,
-                          "fp8 q is not supported by the KV-cache entry point yet; an fp8 "
-                          "cache takes float16 / bfloat16 q with k_scale / v_scale");
   detail::api::check_query_heads(c, q, 2);
   const std::int64_t b = q.shape[0], h_q = q.shape[2], d = q.shape[3];
   const bool paged = a.block_table.defined();
@@ -86,8 +84,16 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
   c.layout("k_cache", a.k_cache);
   c.dim("k_cache", a.k_cache, 3, d, "head dim of q");
   detail::api::check_kv_heads(c, "k_cache", a.k_cache, 2, h_q);
-  const bool fp8 = a.k_cache.dtype == DType::kFloat8E4M3;
-  if (!fp8 && a.k_cache.dtype != q.dtype) {
+  const bool fp8_q = q.dtype == DType::kFloat8E4M3;
+  const bool fp8 = a.k_cache.dtype == DType::kFloat8E4M3 && !fp8_q;
+  if (fp8_q && a.k_cache.dtype != DType::kFloat8E4M3) {
+    // FlashAttention-3: q, k_cache, v_cache (and k_new, v_new) share the fp8 dtype.
+    c.fail("k_cache",
+           "dtype float8_e4m3 (q is float8_e4m3: an fp8 q takes an fp8 cache, dequantized by "
+           "opts.k_descale / v_descale, as in FlashAttention-3)",
+           dtype_name(a.k_cache.dtype));
+  }
+  if (!fp8_q && !fp8 && a.k_cache.dtype != q.dtype) {
     c.fail("k_cache",
            "dtype " + std::string(dtype_name(q.dtype)) + " (same as q) or float8_e4m3 (an fp8 cache)",
            dtype_name(a.k_cache.dtype));
@@ -98,6 +104,8 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
   c.like_head_dim("v_cache", a.v_cache, "k_cache", a.k_cache, a.v_cache.shape[3],
                   "same as k_cache but any head dim d_v");
   const std::int64_t h_k = a.k_cache.shape[2], d_v = a.v_cache.shape[3];
+  // Descales [b, h_k] only with fp8 q (FlashAttention-3), no qv with them.
+  detail::api::check_fp8(c, opts, q, detail::api::to_int(b), detail::api::to_int(h_k));
   detail::api::check_qv(c, opts, q, d_v);
 
   c.tensor("cache_seqlens", a.cache_seqlens, {b}, "[b]", DType::kInt32, q.device);
@@ -154,7 +162,18 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
                     "same as k_new but the head dim d_v of v_cache");
   }
   bool scale_per_block = false;
-  if (fp8) {
+  if (fp8_q) {
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
+                                  {"v_scale", a.v_scale}}) {
+      if (t.defined()) {
+        c.fail(name,
+               "an undefined tensor (q is float8_e4m3: the fp8 cache is dequantized by "
+               "opts.k_descale / v_descale [b, h_k], as in FlashAttention-3; k_scale / v_scale "
+               "are for an fp8 cache under float16 / bfloat16 / float32 / float64 q)",
+               "a tensor of shape " + shape_string(t));
+      }
+    }
+  } else if (fp8) {
     scale_per_block = check_scales(c, a, q.device, a.k_cache.shape[0], h_k);
   } else {
     for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"k_scale", a.k_scale},
@@ -181,7 +200,7 @@ CacheDims check_kvcache_shapes(const Check& c, const KVCacheArgs& a, const Optio
   return {to_int(b),     to_int(q.shape[1]),       to_int(h_q),     to_int(h_k),
           to_int(d),     to_int(d_v),              to_int(s_new),   paged,
           to_int(a.k_cache.shape[0]), to_int(a.k_cache.shape[1]), to_int(capacity), fp8,
-          scale_per_block};
+          fp8_q, scale_per_block};
 }
 
 // The cache slots one sequence reads as cached keys or writes by the append: slots
@@ -400,7 +419,8 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                      const Options& opts, Workspace workspace) {
   const Check c("kvcache_forward");
   const CacheDims dims = check_kvcache_shapes(c, args, opts);
-  c.like_head_dim("out", out, "q", args.q, dims.d_v, "same as q but the head dim d_v of v_cache");
+  // fp8 q: out bfloat16 / float16 (FlashAttention-3), else q's dtype.
+  detail::api::check_out(c, out, args.q, dims.d_v);
   if (lse.defined()) {
     c.tensor("lse", lse, {dims.b, dims.h_q, dims.s_q}, "[b, h_q, s_q]", DType::kFloat32,
              args.q.device);
@@ -417,7 +437,9 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                 {"opts.alibi_slopes", opts.alibi_slopes}, {"k_scale", args.k_scale},
                 {"v_scale", args.v_scale}, {"tree_mask", args.tree_mask},
                 {"cache_leftpad", args.cache_leftpad},
-                {"opts.learnable_sink", opts.learnable_sink}});
+                {"opts.learnable_sink", opts.learnable_sink},
+                {"opts.q_descale", opts.q_descale}, {"opts.k_descale", opts.k_descale},
+                {"opts.v_descale", opts.v_descale}});
   if (args.k_new.defined() && args.k_cache.numel() > 0 && args.k_cache.data == args.v_cache.data) {
     c.fail("v_cache", "memory apart from k_cache (the append writes both)",
            "the data pointer of k_cache, " + detail::api::address_string(args.v_cache.data));
@@ -435,11 +457,16 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
                              {"k_scale", args.k_scale}, {"v_scale", args.v_scale},
                              {"tree_mask", args.tree_mask},
                              {"cache_leftpad", args.cache_leftpad},
-                             {"opts.learnable_sink", opts.learnable_sink}});
+                             {"opts.learnable_sink", opts.learnable_sink},
+                             {"opts.q_descale", opts.q_descale},
+                             {"opts.k_descale", opts.k_descale},
+                             {"opts.v_descale", opts.v_descale}});
     }
   }
 
   detail::api::set_out(out, p);
+  std::vector<float> descales;  // fp8 q: the descales, read by the CPU backend
+  detail::api::set_fp8(opts, out, p, descales);
   if (lse.defined()) {
     p.lse = static_cast<float*>(lse.data);
     p.lse_batch_stride = lse.stride[0];
@@ -480,6 +507,8 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts)
   const CacheDims dims = check_kvcache_shapes(c, args, opts);
   FwdParams p;
   const Target target = check_and_fill(c, args, dims, opts, p);
+  // fp8 q computes in out's type, bfloat16 or float16: both fp32 compute, one size.
+  if (dims.fp8_q) p.dtype = DType::kBFloat16;
   return detail::api::forward_workspace_size(target, p);
 }
 

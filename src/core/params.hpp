@@ -79,17 +79,20 @@ struct FwdParams {
   // of key j of sequence b, KV head g, is e4m3 * scale[kv_block(b, j) * scale_block_stride + g]
   // (scale_block_stride is 0 for per-head scales [h_k], h_k for [cache_rows, h_k]).
   // Otherwise kv_dtype == dtype and the scales are null.
-  // fp8 (e4m3) q, k, v (Options::q_descale ..., CPU backend): q_dtype and kv_dtype are
-  // float8_e4m3, dtype is out's (float16 / bfloat16); k_scale / v_scale are the [b, h_k]
-  // descales (kv_block(b, j) = b, scale_block_stride = h_k) and query row (b, h) has the
-  // value e4m3 * q_descale[b * h_k + h / h_ratio]. Otherwise q_dtype == dtype and
-  // q_descale is null.
+  // fp8 (e4m3) q, k, v (Options::q_descale ..., CPU backend; also kvcache_forward with an
+  // fp8 cache, FlashAttention-3): q_dtype and kv_dtype are float8_e4m3, dtype is out's
+  // (float16 / bfloat16); k_scale / v_scale are the [b, h_k] descales, scale_by_sequence
+  // is set (the scale row of key j of sequence b is b, whatever block or cache row holds
+  // it; scale_block_stride = h_k) and query row (b, h) has the value
+  // e4m3 * q_descale[b * h_k + h / h_ratio]. Otherwise q_dtype == dtype and q_descale is
+  // null.
   DType q_dtype = DType::kFloat16;
   const float* q_descale = nullptr;
   DType kv_dtype = DType::kFloat16;
   const float* k_scale = nullptr;
   const float* v_scale = nullptr;
   std::int64_t scale_block_stride = 0;
+  bool scale_by_sequence = false;
 
   // Tree mask (speculative decoding), int32 words or null: query i of sequence b sees
   // draft key t (key s_k - s_q + t) only when bit t % 32 of
@@ -261,6 +264,11 @@ struct FwdParams {
   FA_HD std::int64_t kv_block(int b, std::int64_t j) const {
     if (block_table) return block_id(b, j / block_size);
     return cache_row(b);
+  }
+  // Index of the fp8 scale of key j of sequence b, KV head g, in k_scale / v_scale.
+  FA_HD std::int64_t kv_scale_index(int b, std::int64_t j, int g) const {
+    const std::int64_t row = scale_by_sequence ? std::int64_t(b) : kv_block(b, j);
+    return row * scale_block_stride + g;
   }
   // Block sparsity: the kind of the block holding (i, j) and the element rule.
   FA_HD semantics::BlockKind block_kind(int b, int h, std::int64_t i, std::int64_t j) const {

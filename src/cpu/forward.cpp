@@ -314,8 +314,9 @@ class Forward {
   }
 
   // load_kv for fp8 keys and values (an fp8 cache, or fp8 k, v with [b, h_k] descales):
-  // each e4m3 byte decoded and multiplied by the scale of its (block, KV head), value =
-  // e4m3 * scale in the compute type. Keys with used[j] == 0 are zero rows, never read.
+  // each e4m3 byte decoded and multiplied by the scale of its (block, KV head), or of its
+  // (sequence, KV head) with descales (FwdParams::kv_scale_index), value = e4m3 * scale in
+  // the compute type. Keys with used[j] == 0 are zero rows, never read.
   void load_kv_fp8(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n, bool with_v,
                    const std::uint8_t* used) const {
     const auto* k = static_cast<const std::uint8_t*>(p_.k);
@@ -326,7 +327,7 @@ class Forward {
         std::fill(&t.v[std::size_t(j) * t.dvp], &t.v[std::size_t(j) * t.dvp] + t.dvp, T(0));
         continue;
       }
-      const std::int64_t scale_at = p_.kv_block(b, j0 + j) * p_.scale_block_stride + g;
+      const std::int64_t scale_at = p_.kv_scale_index(b, j0 + j, g);
       const std::uint8_t* krow = k + p_.k_offset(b, j0 + j, g);
       const T ks = static_cast<T>(p_.k_scale[scale_at]);
       for (int c = 0; c < p_.d; ++c)

@@ -2,10 +2,11 @@
 // position cache_seqlens[b] + r (key cache_seqlens[b] - cache_leftpad[b] + r), through
 // the block table when the cache is paged and
 // through cache_batch_idx when it is dense. When the cache has the dtype of k_new /
-// v_new each (b, r, head) row is a plain byte copy; an fp8 cache stores
-// semantics::quantize_e4m3(x, scale) with the scale of the destination (block, head).
-// The rows are tasks of run_workers (cpu/pool.hpp): a decode step's append (a few rows)
-// does not wait for a thread team to wake.
+// v_new (also float8_e4m3 k_new / v_new into an fp8 cache: fp8 q, FlashAttention-3's
+// descales) each (b, r, head) row is a plain byte copy; an fp8 cache appended from 16-bit
+// (or fp32 / fp64) k_new / v_new stores semantics::quantize_e4m3(x, scale) with the scale
+// of the destination (block, head). The rows are tasks of run_workers (cpu/pool.hpp): a
+// decode step's append (a few rows) does not wait for a thread team to wake.
 #include <cstring>
 
 #include "core/backend.hpp"
@@ -33,14 +34,13 @@ void append_fp8(const AppendParams& p) {
       const int r = static_cast<int>(row % p.seqlen_new);
       // Key index of the new row (with cache_leftpad, key j is cache row leftpad + j).
       const std::int64_t j = std::int64_t(c.cache_seqlens[b]) - c.key_leftpad(b) + r;
-      const std::int64_t block = c.kv_block(b, j);
       for (int g = 0; g < p.h_k; ++g) {
         const S* kn = k_new + std::int64_t(b) * p.kn_batch_stride + std::int64_t(r) * p.kn_row_stride +
                       std::int64_t(g) * p.kn_head_stride;
         const S* vn = v_new + std::int64_t(b) * p.vn_batch_stride + std::int64_t(r) * p.vn_row_stride +
                       std::int64_t(g) * p.vn_head_stride;
-        const float ks = c.k_scale[block * c.scale_block_stride + g];
-        const float vs = c.v_scale[block * c.scale_block_stride + g];
+        const float ks = c.k_scale[c.kv_scale_index(b, j, g)];
+        const float vs = c.v_scale[c.kv_scale_index(b, j, g)];
         std::uint8_t* kd = k_cache + c.k_offset(b, j, g);
         std::uint8_t* vd = v_cache + c.v_offset(b, j, g);
         for (int e = 0; e < p.d; ++e)
@@ -57,7 +57,7 @@ void append_fp8(const AppendParams& p) {
 
 void append_kv(const AppendParams& p) {
   const FwdParams& c = p.cache;
-  if (c.kv_dtype == DType::kFloat8E4M3) {
+  if (c.kv_dtype == DType::kFloat8E4M3 && p.dtype != DType::kFloat8E4M3) {
     if (std::int64_t(p.batch) * p.seqlen_new == 0 || p.h_k == 0) return;
     dispatch_dtype(p.dtype, [&](auto e) { append_fp8<decltype(e)>(p); });
     return;

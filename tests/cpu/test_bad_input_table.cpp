@@ -221,6 +221,20 @@ void fp8_dense(Call& c) {
   c.opts.v_descale = c.pool.input(f32, {2, 2});
 }
 
+// FlashAttention-3's fp8 KV-cache call on the kvcache baseline: fp8 q, caches, k_new /
+// v_new, descales [b, h_k], out bfloat16.
+void fp8_kv(Call& c) {
+  c.ka.q = c.pool.input(f8, {2, 1, 4, 8});
+  c.ka.k_cache = c.pool.input(f8, {3, 16, 2, 8});
+  c.ka.v_cache = c.pool.input(f8, {3, 16, 2, 8});
+  c.ka.k_new = c.pool.input(f8, {2, 2, 2, 8});
+  c.ka.v_new = c.pool.input(f8, {2, 2, 2, 8});
+  c.kout = c.pool.output(bf16, {2, 1, 4, 8});
+  c.opts.q_descale = c.pool.input(f32, {2, 2});
+  c.opts.k_descale = c.pool.input(f32, {2, 2});
+  c.opts.v_descale = c.pool.input(f32, {2, 2});
+}
+
 std::vector<Row> rows() {
   using C = Call;
   return {
@@ -252,8 +266,24 @@ std::vector<Row> rows() {
        I, "opts.k_descale", "shape [3, 2]", "[2, 2]"},
       {"fp8_varlen_backward", VB, [](C& c) { c.va.q = c.pool.input(f8, {7, 4, 8}); c.va.k = c.pool.input(f8, {8, 2, 8}); c.va.v = c.pool.input(f8, {8, 2, 8}); },
        U, "q", "no backward for float8_e4m3 q, k, v", "float8_e4m3"},
-      {"fp8_kvcache_q", KV, [](C& c) { c.ka.q = c.pool.input(f8, {2, 1, 4, 8}); },
-       U, "q", "not supported by the KV-cache entry point yet", "float8_e4m3"},
+      {"fp8_kv_q_bf16_cache", KV, [](C& c) { fp8_kv(c); c.ka.k_cache = c.pool.input(bf16, {3, 16, 2, 8}); c.ka.v_cache = c.pool.input(bf16, {3, 16, 2, 8}); },
+       I, "k_cache", "dtype float8_e4m3 (q is float8_e4m3", "bfloat16"},
+      {"fp8_kv_q_with_k_scale", KV, [](C& c) { fp8_kv(c); c.ka.k_scale = c.pool.input(f32, {2}); c.ka.v_scale = c.pool.input(f32, {2}); },
+       I, "k_scale", "an undefined tensor (q is float8_e4m3", "shape [2]"},
+      {"fp8_kv_k_new_bf16", KV, [](C& c) { fp8_kv(c); c.ka.k_new = c.pool.input(bf16, {2, 2, 2, 8}); c.ka.v_new = c.pool.input(bf16, {2, 2, 2, 8}); },
+       I, "k_new", "dtype float8_e4m3 (same as q)", "bfloat16"},
+      {"fp8_kv_out_float32", KV, [](C& c) { fp8_kv(c); c.kout = c.pool.output(f32, {2, 1, 4, 8}); },
+       I, "out", "dtype bfloat16 or float16", "float32"},
+      {"fp8_kv_k_descale_b_cache", KV, [](C& c) { fp8_kv(c); c.opts.k_descale = c.pool.input(f32, {3, 2}); },
+       I, "opts.k_descale", "shape [2, 2] ([b, h_k]", "[3, 2]"},
+      {"fp8_kv_q_descale_float16", KV, [](C& c) { fp8_kv(c); c.opts.q_descale = c.pool.input(f16, {2, 2}); },
+       I, "opts.q_descale", "dtype float32", "float16"},
+      {"fp8_kv_qv", KV, [](C& c) { fp8_kv(c); c.opts.qv = c.pool.input(f8, {2, 1, 4, 8}); },
+       U, "opts.qv", "no fp8 qv", "shape [2, 1, 4, 8]"},
+      {"fp8_kv_dropout", KV, [](C& c) { fp8_kv(c); c.opts.dropout_p = 0.1f; },
+       U, "opts.dropout_p", "0 (kvcache_forward is inference only)", "0.1"},
+      {"kv_descale_with_bf16_q", KV, [](C& c) { c.opts.v_descale = c.pool.input(f32, {2, 2}); },
+       I, "opts.v_descale", "an undefined tensor when q is not float8_e4m3", "float32"},
       {"mixed_k_float64", F, [](C& c) { c.k = c.pool.input(f64, {2, 7, 2, 8}); }, I, "k", "dtype float32 (same as q)", "float64"},
       {"mixed_v_bfloat16", F, [](C& c) { c.v = c.pool.input(bf16, {2, 7, 2, 8}); }, I, "v", "dtype float32 (same as k)", "bfloat16"},
       {"mixed_out_float16", F, [](C& c) { c.out = c.pool.output(f16, {2, 5, 4, 8}); }, I, "out", "dtype float32 (same as q)", "float16"},

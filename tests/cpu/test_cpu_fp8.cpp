@@ -4,7 +4,8 @@
 // MQA / softcap / ALiBi / sink / d_v != d / odd lengths / seqused_k / block sparsity,
 // bf16 and fp16 outputs, outlier-heavy inputs, descales that differ per (sequence, KV
 // head) so that a wrong index shows, undefined descales (= 1), poisoned outputs; and the
-// rules: no fp8 backward, no fp8 q on the KV-cache entry point, descales only with fp8.
+// rules: no fp8 backward, descales only with fp8 (the KV-cache entry point with fp8 q:
+// test_cpu_kvcache_fp8q.cpp).
 #include <cmath>
 #include <string>
 
@@ -280,24 +281,6 @@ TEST(CpuFp8, BackwardIsUnsupported) {
   EXPECT_NE(unsupported_message([&] { backward_workspace_size(q8.q.view(), q8.k.view(), q8.v.view(), opts); })
                 .find("no backward for float8_e4m3"),
             std::string::npos);
-}
-
-TEST(CpuFp8, KVCacheWithFp8QIsUnsupported) {
-  HostTensor q(DType::kFloat8E4M3, {1, 1, 2, 8}), kc(DType::kFloat8E4M3, {1, 16, 1, 8}),
-      vc(DType::kFloat8E4M3, {1, 16, 1, 8}), out(DType::kBFloat16, {1, 1, 2, 8});
-  HostTensor lens = int_tensor({4}), ks(DType::kFloat32, {1}), vs(DType::kFloat32, {1});
-  ks.fill(1.0);
-  vs.fill(1.0);
-  KVCacheArgs a;
-  a.q = q.view();
-  a.k_cache = kc.view();
-  a.v_cache = vc.view();
-  a.cache_seqlens = lens.view();
-  a.k_scale = ks.view();
-  a.v_scale = vs.view();
-  const std::string m = unsupported_message([&] { kvcache_forward(a, out.view(), Tensor{}); });
-  EXPECT_NE(m.find("'q'"), std::string::npos) << m;
-  EXPECT_NE(m.find("KV-cache entry point"), std::string::npos) << m;
 }
 
 TEST(CpuFp8, BadArguments) {

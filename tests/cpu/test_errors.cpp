@@ -1237,12 +1237,17 @@ TEST_F(ErrorsKVCacheFp8, NewKeysMustKeepQsDtype) {
   EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_new': expected dtype float32 (same as q), got float8_e4m3");
 }
 
-TEST_F(ErrorsKVCacheFp8, Fp8QueriesAreUnsupported) {
+TEST_F(ErrorsKVCacheFp8, Fp8QueriesTakeDescalesNotScales) {
+  // fp8 q over an fp8 cache is FlashAttention-3's call: opts.q/k/v_descale [b, h_k], no
+  // k_scale / v_scale, out bfloat16 / float16.
   args.q = pool_.tensor(f8, {b, s_q, h_q, d});
   out = pool_.tensor(f8, {b, s_q, h_q, d});
   args.k_new = pool_.tensor(f8, {b, s_new, h_k, d});
   args.v_new = pool_.tensor(f8, {b, s_new, h_k, d});
-  EXPECT_REJECTED(Kind::kUnsupported, fwd(), "argument 'q': expected dtype float16, bfloat16, float32 or float64");
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'k_scale': expected an undefined tensor (q is float8_e4m3");
+  args.k_scale = fa::Tensor{};
+  args.v_scale = fa::Tensor{};
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'out': expected dtype bfloat16 or float16");
 }
 
 TEST_F(ErrorsKVCacheFp8, TreeMaskShape) {

@@ -169,3 +169,164 @@ def test_accuracy_harness_bound(outliers, causal):
                 seed=11)
     assert r["fp8"]["max"] <= 2.0 ** -8 * r["ref_max"], r
     assert r["fp8"]["mean"] <= r["bf16"]["mean"], r
+
+
+# ------------------------------------------------ flash_attn_with_kvcache with fp8 q (FA3)
+
+
+def _kv_reference(q8, qs, keys, values, lens, h_q, h_k, scale, causal, window, softcap):
+    """fp64 out [b, s_q, h_q, d_v] from per-sequence dequantized keys / values lists."""
+    qd = dequant(q8, qs, h_q // h_k)
+    outs, lses = [], []
+    for i in range(q8.shape[0]):
+        o, l = attention64(qd[i], keys[i][: lens[i]], values[i][: lens[i]], scale, causal,
+                           window, softcap)
+        outs.append(o)
+        lses.append(l)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window,softcap", [(True, (-1, -1), 0.0), (False, (9, 0), 4.0)])
+def test_kvcache_fp8_q_matches_fp64(paged, out_dtype, causal, window, softcap):
+    g = torch.Generator().manual_seed(21 + paged)
+    b, s_q, s_new, h_q, h_k, d, cap = 3, 3, 2, 6, 2, 24, 64
+    lens = [5, 40, 17]
+    # Per-sequence keys / values (the cached ones then the new ones), quantized per
+    # (sequence, KV head) with descales that differ by sequence.
+    k = torch.randn(b, cap, h_k, d, generator=g) * torch.tensor([1.0, 5.0, 0.2])[:, None, None, None]
+    v = torch.randn(b, cap, h_k, d, generator=g)
+    q = torch.randn(b, s_q, h_q, d, generator=g)
+    k8, ks = quantize_e4m3(k, h_k)
+    v8, vs = quantize_e4m3(v, h_k)
+    q8, qs = quantize_e4m3(q, h_k)
+    k_new = torch.stack([k8[i, lens[i]:lens[i] + s_new] for i in range(b)])
+    v_new = torch.stack([v8[i, lens[i]:lens[i] + s_new] for i in range(b)])
+    if paged:
+        bs, per = 8, cap // 8
+        perm = torch.randperm(b * per, generator=g)
+        block_table = perm.view(b, per).to(torch.int32)
+        k_cache = torch.full((b * per, bs, h_k, d), float("nan")).to(F8)
+        v_cache = k_cache.clone()
+        for i in range(b):
+            for t in range(lens[i]):
+                blk, row = int(block_table[i, t // bs]), t % bs
+                k_cache[blk, row] = k8[i, t]
+                v_cache[blk, row] = v8[i, t]
+        kw = dict(block_table=block_table)
+    else:
+        k_cache = torch.full((b, cap, h_k, d), float("nan")).to(F8)
+        v_cache = k_cache.clone()
+        for i in range(b):
+            k_cache[i, : lens[i]] = k8[i, : lens[i]]
+            v_cache[i, : lens[i]] = v8[i, : lens[i]]
+        kw = {}
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    scale = d ** -0.5
+    out, lse = flashattn.flash_attn_with_kvcache(
+        q8, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=causal,
+        window_size=window, softcap=softcap, num_splits=2, return_softmax_lse=True,
+        q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=out_dtype, **kw)
+    assert out.dtype == out_dtype and out.shape == (b, s_q, h_q, d)
+    # The append copied the new bytes at cache_seqlens.
+    for i in range(b):
+        for r in range(s_new):
+            t = lens[i] + r
+            if paged:
+                blk, row = int(block_table[i, t // 8]), t % 8
+                got_k, got_v = k_cache[blk, row], v_cache[blk, row]
+            else:
+                got_k, got_v = k_cache[i, t], v_cache[i, t]
+            assert torch.equal(got_k.view(torch.uint8), k_new[i, r].view(torch.uint8))
+            assert torch.equal(got_v.view(torch.uint8), v_new[i, r].view(torch.uint8))
+    kd, vd = dequant(k8, ks, 1), dequant(v8, vs, 1)
+    o64, l64 = _kv_reference(q8, qs, kd, vd, [n + s_new for n in lens], h_q, h_k, scale, causal,
+                             window, softcap)
+    eps = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    assert (out.double() - o64).abs().max().item() <= 2 * eps * o64.abs().max().item() + 1e-6
+    assert (lse.double() - l64).abs().max().item() <= 1e-4 * max(1.0, l64.abs().max().item())
+
+
+def test_kvcache_fp8_q_leftpad_sink_and_default_descales():
+    g = torch.Generator().manual_seed(31)
+    b, s_q, h_q, h_k, d, cap = 2, 2, 4, 1, 16, 30
+    lens, pads = [20, 9], [6, 0]
+    k8 = torch.randn(b, cap, h_k, d, generator=g).to(F8)
+    v8 = torch.randn(b, cap, h_k, d, generator=g).to(F8)
+    q8 = torch.randn(b, s_q, h_q, d, generator=g).to(F8)
+    sink = torch.randn(h_q, generator=g)
+    out = flashattn.flash_attn_with_kvcache(
+        q8, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+        cache_leftpad=torch.tensor(pads, dtype=torch.int32), causal=True,
+        learnable_sink=sink)
+    assert out.dtype == torch.bfloat16
+    scale = d ** -0.5
+    for i in range(b):
+        qd = q8[i].double()
+        kd = k8[i, pads[i]:lens[i]].double()
+        vd = v8[i, pads[i]:lens[i]].double()
+        s = torch.einsum("ihd,jhd->hij", qd, kd.expand(-1, h_q, -1)) * scale
+        n = lens[i] - pads[i]
+        visible = torch.arange(n)[None, :] <= torch.arange(s_q)[:, None] + n - s_q
+        s = s.masked_fill(~visible, -math.inf)
+        m = torch.maximum(s.amax(-1), sink.double()[:, None])
+        p = torch.exp(s - m[..., None])
+        denom = p.sum(-1) + torch.exp(sink.double()[:, None] - m)
+        o64 = torch.einsum("hij,jhd->ihd", p / denom[..., None], vd.expand(-1, h_q, -1))
+        assert (out[i].double() - o64).abs().max().item() <= 2 * 2.0 ** -8 * o64.abs().max().item() + 1e-6
+
+
+def test_kvcache_fp8_q_rules():
+    q8 = torch.randn(1, 1, 2, 8).to(F8)
+    c8 = torch.randn(1, 16, 2, 8).to(F8)
+    c16 = torch.randn(1, 16, 2, 8).to(torch.bfloat16)
+    lens = torch.tensor([4], dtype=torch.int32)
+    ds = torch.ones(1, 2)
+    # fp8 q needs an fp8 cache.
+    with pytest.raises(flashattn.InvalidArgumentError, match="'k_cache'.*float8_e4m3"):
+        flashattn.flash_attn_with_kvcache(q8, c16, c16, cache_seqlens=lens)
+    # no k_scale / v_scale with fp8 q.
+    with pytest.raises(flashattn.InvalidArgumentError, match="'k_scale'.*q is float8_e4m3"):
+        flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=lens,
+                                          k_scale=torch.ones(2), v_scale=torch.ones(2))
+    # descales [b, h_k].
+    with pytest.raises(flashattn.InvalidArgumentError, match="'k_descale'.*\\[1, 2\\]"):
+        flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=lens,
+                                          k_descale=torch.ones(2))
+    # out_dtype bf16 / fp16 only.
+    with pytest.raises(flashattn.InvalidArgumentError, match="'out_dtype'"):
+        flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=lens, out_dtype=torch.float32)
+    # descales without fp8 q.
+    with pytest.raises(flashattn.InvalidArgumentError, match="'q_descale'.*not float8_e4m3"):
+        flashattn.flash_attn_with_kvcache(q8.to(torch.bfloat16), c16, c16, cache_seqlens=lens,
+                                          q_descale=ds)
+    # rotary: rotate before quantizing.
+    cos = torch.ones(32, 4)
+    with pytest.raises(UnsupportedError, match="'rotary_cos'"):
+        flashattn.flash_attn_with_kvcache(q8, c8, c8, q8.view(1, 1, 2, 8)[:, :, :2],
+                                          q8.view(1, 1, 2, 8)[:, :, :2], rotary_cos=cos,
+                                          rotary_sin=cos, cache_seqlens=lens)
+
+
+def test_kvcache_fp8_q_opcheck():
+    g = torch.Generator().manual_seed(41)
+    q8 = torch.randn(2, 2, 4, 8, generator=g).to(F8)
+    kc = torch.randn(2, 16, 2, 8, generator=g).to(F8)
+    vc = torch.randn(2, 16, 2, 8, generator=g).to(F8)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    ds = torch.rand(2, 2, generator=g) + 0.5
+    torch.library.opcheck(ops.kvcache_fwd,
+                          (q8, kc, vc, lens, None, None, None, None, None, 0.3, True, -1, -1,
+                           0.0, 1, None, None, None, None, None, None, ds, ds, ds,
+                           torch.float16),
+                          test_utils=_UTILS)
+
+
+def test_kvcache_fp8_q_cuda_declines():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    q8 = torch.randn(1, 1, 2, 8, device="cuda").to(F8)
+    c8 = torch.randn(1, 16, 2, 8, device="cuda").to(F8)
+    with pytest.raises(UnsupportedError, match="'q'"):
+        flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=4)

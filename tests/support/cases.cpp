@@ -422,7 +422,8 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
     slots = rows;
   }
   const std::int64_t hk = cfg.h_k, d = cfg.d, dv = cfg.dv();
-  const DType cache_dtype = cfg.fp8 ? DType::kFloat8E4M3 : cfg.dtype;
+  if (cfg.fp8 && cfg.fp8_q) throw std::invalid_argument("KVCacheCase: fp8 and fp8_q");
+  const DType cache_dtype = cfg.fp8 || cfg.fp8_q ? DType::kFloat8E4M3 : cfg.dtype;
   c.k_cache = HostTensor(cache_dtype, {slots, rows_per, hk, d});
   c.v_cache = HostTensor(cache_dtype, {slots, rows_per, hk, dv});
   c.k_cache.fill_nan();
@@ -449,17 +450,31 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
       c.v_scale = float_tensor(vs, {hk});
     }
   }
-  // Stores x into cache element (slot, row, g, e): rounded to dtype, or quantized by the
-  // slot's scale (fp8).
-  auto store = [&](HostTensor& cache, bool is_k, int slot, int row, std::int64_t e, double x) {
+  if (cfg.fp8_q) {
+    auto draw = [&] {
+      std::vector<float> v(sz(B * hk));
+      for (float& x : v) x = static_cast<float>(uniform_real(rng, cfg.scale_lo, cfg.scale_hi));
+      return float_tensor(v, {B, hk});
+    };
+    c.q_descale = draw();
+    c.k_descale = draw();
+    c.v_descale = draw();
+  }
+  // The fp8 scale of element (slot, g) written by sequence b.
+  auto scale_of = [&](bool is_k, int b, int slot, int g) {
+    if (cfg.fp8_q) return (is_k ? c.k_descale : c.v_descale).as<float>()[std::int64_t(b) * hk + g];
+    return is_k ? c.k_scale_of(slot, g) : c.v_scale_of(slot, g);
+  };
+  // Stores x into cache element (slot, row, g, e) for sequence b: rounded to dtype, or
+  // quantized by the slot's scale (fp8) or the sequence's descale (fp8_q).
+  auto store = [&](HostTensor& cache, bool is_k, int b, int slot, int row, std::int64_t e, double x) {
     const std::int64_t width = is_k ? d : dv;
     const std::int64_t at = (std::int64_t(slot) * rows_per + row) * hk * width + e;
-    if (!cfg.fp8) {
+    if (!cfg.fp8 && !cfg.fp8_q) {
       cache.set(at, x);
       return;
     }
-    const int g = static_cast<int>(e / width);
-    const float scale = is_k ? c.k_scale_of(slot, g) : c.v_scale_of(slot, g);
+    const float scale = scale_of(is_k, b, slot, static_cast<int>(e / width));
     cache.as<std::uint8_t>()[at] = semantics::quantize_e4m3(static_cast<float>(x), scale);
   };
   std::normal_distribution<double> normal(0.0, 1.0);
@@ -467,11 +482,31 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
     for (int j = c.first_key(b); j < c.cache_lens[b]; ++j) {  // left padding stays NaN
       const auto [slot, row] = c.locate(b, j);
       for (std::int64_t e = 0; e < hk * std::max(d, dv); ++e) {
-        if (e < hk * d) store(c.k_cache, true, slot, row, e, normal(rng));
-        if (e < hk * dv) store(c.v_cache, false, slot, row, e, normal(rng));
+        if (e < hk * d) store(c.k_cache, true, b, slot, row, e, normal(rng));
+        if (e < hk * dv) store(c.v_cache, false, b, slot, row, e, normal(rng));
       }
     }
-  c.q = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, d}, rng);
+  // fp8_q: x [b, rows, h, width] (fp64) to e4m3 bytes by the descale of (b, KV head);
+  // x becomes the dequantized values.
+  auto quantize = [&](HostTensor& x, const HostTensor& descale) {
+    HostTensor bytes(DType::kFloat8E4M3, x.shape());
+    const std::int64_t h = x.size(2), width = x.size(3), per_b = x.numel() / B;
+    const std::int64_t ratio = h / hk;
+    for (std::int64_t i = 0; i < x.numel(); ++i) {
+      const std::int64_t b = i / per_b, g = (i / width) % h / ratio;
+      const float scale = descale.as<float>()[b * hk + g];
+      bytes.as<std::uint8_t>()[i] = semantics::quantize_e4m3(static_cast<float>(x.get(i)), scale);
+      x.set(i, dequantize_e4m3(bytes.as<std::uint8_t>()[i], scale));
+    }
+    return bytes;
+  };
+  if (cfg.fp8_q) {
+    if (cfg.qv) throw std::invalid_argument("KVCacheCase: fp8_q with qv");
+    c.q_ref = random_normal(DType::kFloat64, {B, cfg.s_q, cfg.h_q, d}, rng);
+    c.q = quantize(c.q_ref, c.q_descale);
+  } else {
+    c.q = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, d}, rng);
+  }
   if (cfg.qv) c.qv = random_normal(cfg.dtype, {B, cfg.s_q, cfg.h_q, dv}, rng);
   c.out = HostTensor(cfg.dtype, {B, cfg.s_q, cfg.h_q, dv});
   c.lse = HostTensor(DType::kFloat32, {B, cfg.h_q, cfg.s_q});
@@ -479,16 +514,27 @@ KVCacheCase KVCacheCase::make(Rng& rng, const KVCacheConfig& cfg) {
   c.k_cache_expected = c.k_cache;
   c.v_cache_expected = c.v_cache;
   if (cfg.s_new > 0) {
-    c.k_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, d}, rng);
-    c.v_new = random_normal(cfg.dtype, {B, cfg.s_new, hk, dv}, rng);
+    c.k_new = random_normal(cfg.fp8_q ? DType::kFloat64 : cfg.dtype, {B, cfg.s_new, hk, d}, rng);
+    c.v_new = random_normal(cfg.fp8_q ? DType::kFloat64 : cfg.dtype, {B, cfg.s_new, hk, dv}, rng);
+    if (cfg.fp8_q) {  // e4m3 k_new / v_new; the append copies their bytes
+      c.k_new = quantize(c.k_new, c.k_descale);
+      c.v_new = quantize(c.v_new, c.v_descale);
+    }
     for (int b = 0; b < B; ++b)
       for (int r = 0; r < cfg.s_new; ++r) {
         const auto [slot, row] = c.locate(b, c.cache_lens[b] + r);
         const std::int64_t src = (std::int64_t(b) * cfg.s_new + r) * hk;
-        for (std::int64_t e = 0; e < hk * d; ++e)
-          store(c.k_cache_expected, true, slot, row, e, c.k_new.get(src * d + e));
-        for (std::int64_t e = 0; e < hk * dv; ++e)
-          store(c.v_cache_expected, false, slot, row, e, c.v_new.get(src * dv + e));
+        auto put = [&](HostTensor& cache, const HostTensor& from, bool is_k, std::int64_t width) {
+          for (std::int64_t e = 0; e < hk * width; ++e) {
+            const std::int64_t at = (std::int64_t(slot) * rows_per + row) * hk * width + e;
+            if (cfg.fp8_q)
+              cache.as<std::uint8_t>()[at] = from.as<std::uint8_t>()[src * width + e];
+            else
+              store(cache, is_k, b, slot, row, e, from.get(src * width + e));
+          }
+        };
+        put(c.k_cache_expected, c.k_new, true, d);
+        put(c.v_cache_expected, c.v_new, false, dv);
       }
   }
   if (cfg.tree != KVCacheConfig::Tree::kNone) {
@@ -548,6 +594,11 @@ Options KVCacheCase::call_options() const {
   sink.apply(o);
   if (cfg.qv) o.qv = qv.view();
   if (!alibi.empty()) o.alibi_slopes = alibi_tensor.view();
+  if (cfg.fp8_q) {
+    o.q_descale = q_descale.view();
+    o.k_descale = k_descale.view();
+    o.v_descale = v_descale.view();
+  }
   return o;
 }
 
@@ -593,14 +644,18 @@ RefProblem KVCacheCase::problem() const {
     RefSeq s;
     s.s_q = cfg.s_q;
     s.s_k = s_k(b) - first_key(b);  // key j is cache row first_key(b) + j
-    s.q = rows_of(q, std::int64_t(b) * cfg.s_q, cfg.s_q);
+    s.q = rows_of(cfg.fp8_q ? q_ref : q, std::int64_t(b) * cfg.s_q, cfg.s_q);
     if (cfg.qv) s.qv = rows_of(qv, std::int64_t(b) * cfg.s_q, cfg.s_q);
     for (int j = first_key(b); j < s_k(b); ++j) {
       const auto [slot, row] = locate(b, j);
       const std::int64_t base = (std::int64_t(slot) * rows_per + row) * width;
       const std::int64_t base_v = (std::int64_t(slot) * rows_per + row) * width_v;
       for (std::int64_t e = 0; e < width; ++e) {
-        if (cfg.fp8) {
+        if (cfg.fp8_q) {
+          const int g = static_cast<int>(e / cfg.d);
+          s.k.push_back(dequantize_e4m3(k_cache_expected.as<std::uint8_t>()[base + e],
+                                        k_descale.as<float>()[std::int64_t(b) * cfg.h_k + g]));
+        } else if (cfg.fp8) {
           const int g = static_cast<int>(e / cfg.d);
           s.k.push_back(dequantize_e4m3(k_cache_expected.as<std::uint8_t>()[base + e], k_scale_of(slot, g)));
         } else {
@@ -608,7 +663,11 @@ RefProblem KVCacheCase::problem() const {
         }
       }
       for (std::int64_t e = 0; e < width_v; ++e) {
-        if (cfg.fp8) {
+        if (cfg.fp8_q) {
+          const int g = static_cast<int>(e / cfg.dv());
+          s.v.push_back(dequantize_e4m3(v_cache_expected.as<std::uint8_t>()[base_v + e],
+                                        v_descale.as<float>()[std::int64_t(b) * cfg.h_k + g]));
+        } else if (cfg.fp8) {
           const int g = static_cast<int>(e / cfg.dv());
           s.v.push_back(dequantize_e4m3(v_cache_expected.as<std::uint8_t>()[base_v + e], v_scale_of(slot, g)));
         } else {

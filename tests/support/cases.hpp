@@ -162,6 +162,14 @@ struct KVCacheConfig {
   bool fp8 = false;
   bool per_block_scales = false;
   double scale_lo = 0.01, scale_hi = 0.03;
+  // fp8 q (FlashAttention-3): q, k_cache, v_cache, k_new, v_new all float8_e4m3 and
+  // dequantized by Options::q_descale / k_descale / v_descale fp32 [batch, h_k], one per
+  // (sequence, KV head), drawn from [scale_lo, scale_hi] (whatever block or cache row
+  // holds a key: a block shared by two sequences dequantizes by each one's descale); out
+  // is `dtype` (bfloat16 / float16). q holds e4m3(x / q_descale) of N(0, 1) values, the
+  // cache and k_new / v_new e4m3(x / descale) of the sequence writing them; the append is
+  // a byte copy. Exclusive with `fp8`.
+  bool fp8_q = false;
   // Draft tree over the s_q queries (the last s_q keys): kLinear lets draft i see drafts
   // <= i; kRandom draws a parent for each draft (-1 or an earlier one) and lets it see
   // itself and its ancestors. tree_row_pad extra int32 words per mask row (stride test).
@@ -187,6 +195,8 @@ struct KVCacheCase {
   HostTensor cache_lens_t, block_table_t, batch_idx_t;
   HostTensor k_cache_expected, v_cache_expected;  // after the in-place append
   HostTensor k_scale, v_scale;                    // fp32, when cfg.fp8
+  HostTensor q_descale, k_descale, v_descale;     // fp32 [batch, h_k], when cfg.fp8_q
+  HostTensor q_ref;                               // fp64 dequantized q, when cfg.fp8_q
   std::vector<std::uint32_t> tree_words;          // [batch][s_q][ceil(s_q / 32)] when cfg.tree
   std::vector<int> tree_parents;                  // [batch][s_q], -1 = root (kRandom)
   HostTensor tree_mask;                           // int32 [batch, s_q, words + tree_row_pad]
