@@ -237,7 +237,56 @@ TEST(CpuKVCacheFp8, NaNSlotsAndScalesNeverRead) {
 // the bf16 cache's own error max |out_bf16 - out_ref| is printed beside it.
 struct Fp8Error {
   double fp8 = 0, bf16 = 0, max_out = 0;
+  double fp8_over_bound = 0;  // max over elements of |out_fp8 - out_ref| / fp8_cache_bound
 };
+
+// What quantizing the cache can do to each output element, from the data (no mask, no
+// modifiers): with score errors |s'_j - s_j| <= delta (s = scale q . k on the exact cache,
+// s' on the dequantized one) every probability moves by a factor in [e^-2delta, e^2delta],
+// so |out'_c - out_c| <= (e^2delta - 1) sum_j P_j |v'_jc| + sum_j P_j |v'_jc - v_jc|, plus
+// the output's rounding to bf16 (2^-8 of its magnitude, fp32 sums inside it).
+std::vector<double> fp8_cache_bound(const RefProblem& exact, const RefProblem& quantized) {
+  std::vector<double> bound;
+  const int g_size = exact.h_q / exact.h_k;
+  for (std::size_t b = 0; b < exact.seqs.size(); ++b) {
+    const RefSeq& e = exact.seqs[b];
+    const RefSeq& qz = quantized.seqs[b];
+    for (int i = 0; i < e.s_q; ++i)
+      for (int h = 0; h < exact.h_q; ++h) {
+        const int g = h / g_size;
+        const double* qi = &e.q[(std::size_t(i) * exact.h_q + h) * exact.d];
+        std::vector<double> s(std::size_t(e.s_k)), p(std::size_t(e.s_k));
+        double delta = 0, m = -INFINITY;
+        for (int j = 0; j < e.s_k; ++j) {
+          double dot = 0, dot_q = 0;
+          for (int c = 0; c < exact.d; ++c) {
+            const std::size_t at = (std::size_t(j) * exact.h_k + g) * exact.d + c;
+            dot += qi[c] * e.k[at];
+            dot_q += qi[c] * qz.k[at];
+          }
+          s[std::size_t(j)] = exact.scale * dot;
+          delta = std::fmax(delta, exact.scale * std::fabs(dot_q - dot));
+          m = std::fmax(m, s[std::size_t(j)]);
+        }
+        double sum = 0;
+        for (int j = 0; j < e.s_k; ++j) sum += p[std::size_t(j)] = std::exp(s[std::size_t(j)] - m);
+        const double spread = std::expm1(2 * delta);
+        for (int c = 0; c < exact.d_v; ++c) {
+          double mag = 0, moved = 0, out = 0;
+          for (int j = 0; j < e.s_k; ++j) {
+            const std::size_t at = (std::size_t(j) * exact.h_k + g) * exact.d_v + c;
+            const double pj = p[std::size_t(j)] / sum;
+            mag += pj * std::fabs(qz.v[at]);
+            moved += pj * std::fabs(qz.v[at] - e.v[at]);
+            out += pj * e.v[at];
+          }
+          const double quant = spread * mag + moved;
+          bound.push_back(quant + std::ldexp(std::fabs(out) + quant + 1e-3 * mag, -8) + 1e-12);
+        }
+      }
+  }
+  return bound;
+}
 
 Fp8Error measure_fp8_error(Rng& rng, int s_k, int d, bool per_block, int block_size) {
   const int B = 4, h_q = 8, h_k = 2;
@@ -295,7 +344,12 @@ Fp8Error measure_fp8_error(Rng& rng, int s_k, int d, bool per_block, int block_s
   f8.run();
   const std::vector<double> ref = concat_out(reference_forward(bf.problem()));
   Fp8Error e;
-  e.fp8 = error_stats(f8.out.to_double(), ref).max_abs_err;
+  const std::vector<double> got = f8.out.to_double();
+  e.fp8 = error_stats(got, ref).max_abs_err;
+  const std::vector<double> bound = fp8_cache_bound(bf.problem(), f8.problem());
+  EXPECT_EQ(bound.size(), got.size());
+  for (std::size_t x = 0; x < got.size() && x < bound.size(); ++x)
+    e.fp8_over_bound = std::fmax(e.fp8_over_bound, std::fabs(got[x] - ref[x]) / bound[x]);
   const ErrorStats s = error_stats(bf.out.to_double(), ref);
   e.bf16 = s.max_abs_err;
   e.max_out = s.max_abs_ref;
@@ -305,29 +359,33 @@ Fp8Error measure_fp8_error(Rng& rng, int s_k, int d, bool per_block, int block_s
   return e;
 }
 
-// The documented bound (docs/semantics.md): max |out_fp8 - out_ref| <= 2^-3 max |out_ref|
-// for N(0, 1) keys and values with amax / 448 scales (measured up to 0.076 of
-// max |out_ref|; the bf16 cache stays below 0.004 of it). e4m3 keeps 3 mantissa bits, so
-// each cached value is off by up to 2^-4 relative; per-block scales change the range,
-// not that precision.
+// The documented bound (docs/semantics.md): each element of the output stays within
+// what the cache's quantization allows, computed from the data (fp8_cache_bound). The
+// relative figure max |out_fp8 - out_ref| / max |out_ref| is printed: typically 0.04-0.08
+// for N(0, 1) keys and values with amax / 448 scales, 0.127 seen (s_k = 256, seed
+// 9184709345532581192: a small max |out_ref|), while the bf16 cache stays below 0.004.
+// e4m3 keeps 3 mantissa bits, so each cached value is off by up to 2^-4 relative;
+// per-block scales change the range, not that precision.
 TEST(CpuKVCacheFp8, ErrorAgainstBf16Cache) {
   FA_SEEDED_RNG(rng);
-  constexpr double kRelBound = 0.125;
   for (int s_k : {16, 256, 2048}) {
     for (bool per_block : {false, true}) {
-      double worst_fp8 = 0, worst_bf16 = 0, worst_rel = 0, worst_rel_bf16 = 0;
+      double worst_fp8 = 0, worst_bf16 = 0, worst_rel = 0, worst_rel_bf16 = 0, worst_over = 0;
       for (int trial = 0; trial < 3; ++trial) {
         const Fp8Error e = measure_fp8_error(rng, s_k, 128, per_block, 64);
         worst_fp8 = std::fmax(worst_fp8, e.fp8);
         worst_bf16 = std::fmax(worst_bf16, e.bf16);
         worst_rel = std::fmax(worst_rel, e.fp8 / e.max_out);
         worst_rel_bf16 = std::fmax(worst_rel_bf16, e.bf16 / e.max_out);
+        worst_over = std::fmax(worst_over, e.fp8_over_bound);
       }
       std::printf("fp8 cache error: s_k=%d d=128 %s scales: max|out_fp8 - ref| = %.5f (%.4f of max|ref|), "
-                  "max|out_bf16 - ref| = %.5f (%.4f of max|ref|)\n",
-                  s_k, per_block ? "per-block(64)" : "per-head", worst_fp8, worst_rel, worst_bf16, worst_rel_bf16);
+                  "max|out_bf16 - ref| = %.5f (%.4f of max|ref|), error / quantization bound <= %.3f\n",
+                  s_k, per_block ? "per-block(64)" : "per-head", worst_fp8, worst_rel, worst_bf16, worst_rel_bf16,
+                  worst_over);
       RecordProperty("fp8_rel_err_sk" + std::to_string(s_k) + (per_block ? "_block" : "_head"), std::to_string(worst_rel));
-      EXPECT_LE(worst_rel, kRelBound);
+      EXPECT_LE(worst_over, 1.0) << "an output element beyond what the quantization allows";
+      EXPECT_GT(worst_over, 0.0);
       EXPECT_GT(worst_fp8, worst_bf16) << "the fp8 cache should be the coarser one";
     }
   }
