@@ -456,9 +456,10 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     k_descale, v_descale fp32 [b, h_k] (None = 1; an element's value is float(e4m3) *
     descale[b, its KV head], q's by the KV head of its query head's group) -> out in
     out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); softmax_lse fp32.
-    Forward only (no autograd), no dropout / probs / block_sparse_tensors / qv; CPU
-    backend only for now (CUDA tensors: UnsupportedError naming q). With
-    return_attn_probs: (out, softmax_lse, None).
+    Forward only (no autograd), no qv (UnsupportedError naming qv); dropout (seeded from
+    torch's default CPU generator, as the 16-bit path), return_attn_probs (S_dmask as on
+    CPU tensors: fp32 probabilities after dropout) and block_sparse_tensors apply to the
+    dequantized values. CPU backend only for now (CUDA tensors: UnsupportedError naming q).
     """
     fn = "flashattn.flash_attn_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
@@ -520,7 +521,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q x max_seqlen_k grid (positions within the sequence; doc ids packed
     [total_q], [total_k]); not with a block_table. fp8 (q, k, v torch.float8_e4m3fn with
     q_descale / k_descale / v_descale fp32 [b, h_k], out_dtype): as flash_attn_func's, with
-    seqused_k (no block_table, seqused_q)."""
+    seqused_q / seqused_k, block_sparse_tensors, and a block_table (the fp8 blocks are
+    gathered as bytes; descales stay per sequence whatever block holds a key)."""
     fn = "flashattn.flash_attn_varlen_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
         _fp8_unsupported(fn, q, qv=(qv, None))

@@ -148,6 +148,20 @@ def test_ops_opcheck():
                            cu_q, cu_k, None, 5, 6, ds, None, ds, None, None, 0.3, False, -1, -1,
                            0.0, torch.float16),
                           test_utils=_UTILS)
+    # The trailing arguments: dropout, probs, a block mask; seqused_q (varlen).
+    rng = torch.tensor([5, 9], dtype=torch.int64)
+    cnt = torch.ones(1, 1, 2, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    torch.library.opcheck(ops.fwd_fp8, (q8, k8, v8, ds, ds, ds, None, None, 0.3, False, -1,
+                                        -1, 0.0, torch.bfloat16, rng, 0.25, True, cnt, idx,
+                                        None, None, 4, 4),
+                          test_utils=_UTILS)
+    torch.library.opcheck(ops.varlen_fwd_fp8,
+                          (q8.view(10, 4, 8)[:7], k8.view(14, 2, 8)[:9], v8.view(14, 2, 8)[:9],
+                           cu_q, cu_k, None, 5, 6, ds, None, ds, None, None, 0.3, False, -1, -1,
+                           0.0, torch.float16, rng, 0.1, True,
+                           torch.tensor([1, 4], dtype=torch.int32)),
+                          test_utils=_UTILS)
 
 
 def test_fp8_cuda_declines():
