@@ -369,8 +369,8 @@ def _fp8_requested(q, descales) -> bool:
 
 
 def _fp8_unsupported(fn, q, **options):
-    """fp8 calls take no dropout / probs / block masks / qv / paged KV / seqused_q: an
-    UnsupportedError naming the first one given."""
+    """fp8 calls take no qv (the library declines it too; FlashAttention-3 has no fp8 qv):
+    an UnsupportedError naming the first such option given."""
     for name, (value, default) in options.items():
         if (value is not None) if default is None else (float(value) != default):
             raise invalid(fn, name, f"{default!r} with float8_e4m3fn q, k, v (the fp8 forward "
@@ -387,14 +387,54 @@ def _fp8_out_dtype(fn, q, out_dtype):
     return out_dtype
 
 
-def _fp8_attention(fn, q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   return_attn_probs, learnable_sink, descales, out_dtype):
+def _fp8_attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes, return_attn_probs, learnable_sink, block_sparse_tensors,
+                   descales, out_dtype):
+    """flash_attn_func with fp8 q, k, v: the library's fp8 forward on the CPU backend, with
+    dropout (seed from torch's default CPU generator, as the 16-bit path), the debug
+    probabilities and block masks computed on the dequantized values."""
     left, right = _checked_window(fn, window_size)
     out_dtype = _fp8_out_dtype(fn, q, out_dtype)
-    out, lse = _call(ops.fwd_fp8, q, k, v, *descales, alibi_slopes, _sink(fn, learnable_sink),
-                     _scale(q, softmax_scale), bool(causal), left, right, float(softcap),
-                     out_dtype)
-    return (out, lse, None) if return_attn_probs else out
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    out, lse, probs = _call(ops.fwd_fp8, q, k, v, *descales, alibi_slopes,
+                            _sink(fn, learnable_sink), _scale(q, softmax_scale), bool(causal),
+                            left, right, float(softcap), out_dtype, _rng_state(dropout_p),
+                            float(dropout_p), want_probs,
+                            *_block_sparse(fn, block_sparse_tensors))
+    if not return_attn_probs:
+        return out
+    return out, lse, probs if want_probs else None
+
+
+def _fp8_varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                          return_attn_probs, block_table, learnable_sink, seqused_q, seqused_k,
+                          block_sparse_tensors, descales, out_dtype):
+    """flash_attn_varlen_func with fp8 q, k, v: as _fp8_attention, with seqused_q / seqused_k
+    and a block_table (the blocks gathered as bytes into a packed k, v: exact for fp8, the
+    descales are per sequence whatever block holds a key)."""
+    left, right = _checked_window(fn, window_size)
+    max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
+    max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
+    layout_max_k = max_seqlen_k  # of probs
+    if block_table is not None:
+        if block_sparse_tensors is not None:
+            raise invalid(fn, "block_sparse_tensors", "None with a block_table (a block mask "
+                          "addresses the keys of unpaged sequences)", "a block mask",
+                          cls=UnsupportedError)
+        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
+            fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
+    out_dtype = _fp8_out_dtype(fn, q, out_dtype)
+    want_probs = bool(return_attn_probs) and q.device.type == "cpu"
+    out, lse, probs = _call(ops.varlen_fwd_fp8, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                            max_seqlen_q, max_seqlen_k, *descales, alibi_slopes,
+                            _sink(fn, learnable_sink), _scale(q, softmax_scale), bool(causal),
+                            left, right, float(softcap), out_dtype, _rng_state(dropout_p),
+                            float(dropout_p), want_probs, seqused_q,
+                            *_block_sparse(fn, block_sparse_tensors))
+    if not return_attn_probs:
+        return out
+    return out, lse, probs[..., :layout_max_k] if want_probs else None
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -416,17 +456,18 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     k_descale, v_descale fp32 [b, h_k] (None = 1; an element's value is float(e4m3) *
     descale[b, its KV head], q's by the KV head of its query head's group) -> out in
     out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); softmax_lse fp32.
-    Forward only (no autograd), no dropout / probs / block_sparse_tensors / qv; CPU
-    backend only for now (CUDA tensors: UnsupportedError naming q). With
-    return_attn_probs: (out, softmax_lse, None).
+    Forward only (no autograd), no qv (UnsupportedError naming qv); dropout (seeded from
+    torch's default CPU generator, as the 16-bit path), return_attn_probs (S_dmask as on
+    CPU tensors: fp32 probabilities after dropout) and block_sparse_tensors apply to the
+    dequantized values. CPU backend only for now (CUDA tensors: UnsupportedError naming q).
     """
     fn = "flashattn.flash_attn_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
-        _fp8_unsupported(fn, q, dropout_p=(dropout_p, 0.0), qv=(qv, None),
-                         block_sparse_tensors=(block_sparse_tensors, None))
-        return _fp8_attention(fn, q, k, v, softmax_scale, causal, window_size, softcap,
-                              alibi_slopes, return_attn_probs, learnable_sink,
-                              (q_descale, k_descale, v_descale), out_dtype)
+        _fp8_unsupported(fn, q, qv=(qv, None))
+        return _fp8_attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size,
+                              softcap, alibi_slopes, return_attn_probs, learnable_sink,
+                              block_sparse_tensors, (q_descale, k_descale, v_descale),
+                              out_dtype)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs,
                       learnable_sink=learnable_sink, block_sparse_tensors=block_sparse_tensors,
@@ -480,20 +521,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_q x max_seqlen_k grid (positions within the sequence; doc ids packed
     [total_q], [total_k]); not with a block_table. fp8 (q, k, v torch.float8_e4m3fn with
     q_descale / k_descale / v_descale fp32 [b, h_k], out_dtype): as flash_attn_func's, with
-    seqused_k (no block_table, seqused_q)."""
+    seqused_q / seqused_k, block_sparse_tensors, and a block_table (the fp8 blocks are
+    gathered as bytes; descales stay per sequence whatever block holds a key)."""
     fn = "flashattn.flash_attn_varlen_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
-        _fp8_unsupported(fn, q, dropout_p=(dropout_p, 0.0), qv=(qv, None),
-                         block_sparse_tensors=(block_sparse_tensors, None),
-                         block_table=(block_table, None), seqused_q=(seqused_q, None))
-        left, right = _checked_window(fn, window_size)
-        out, lse = _call(ops.varlen_fwd_fp8, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                         check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX),
-                         check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX),
-                         q_descale, k_descale, v_descale, alibi_slopes,
-                         _sink(fn, learnable_sink), _scale(q, softmax_scale), bool(causal),
-                         left, right, float(softcap), _fp8_out_dtype(fn, q, out_dtype))
-        return (out, lse, None) if return_attn_probs else out
+        _fp8_unsupported(fn, q, qv=(qv, None))
+        return _fp8_varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_p, softmax_scale, causal,
+                                     window_size, softcap, alibi_slopes, return_attn_probs,
+                                     block_table, learnable_sink, seqused_q, seqused_k,
+                                     block_sparse_tensors, (q_descale, k_descale, v_descale),
+                                     out_dtype)
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              dropout_p, softmax_scale, causal, window_size, softcap,
                              alibi_slopes, deterministic, return_attn_probs, seqused_k=seqused_k,

@@ -392,9 +392,13 @@ def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, wind
 # ---------------------------------------------------------------- fp8 (e4m3) forward
 #
 # fp8 q, k, v (torch.float8_e4m3fn) with FlashAttention-3's fp32 [b, h_k] descales
-# (None = 1); out in out_dtype (bfloat16 / float16), lse fp32. Forward only: there is no
-# fp8 backward (as in FlashAttention-3), so these ops have no autograd formula. CPU
-# backend only for now (CUDA tensors: UnsupportedError naming q).
+# (None = 1); out in out_dtype (bfloat16 / float16), lse fp32, probs fp32 (or [0]) as
+# fwd / varlen_fwd's. Forward only: there is no fp8 backward (as in FlashAttention-3), so
+# these ops have no autograd formula. CPU backend only for now (CUDA tensors:
+# UnsupportedError naming q). After out_dtype they take, as fwd / varlen_fwd do,
+# rng_state, dropout_p and return_probs (dropout and the debug probabilities, computed on
+# the dequantized values), then (varlen_fwd_fp8) seqused_q, then the block-sparse mask
+# arguments (mask_block_cnt ... prefix_keys), all optional.
 
 
 def _fwd_fp8(
@@ -412,32 +416,53 @@ def _fwd_fp8(
     window_right: int,
     softcap: float,
     out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """(out [b, s_q, h_q, d_v] in out_dtype, lse [b, h_q, s_q] fp32) of fp8 q, k, v."""
-    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink)
-    out, lse = _fwd_fp8_outputs(q, v, out_dtype)
-    opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
-                    softcap, 0.0, False, learnable_sink)
+    rng_state: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    return_probs: bool = False,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [b, s_q, h_q, d_v] in out_dtype, lse [b, h_q, s_q] fp32, probs [b, h_q, s_q, s_k]
+    fp32 or [0]) of fp8 q, k, v; dropout, probs and the block-sparse mask as fwd's."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
+    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink, bs)
+    out, lse, probs = _fwd_fp8_outputs(q, v, out_dtype, k.shape[1] if return_probs else None)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, False, learnable_sink, block_sparse=bs)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
+               return_probs=_dl(probs) if return_probs else None,
                q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
                v_descale=_dl(_prepare(v_descale)), **opts)
-    return out, lse
+    return out, lse, probs
 
 
-def _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink):
+def _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink,
+                     bs=()):
     fn = "flashattn::fwd_fp8"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(fn, name, t, 4, _DENSE)
     check_head_dim(fn, "q", q)
     check_head_dim(fn, "v", v)
     check_device(fn, q, k=k, v=v, q_descale=q_descale, k_descale=k_descale,
-                 v_descale=v_descale, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+                 v_descale=v_descale, alibi_slopes=alibi_slopes, learnable_sink=learnable_sink,
+                 **_bs_devices(bs))
 
 
-def _fwd_fp8_outputs(q: Tensor, v: Tensor, out_dtype: torch.dtype):
+def _fwd_fp8_outputs(q: Tensor, v: Tensor, out_dtype: torch.dtype, probs_s_k=None):
+    """out in out_dtype, lse fp32, probs fp32 [b, h_q, s_q, probs_s_k] (dense) /
+    [h_q, total_q, probs_s_k] (varlen), or [0] when probs_s_k is None."""
     out = torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=out_dtype, device=q.device)
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if q.dim() == 4 else (q.shape[1], q.shape[0])
-    return out, _empty(lse_shape, q, torch.float32)
+    probs_shape = (0,) if probs_s_k is None else lse_shape + (probs_s_k,)
+    return out, _empty(lse_shape, q, torch.float32), _empty(probs_shape, q, torch.float32)
 
 
 fwd_fp8 = _register(torch.library.custom_op("flashattn::fwd_fp8", mutates_args=())(_fwd_fp8),
@@ -446,9 +471,10 @@ fwd_fp8 = _register(torch.library.custom_op("flashattn::fwd_fp8", mutates_args=(
 
 @fwd_fp8.register_fake
 def _(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink, softmax_scale,
-      causal, window_left, window_right, softcap, out_dtype):
-    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink)
-    return _fwd_fp8_outputs(q, v, out_dtype)
+      causal, window_left, window_right, softcap, out_dtype, rng_state=None, dropout_p=0.0,
+      return_probs=False, *bs):
+    _check_fp8_dense(q, k, v, q_descale, k_descale, v_descale, alibi_slopes, learnable_sink, bs)
+    return _fwd_fp8_outputs(q, v, out_dtype, k.shape[1] if return_probs else None)
 
 
 def _varlen_fwd_fp8(
@@ -471,21 +497,40 @@ def _varlen_fwd_fp8(
     window_right: int,
     softcap: float,
     out_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """(out [total_q, h_q, d_v] in out_dtype, lse [h_q, total_q] fp32) of fp8 q, k, v;
-    descales [b, h_k] with b = len(cu_seqlens_q) - 1."""
+    rng_state: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    return_probs: bool = False,
+    seqused_q: Optional[Tensor] = None,
+    mask_block_cnt: Optional[Tensor] = None,
+    mask_block_idx: Optional[Tensor] = None,
+    full_block_cnt: Optional[Tensor] = None,
+    full_block_idx: Optional[Tensor] = None,
+    block_size_q: int = 128,
+    block_size_k: int = 128,
+    q_doc_ids: Optional[Tensor] = None,
+    k_doc_ids: Optional[Tensor] = None,
+    prefix_keys: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [total_q, h_q, d_v] in out_dtype, lse [h_q, total_q] fp32, probs [h_q, total_q,
+    max_seqlen_k] fp32 or [0]) of fp8 q, k, v; descales [b, h_k] with b = len(cu_seqlens_q)
+    - 1; dropout, probs, seqused_q and the block-sparse mask as varlen_fwd's."""
+    bs = (mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size_q,
+          block_size_k, q_doc_ids, k_doc_ids, prefix_keys)
     _check_varlen("flashattn::varlen_fwd_fp8", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, learnable_sink=learnable_sink, q_descale=q_descale,
-                  k_descale=k_descale, v_descale=v_descale)
-    out, lse = _fwd_fp8_outputs(q, v, out_dtype)
-    opts = _options(q, alibi_slopes, None, softmax_scale, causal, window_left, window_right,
-                    softcap, 0.0, False, learnable_sink)
+                  k_descale=k_descale, v_descale=v_descale, seqused_q=seqused_q,
+                  **_bs_devices(bs))
+    out, lse, probs = _fwd_fp8_outputs(q, v, out_dtype, max_seqlen_k if return_probs else None)
+    opts = _options(q, alibi_slopes, rng_state, softmax_scale, causal, window_left,
+                    window_right, softcap, dropout_p, False, learnable_sink, block_sparse=bs)
     _C.varlen_forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)),
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
+                      return_probs=_dl(probs) if return_probs else None,
                       q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
-                      v_descale=_dl(_prepare(v_descale)), **opts)
-    return out, lse
+                      v_descale=_dl(_prepare(v_descale)), **opts,
+                      seqused_q=_dl(_prepare(seqused_q)))
+    return out, lse, probs
 
 
 varlen_fwd_fp8 = _register(
@@ -496,11 +541,13 @@ varlen_fwd_fp8 = _register(
 @varlen_fwd_fp8.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, q_descale,
       k_descale, v_descale, alibi_slopes, learnable_sink, softmax_scale, causal, window_left,
-      window_right, softcap, out_dtype):
+      window_right, softcap, out_dtype, rng_state=None, dropout_p=0.0, return_probs=False,
+      seqused_q=None, *bs):
     _check_varlen("flashattn::varlen_fwd_fp8", q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                   alibi_slopes, learnable_sink=learnable_sink, q_descale=q_descale,
-                  k_descale=k_descale, v_descale=v_descale)
-    return _fwd_fp8_outputs(q, v, out_dtype)
+                  k_descale=k_descale, v_descale=v_descale, seqused_q=seqused_q,
+                  **_bs_devices(bs))
+    return _fwd_fp8_outputs(q, v, out_dtype, max_seqlen_k if return_probs else None)
 
 
 def _bwd(

@@ -148,6 +148,20 @@ def test_ops_opcheck():
                            cu_q, cu_k, None, 5, 6, ds, None, ds, None, None, 0.3, False, -1, -1,
                            0.0, torch.float16),
                           test_utils=_UTILS)
+    # The trailing arguments: dropout, probs, a block mask; seqused_q (varlen).
+    rng = torch.tensor([5, 9], dtype=torch.int64)
+    cnt = torch.ones(1, 1, 2, dtype=torch.int32)
+    idx = torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    torch.library.opcheck(ops.fwd_fp8, (q8, k8, v8, ds, ds, ds, None, None, 0.3, False, -1,
+                                        -1, 0.0, torch.bfloat16, rng, 0.25, True, cnt, idx,
+                                        None, None, 4, 4),
+                          test_utils=_UTILS)
+    torch.library.opcheck(ops.varlen_fwd_fp8,
+                          (q8.view(10, 4, 8)[:7], k8.view(14, 2, 8)[:9], v8.view(14, 2, 8)[:9],
+                           cu_q, cu_k, None, 5, 6, ds, None, ds, None, None, 0.3, False, -1, -1,
+                           0.0, torch.float16, rng, 0.1, True,
+                           torch.tensor([1, 4], dtype=torch.int32)),
+                          test_utils=_UTILS)
 
 
 def test_fp8_cuda_declines():
@@ -330,3 +344,256 @@ def test_kvcache_fp8_q_cuda_declines():
     c8 = torch.randn(1, 16, 2, 8, device="cuda").to(F8)
     with pytest.raises(UnsupportedError, match="'q'"):
         flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=4)
+
+
+# ------------------------------- dropout, probs, block masks, seqused_q, paged varlen (fp8)
+
+
+def _softmax64(q, k, scale, visible):
+    """fp64 P [h_q, s_q, s_k] of one sequence (q [s_q, h_q, d], k [s_k, h_k, d]) with the
+    element mask visible [h_q or 1, s_q, s_k]; rows that see nothing are 0."""
+    r = q.shape[1] // k.shape[1]
+    s = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(r, dim=1)) * scale
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]).nan_to_num(0.0), lse
+
+
+def _causal(s_q, s_k):
+    return (torch.arange(s_k)[None, :] <= torch.arange(s_q)[:, None] + s_k - s_q)[None]
+
+
+def _quantized(g, b, s_q, s_k, h_q, h_k, d):
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for s, h in ((s_q, h_q), (s_k, h_k), (s_k, h_k)))
+    q = q * torch.linspace(0.5, 2.0, b)[:, None, None, None]
+    q8, qs = quantize_e4m3(q, h_k)
+    k8, ks = quantize_e4m3(k, h_k)
+    v8, vs = quantize_e4m3(v, h_k)
+    return (q8, k8, v8), (qs, ks, vs), (dequant(q8, qs, h_q // h_k), dequant(k8, ks, 1),
+                                        dequant(v8, vs, 1))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_probs_and_dropout_match_fp64(out_dtype):
+    b, s_q, s_k, h_q, h_k, d, p = 2, 29, 47, 4, 2, 16, 0.3
+    g = torch.Generator().manual_seed(51)
+    (q8, k8, v8), (qs, ks, vs), (qd, kd, vd) = _quantized(g, b, s_q, s_k, h_q, h_k, d)
+    kw = dict(causal=True, q_descale=qs, k_descale=ks, v_descale=vs, out_dtype=out_dtype,
+              return_attn_probs=True)
+    eps = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    # Without dropout: probs are P over the dequantized inputs.
+    _, lse0, probs0 = flash_attn_func(q8, k8, v8, **kw)
+    assert probs0.dtype == torch.float32 and probs0.shape == (b, h_q, s_q, s_k)
+    # With dropout: the kept set comes from torch's default generator (reproducible), probs
+    # are P where kept and 0 where dropped, out = sum_j probs_ij v_j / (1 - p).
+    torch.manual_seed(1234)
+    out, lse, probs = flash_attn_func(q8, k8, v8, dropout_p=p, **kw)
+    torch.manual_seed(1234)
+    out2, _, probs2 = flash_attn_func(q8, k8, v8, dropout_p=p, **kw)
+    assert torch.equal(out.view(torch.uint8), out2.view(torch.uint8)) and torch.equal(probs, probs2)
+    torch.manual_seed(1235)
+    _, _, probs3 = flash_attn_func(q8, k8, v8, dropout_p=p, **kw)
+    assert not torch.equal(probs, probs3)
+    # The 16-bit path seeds its dropout the same way: same seed, same kept set.
+    torch.manual_seed(1234)
+    _, _, probs16 = flash_attn_func(qd.float(), kd.float(), vd.float(), dropout_p=p,
+                                    causal=True, return_attn_probs=True)
+    visible = _causal(s_q, s_k)
+    dropped = 0
+    for i in range(b):
+        p64, l64 = _softmax64(qd[i], kd[i], d ** -0.5, visible)
+        assert (probs0[i].double() - p64).abs().max().item() <= 1e-5
+        assert (lse0[i].double() - l64).abs().max().item() <= 1e-4 * l64.abs().max().item()
+        assert torch.equal(lse[i], lse0[i])  # lse is that of P, before dropout
+        kept = probs[i] != 0
+        assert torch.equal(kept, probs16[i] != 0)
+        assert (probs[i].double() - p64 * kept).abs().max().item() <= 1e-5
+        dropped += ((~kept) & (p64 > 0)).sum().item()
+        vr = vd[i].repeat_interleave(h_q // h_k, dim=1)
+        o64 = torch.einsum("hij,jhd->ihd", p64 * kept / (1 - p), vr)
+        assert (out[i].double() - o64).abs().max().item() <= 2 * eps * o64.abs().max().item() + 1e-6
+    n = visible.sum().item() * b * h_q
+    assert abs(dropped / n - p) < 0.05, dropped / n
+
+
+def test_fp8_block_sparse_matches_fp64():
+    from flashattn.block_sparse import BlockSparseTensorsTorch
+
+    b, s_q, s_k, h_q, h_k, d, bq, bk = 2, 37, 70, 4, 2, 32, 16, 16
+    g = torch.Generator().manual_seed(61)
+    (q8, k8, v8), (qs, ks, vs), (qd, kd, vd) = _quantized(g, b, s_q, s_k, h_q, h_k, d)
+    M, N = -(-s_q // bq), -(-s_k // bk)
+    # Per (batch, head, query block): a random set of partial key blocks and one full block.
+    cnt = torch.zeros(b, h_q, M, dtype=torch.int32)
+    idx = torch.zeros(b, h_q, M, N, dtype=torch.int32)
+    fcnt = torch.zeros(b, h_q, M, dtype=torch.int32)
+    fidx = torch.zeros(b, h_q, M, N, dtype=torch.int32)
+    visible = torch.zeros(b, h_q, s_q, s_k, dtype=torch.bool)
+    listed = torch.zeros(b, N, dtype=torch.bool)
+    causal = _causal(s_q, s_k)[0]
+    for i in range(b):
+        for h in range(h_q):
+            for m in range(M):
+                perm = torch.randperm(N - 1, generator=g)  # key block N - 1 is never listed
+                n = int(torch.randint(0, 4, (1,), generator=g))
+                part, full = perm[:n], perm[n:n + 1]
+                cnt[i, h, m], fcnt[i, h, m] = n, 1
+                idx[i, h, m, :n], fidx[i, h, m, :1] = part, full
+                rows = slice(m * bq, (m + 1) * bq)
+                for blk in part.tolist():
+                    cols = slice(blk * bk, (blk + 1) * bk)
+                    visible[i, h, rows, cols] = causal[rows, cols]
+                    listed[i, blk] = True
+                visible[i, h, rows, full.item() * bk:(full.item() + 1) * bk] = True
+    # Unlisted keys are never read: NaN there would poison out.
+    v8 = v8.clone()
+    v8[:, (N - 1) * bk:] = float("nan")
+    mask = BlockSparseTensorsTorch(cnt, idx, fcnt, fidx, block_size=(bq, bk))
+    out, lse, probs = flash_attn_func(q8, k8, v8, causal=True, q_descale=qs, k_descale=ks,
+                                      v_descale=vs, block_sparse_tensors=mask,
+                                      return_attn_probs=True)
+    assert torch.isfinite(out.float()).all()
+    for i in range(b):
+        p64, l64 = _softmax64(qd[i], kd[i], d ** -0.5, visible[i])
+        o64 = torch.einsum("hij,jhd->ihd", p64, vd[i].repeat_interleave(h_q // h_k, dim=1))
+        assert (out[i].double() - o64).abs().max().item() <= 2 * 2.0 ** -8 * o64.abs().max().item() + 1e-6
+        assert (probs[i].double() - p64).abs().max().item() <= 1e-5
+        fin = torch.isfinite(l64)
+        assert torch.equal(torch.isfinite(lse[i]), fin)
+        assert (lse[i].double()[fin] - l64[fin]).abs().max().item() <= 1e-4 * l64[fin].abs().max().item()
+
+
+def _varlen_fp8_case(seed, lens_q, lens_k, h_q, h_k, d):
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), h_q, d, generator=g)
+    k = torch.randn(int(cu_k[-1]), h_k, d, generator=g) * 3
+    v = torch.randn(int(cu_k[-1]), h_k, d, generator=g)
+    b = len(lens_q)
+    descales = [torch.rand(b, h_k, generator=g) * 0.5 + 0.05 for _ in range(3)]
+    q8, k8, v8 = (x.to(F8) for x in (q * 4, k, v * 16))
+    return g, cu_q, cu_k, (q8, k8, v8), descales
+
+
+def _varlen_seq64(q8, k8, v8, descales, i, cu_q, cu_k, h_q, h_k):
+    qs, ks, vs = descales
+    a, e, ka, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+    qd = q8[a:e].double() * qs[i].double().repeat_interleave(h_q // h_k)[None, :, None]
+    kd = k8[ka:ke].double() * ks[i].double()[None, :, None]
+    vd = v8[ka:ke].double() * vs[i].double()[None, :, None]
+    return qd, kd, vd
+
+
+def test_varlen_fp8_seqused_q_probs_dropout_match_fp64():
+    lens_q, lens_k, h_q, h_k, d = [17, 1, 40, 6], [23, 9, 40, 30], 4, 2, 24
+    g, cu_q, cu_k, (q8, k8, v8), (qs, ks, vs) = _varlen_fp8_case(71, lens_q, lens_k, h_q, h_k, d)
+    used_q = torch.tensor([11, 1, 0, 6], dtype=torch.int32)
+    used_k = torch.tensor([23, 5, 40, 17], dtype=torch.int32)
+    p, max_k = 0.2, 40
+    torch.manual_seed(99)
+    out, lse, probs = flash_attn_varlen_func(
+        q8, k8, v8, cu_q, cu_k, 40, max_k, dropout_p=p, causal=True, return_attn_probs=True,
+        seqused_q=used_q, seqused_k=used_k, q_descale=qs, k_descale=ks, v_descale=vs,
+        out_dtype=torch.float16)
+    assert out.dtype == torch.float16 and probs.shape == (h_q, int(cu_q[-1]), max_k)
+    for i in range(len(lens_q)):
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        qd, kd, vd = _varlen_seq64(q8, k8, v8, (qs, ks, vs), i, cu_q, cu_k, h_q, h_k)
+        nq, nk = int(used_q[i]), int(used_k[i])
+        # Rows past seqused_q: out 0, lse -inf, probs 0.
+        assert torch.equal(out[a + nq:e].float(), torch.zeros_like(out[a + nq:e].float()))
+        assert torch.isneginf(lse[:, a + nq:e]).all()
+        assert not probs[:, a + nq:e].any()
+        if nq == 0:
+            continue
+        # The sequence has s_q = seqused_q[i] queries and s_k = seqused_k[i] keys (causal
+        # aligned to those, docs/semantics.md).
+        p64, l64 = _softmax64(qd[:nq], kd[:nk], d ** -0.5, _causal(nq, nk))
+        got = probs[:, a:a + nq, :nk]
+        kept = got != 0
+        assert (got.double() - p64 * kept).abs().max().item() <= 1e-5
+        assert not probs[:, a:a + nq, nk:].any()
+        fin = torch.isfinite(l64)
+        assert (lse[:, a:a + nq].double()[fin] - l64[fin]).abs().max().item() <= 1e-4 * l64[fin].abs().max().item()
+        vr = vd[:nk].repeat_interleave(h_q // h_k, dim=1)
+        o64 = torch.einsum("hij,jhd->ihd", p64 * kept / (1 - p), vr)
+        tol = 2 * 2.0 ** -11 * o64.abs().max().item() + 1e-6
+        assert (out[a:a + nq].double() - o64).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_varlen_fp8_block_table_matches_unpaged(block_size):
+    lens_q, lens_k, h_q, h_k, d = [5, 1, 33], [21, 9, 40], 6, 2, 16
+    g, cu_q, cu_k, (q8, k8, v8), descales = _varlen_fp8_case(81 + block_size, lens_q, lens_k,
+                                                             h_q, h_k, d)
+    b = len(lens_q)
+    per = -(-max(lens_k) // block_size)
+    num_blocks = b * per + 3
+    # Sequence i's keys scattered over a random permutation of blocks; the rest NaN.
+    perm = torch.randperm(num_blocks, generator=g)[: b * per]
+    table = perm.view(b, per).to(torch.int32)
+    kc = torch.full((num_blocks, block_size, h_k, d), float("nan")).to(F8)
+    vc = kc.clone()
+    for i in range(b):
+        for t in range(lens_k[i]):
+            blk, row = int(table[i, t // block_size]), t % block_size
+            kc[blk, row] = k8[int(cu_k[i]) + t]
+            vc[blk, row] = v8[int(cu_k[i]) + t]
+    kw = dict(causal=True, window_size=(12, 0), softcap=3.0, q_descale=descales[0],
+              k_descale=descales[1], v_descale=descales[2])
+    used_k = torch.tensor([21, 4, 39], dtype=torch.int32)
+    out, lse, _ = flash_attn_varlen_func(q8, kc, vc, cu_q, cu_k, 33, 40, block_table=table,
+                                         seqused_k=used_k, return_attn_probs=True, **kw)
+    ref, ref_lse, _ = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, 33, 40, seqused_k=used_k,
+                                             return_attn_probs=True, **kw)
+    # The gather moves bytes: the same keys in the same order give the same result.
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(lse, ref_lse)
+    for i in range(b):
+        qd, kd, vd = _varlen_seq64(q8, k8, v8, descales, i, cu_q, cu_k, h_q, h_k)
+        nk = int(used_k[i])
+        o64, _ = attention64(qd, kd[:nk], vd[:nk], d ** -0.5, True, (12, 0), 3.0)
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        assert (out[a:e].double() - o64).abs().max().item() <= 2 * 2.0 ** -8 * o64.abs().max().item() + 1e-6
+
+
+def test_varlen_fp8_block_sparse_matches_fp64():
+    from flashattn.block_sparse import BlockSparseTensorsTorch
+
+    lens_q, lens_k, h_q, h_k, d, bq, bk = [9, 20], [30, 12], 2, 1, 8, 4, 8
+    _, cu_q, cu_k, (q8, k8, v8), descales = _varlen_fp8_case(91, lens_q, lens_k, h_q, h_k, d)
+    max_q, max_k = 20, 30
+    M, N = -(-max_q // bq), -(-max_k // bk)
+    # Query block m of every sequence / head visits key block m % N only (partial, causal).
+    cnt = torch.ones(1, 1, M, dtype=torch.int32)
+    idx = torch.zeros(1, 1, M, N, dtype=torch.int32)
+    idx[0, 0, :, 0] = torch.arange(M) % N
+    mask = BlockSparseTensorsTorch(cnt, idx, block_size=(bq, bk))
+    out = flash_attn_varlen_func(q8, k8, v8, cu_q, cu_k, max_q, max_k, causal=True,
+                                 block_sparse_tensors=mask, q_descale=descales[0],
+                                 k_descale=descales[1], v_descale=descales[2])
+    for i in range(2):
+        qd, kd, vd = _varlen_seq64(q8, k8, v8, descales, i, cu_q, cu_k, h_q, h_k)
+        s_q, s_k = lens_q[i], lens_k[i]
+        rows, cols = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+        vis = (cols // bk == (rows // bq) % N) & _causal(s_q, s_k)[0]
+        p64, _ = _softmax64(qd, kd, d ** -0.5, vis[None])
+        o64 = torch.einsum("hij,jhd->ihd", p64, vd.repeat_interleave(h_q // h_k, dim=1))
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        assert (out[a:e].double() - o64).abs().max().item() <= 2 * 2.0 ** -8 * o64.abs().max().item() + 1e-6
+
+
+def test_fp8_qv_declined():
+    q8 = torch.randn(1, 4, 2, 8).to(F8)
+    with pytest.raises(UnsupportedError, match="'qv'"):
+        flash_attn_func(q8, q8, q8, qv=q8)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(UnsupportedError, match="'qv'"):
+        flash_attn_varlen_func(q8[0], q8[0], q8[0], cu, cu, 4, 4, qv=q8[0])
+
+
+def test_fp8_has_no_autograd():
+    q8 = torch.randn(1, 4, 2, 8).to(F8)
+    out, lse, probs = flash_attn_func(q8, q8, q8, dropout_p=0.1, return_attn_probs=True)
+    assert not out.requires_grad and probs.shape == (1, 2, 4, 4)
