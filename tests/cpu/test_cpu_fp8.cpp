@@ -140,9 +140,9 @@ TEST(CpuFp8, UndefinedDescalesAreOne) {
 }
 
 TEST(CpuFp8, DropoutAndProbsFollowTheSemantics) {
-  // The C++ API takes every option with fp8 inputs on the CPU (the Python functions decline
-  // dropout as FlashAttention-3 has none): dropout's kept set and the debug probabilities
-  // match the oracle on the dequantized values.
+  // The C++ API (and the Python functions) take every option with fp8 inputs on the CPU,
+  // dropout too, which FlashAttention-3 has not: dropout's kept set and the debug
+  // probabilities match the oracle on the dequantized values.
   Rng rng(0xF803);
   DenseCase c = DenseCase::random(rng, {2, 23, 41, 4, 2, 16}, DType::kFloat32);
   const Fp8Inputs q8 = quantize_fp8(c);
