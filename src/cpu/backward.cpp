@@ -17,7 +17,9 @@
 //   Pass 2, parallel over (b, query head h, query block): recomputes P and
 //     accumulates dQ of its rows over the key blocks in order.
 // P and dS are recomputed in both passes (the price of owning outputs without
-// races); no workspace is needed beyond the per-thread tiles.
+// races); no workspace is needed beyond the per-thread tiles. The two passes share one
+// task queue on the worker pool (cpu/pool.hpp, run_workers): the calling thread starts at
+// once and the call never waits for a helper that wakes after the last task was claimed.
 //
 // A block-sparse mask (cpu/block_sparse.hpp) restricts both passes to the listed blocks: pass
 // 1 skips the (head, query block) pairs that list none of its key block's keys, pass 2 the
@@ -32,6 +34,7 @@
 #include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
 #include "cpu/isa.hpp"
+#include "cpu/pool.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
@@ -423,13 +426,16 @@ class Backward {
 
   void run() const {
     zero_unused_dq_rows();
+    // Workers (cpu/pool.hpp): the caller starts on the tasks at once and returns when they
+    // are done, without waiting for helpers that wake after the last task was claimed.
+    const int threads = team_size(p_.num_threads);
     if (p_.dsink) {
-#pragma omp parallel num_threads(team_size(p_.num_threads))
-      {
+      TaskQueue sink_queue(p_.h_q);
+      auto sink_body = [&](TaskQueue& queue) {
         BackwardTile<E> t(p_.d, p_.d_v, bf16_);
-#pragma omp for schedule(dynamic)
-        for (int h = 0; h < p_.h_q; ++h) sink_grad(t, h);
-      }
+        for (std::int64_t h; (h = queue.next()) >= 0;) sink_grad(t, static_cast<int>(h));
+      };
+      run_workers(sink_queue, threads, sink_body);
     }
     const std::int64_t key_tasks =
         std::int64_t(p_.batch) * p_.h_k * ((p_.seqlen_k + kBlockN - 1) / kBlockN);
@@ -437,24 +443,27 @@ class Backward {
     const std::int64_t query_tasks = std::int64_t(p_.batch) * p_.h_q * qblocks;
     if (key_tasks == 0 && query_tasks == 0) return;
     const int kblocks = (p_.seqlen_k + kBlockN - 1) / kBlockN;
-#pragma omp parallel num_threads(team_size(p_.num_threads))
-    {
+    // Passes 1 and 2 write disjoint outputs (dk, dv against dq) and read only the inputs,
+    // so one queue holds both: the key tasks first, then the query tasks.
+    TaskQueue queue(key_tasks + query_tasks);
+    auto body = [&](TaskQueue& q) {
       BackwardTile<E> t(p_.d, p_.d_v, bf16_);
-#pragma omp for schedule(dynamic) nowait
-      for (std::int64_t task = 0; task < key_tasks; ++task) {
-        const int kb = static_cast<int>(task % kblocks);
-        const int g = static_cast<int>(task / kblocks % p_.h_k);
-        const int b = static_cast<int>(task / kblocks / p_.h_k);
-        key_block(t, b, g, kb);
+      for (std::int64_t task; (task = q.next()) >= 0;) {
+        if (task < key_tasks) {
+          const int kb = static_cast<int>(task % kblocks);
+          const int g = static_cast<int>(task / kblocks % p_.h_k);
+          const int b = static_cast<int>(task / kblocks / p_.h_k);
+          key_block(t, b, g, kb);
+        } else {
+          const std::int64_t qt = task - key_tasks;
+          const int qb = static_cast<int>(qt % qblocks);
+          const int h = static_cast<int>(qt / qblocks % p_.h_q);
+          const int b = static_cast<int>(qt / qblocks / p_.h_q);
+          query_block(t, b, h, qb);
+        }
       }
-#pragma omp for schedule(dynamic)
-      for (std::int64_t task = 0; task < query_tasks; ++task) {
-        const int qb = static_cast<int>(task % qblocks);
-        const int h = static_cast<int>(task / qblocks % p_.h_q);
-        const int b = static_cast<int>(task / qblocks / p_.h_q);
-        query_block(t, b, h, qb);
-      }
-    }
+    };
+    run_workers(queue, threads, body);
   }
 
  private:

@@ -1,5 +1,5 @@
-// The CPU forward's workers: the calling thread plus helper threads of a process-wide pool,
-// with a join that waits for the work, not for the helpers.
+// The CPU forward's and backward's workers: the calling thread plus helper threads of a
+// process-wide pool, with a join that waits for the work, not for the helpers.
 //
 // An OpenMP parallel region ends in a barrier that waits for every thread of the team to
 // arrive, also one that wakes too late to find any work. With OMP_WAIT_POLICY=passive (or
@@ -15,7 +15,8 @@
 // active 20 ms (pool.cpp, helper_spin).
 //
 // Results must not depend on which thread runs a task (the forward's tasks write disjoint
-// rows), so they do not depend on how many helpers joined.
+// rows, each backward task owns its dk / dv or dq rows), so they do not depend on how many
+// helpers joined.
 #pragma once
 
 #include <atomic>

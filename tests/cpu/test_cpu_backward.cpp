@@ -1,8 +1,11 @@
 // CPU backend, dense backward: every feature against the fp64 oracle (dk/dv summed
 // over GQA groups), finite differences of the public forward on tiny fp64 problems,
-// zero gradients of empty rows, determinism across thread counts, caller workspace.
+// zero gradients of empty rows, determinism across thread counts (dense; a bf16 varlen
+// pack on the worker pool), caller workspace.
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <gtest/gtest.h>
 
@@ -220,6 +223,51 @@ TEST(CpuBackward, DeterministicAcrossThreadCounts) {
       EXPECT_TRUE(bitwise_equal("dq", c.dq.to_double(), dq0));
       EXPECT_TRUE(bitwise_equal("dk", c.dk.to_double(), dk0));
       EXPECT_TRUE(bitwise_equal("dv", c.dv.to_double(), dv0));
+    }
+  }
+}
+
+// The worker pool (cpu/pool.hpp) runs the backward's key and query tasks from one queue:
+// bit-identical gradients for 1 .. 8 threads and the default (0), on a bf16 varlen pack
+// (the avx512bf16 path where the CPU has it) with GQA, seqused_q, an empty sequence and
+// odd lengths; and on a problem of one key task and one query task, fewer than the threads.
+TEST(CpuBackward, VarlenIdenticalAcrossThreadCountsOnTheWorkerPool) {
+  FA_SEEDED_RNG(rng);
+  auto offsets = [](const std::vector<int>& lengths) {
+    std::vector<int> cu{0};
+    for (int l : lengths) cu.push_back(cu.back() + l);
+    return cu;
+  };
+  for (bool tiny : {false, true}) {
+    SCOPED_TRACE(tiny ? "tiny" : "pack");
+    VarlenCase c = tiny ? VarlenCase::make(rng, {0, 5}, {0, 7}, 1, 1, 24, DType::kBFloat16)
+                        : VarlenCase::make(rng, offsets({70, 0, 131, 13}),
+                                           offsets({45, 9, 200, 66}), 6, 2, 40, DType::kBFloat16, 3, 2);
+    if (!tiny) c.set_seqused_q({61, 0, 131, 5});
+    c.opts.causal = !tiny;
+    c.run_forward();
+    std::vector<double> dq0, dk0, dv0;
+    for (int threads : {1, 2, 3, 8, 0, 2, 1}) {
+      SCOPED_TRACE("threads " + std::to_string(threads));
+      c.opts.num_threads = threads;
+      c.poison_backward();
+      ASSERT_NO_THROW(c.run_backward());
+      std::vector<double> dq = c.dq_concat(), dk = c.dk_concat(), dv = c.dv_concat();
+      const std::vector<double> dq_unused = c.q_unused_rows(c.dq), dkv_unused = c.dkv_unused_rows();
+      EXPECT_TRUE(bitwise_equal("dq rows past seqused_q", dq_unused,
+                                std::vector<double>(dq_unused.size(), 0.0)));
+      EXPECT_TRUE(bitwise_equal("dk / dv rows past seqused_k", dkv_unused,
+                                std::vector<double>(dkv_unused.size(), 0.0)));
+      if (dq0.empty()) {
+        expect_backward_matches(c.problem(), c.dtype, forward_results(c), backward_results(c));
+        dq0 = std::move(dq);
+        dk0 = std::move(dk);
+        dv0 = std::move(dv);
+        continue;
+      }
+      EXPECT_TRUE(bitwise_equal("dq", dq, dq0));
+      EXPECT_TRUE(bitwise_equal("dk", dk, dk0));
+      EXPECT_TRUE(bitwise_equal("dv", dv, dv0));
     }
   }
 }
