@@ -599,6 +599,7 @@ class Forward {
     // Workers (cpu/pool.hpp): the caller starts on the tasks at once and returns when they
     // are done, without waiting for helpers that wake after the last task was claimed.
     const int threads = team_size(p_.num_threads);
+    const T keep_scale = static_cast<T>(semantics::dropout_keep_scale(p_.dropout_p));
     TaskQueue attend_queue(attend_tasks * splits);
     auto attend_body = [&](TaskQueue& queue) {
       ForwardTile<E> t(score_dim(p_), p_.d_v, bf16_, p_.rng.threshold != 0u);
@@ -622,9 +623,7 @@ class Forward {
         attend(t, b, rs, s_q, s_k, kb0, kb1);
         for (int r = 0; r < rows; ++r) {
           const T lse = row_lse(t, r);
-          T factor = lse == -static_cast<T>(INFINITY)
-                         ? T(0)
-                         : static_cast<T>(semantics::dropout_keep_scale(p_.dropout_p)) / t.row_sum[r];
+          T factor = lse == -static_cast<T>(INFINITY) ? T(0) : keep_scale / t.row_sum[r];
           const T* o = &t.acc[std::size_t(r) * t.dvp];
           if (splits == 1) {
             // The sink joins the denominator once, after every key (split partials get it
