@@ -46,11 +46,12 @@ TEST(SupportVarlenCase, CopyKeepsTheProblem) {
   c.opts.causal = true;
   VarlenCase copy = c;
   EXPECT_TRUE(copy.qv.empty());
-  ASSERT_EQ(copy.problem().seqs.size(), c.problem().seqs.size());
-  EXPECT_TRUE(copy.problem().seqs[0].qv.empty());
+  const RefProblem problem = copy.problem();
+  ASSERT_EQ(problem.seqs.size(), c.problem().seqs.size());
+  EXPECT_TRUE(problem.seqs[0].qv.empty());
   copy.poison_forward();
   copy.run_forward();
-  expect_forward_matches(copy.problem(), DType::kBFloat16, forward_results(copy));
+  expect_forward_matches(problem, DType::kBFloat16, forward_results(copy));
   copy.poison_backward();
   copy.run_backward();
 }
