@@ -133,19 +133,8 @@ TEST(CpuKVCacheFp8Q, SplitCountsAgreeWithNoSplit) {
     KVCacheCase base = KVCacheCase::make(rng, cfg);
     base.opts.causal = true;
     const ForwardExpectation expect = ForwardExpectation::of(base.problem(), cfg.dtype);
-    const SplitAgreement agree = SplitAgreement::of(expect);
-    ForwardResults one;
-    for (int splits : {1, 2, 7, 0, 16}) {
-      SCOPED_TRACE("num_splits " + std::to_string(splits));
-      KVCacheCase c = base;
-      c.num_splits = splits;
-      const ForwardResults got = check(c, &expect);
-      if (splits == 1) {
-        one = got;
-        continue;
-      }
-      agree.expect_agrees(cfg.dtype, got, one);
-    }
+    expect_split_counts_agree(base, expect, cfg.dtype, {1, 2, 7, 0, 16},
+                              [&](KVCacheCase& c) { return check(c, &expect); });
   }
 }
 

@@ -127,19 +127,8 @@ TEST(CpuKVCacheTree, SplitCountsAgreeWithNoSplit) {
     KVCacheCase base = KVCacheCase::make(rng, cfg);
     const RefProblem p = base.problem();
     const ForwardExpectation expect = ForwardExpectation::of(p, cfg.dtype);
-    const SplitAgreement agree = SplitAgreement::of(expect);
-    ForwardResults one;
-    for (int splits : {1, 2, 7, 0, 12}) {
-      SCOPED_TRACE("num_splits " + std::to_string(splits));
-      KVCacheCase c = base;
-      c.num_splits = splits;
-      const ForwardResults got = check_tree(c, &expect);
-      if (splits == 1) {
-        one = got;
-        continue;
-      }
-      agree.expect_agrees(cfg.dtype, got, one);
-    }
+    expect_split_counts_agree(base, expect, cfg.dtype, {1, 2, 7, 0, 12},
+                              [&](KVCacheCase& c) { return check_tree(c, &expect); });
   }
 }
 

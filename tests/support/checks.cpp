@@ -249,4 +249,23 @@ void SplitAgreement::expect_agrees(DType dtype, const ForwardResults& split,
   EXPECT_LE(error_stats(split.lse, one.lse).max_abs_err, lse_bound) << "lse vs num_splits=1";
 }
 
+void expect_split_counts_agree(const KVCacheCase& base, const ForwardExpectation& expect, DType dtype,
+                               std::initializer_list<int> splits,
+                               const std::function<ForwardResults(KVCacheCase&)>& run) {
+  ASSERT_TRUE(splits.size() > 0 && *splits.begin() == 1) << "the num_splits = 1 run comes first";
+  const SplitAgreement agree = SplitAgreement::of(expect);
+  ForwardResults one;
+  for (int splits_now : splits) {
+    SCOPED_TRACE("num_splits " + std::to_string(splits_now));
+    KVCacheCase c = base;
+    c.num_splits = splits_now;
+    const ForwardResults got = run(c);
+    if (splits_now == 1) {
+      one = got;
+    } else {
+      agree.expect_agrees(dtype, got, one);
+    }
+  }
+}
+
 }  // namespace flashattn::test

@@ -4,6 +4,8 @@
 // exact rules: rows that see no key give out 0, lse -inf and dq 0; nothing is NaN.
 #pragma once
 
+#include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include "reference/reference.hpp"
@@ -52,6 +54,13 @@ struct SplitAgreement {
   static SplitAgreement of(const ForwardExpectation& expect);
   void expect_agrees(DType dtype, const ForwardResults& split, const ForwardResults& one) const;
 };
+
+// Runs copies of a KV-cache case (its unappended caches) at each of `splits` through `run`,
+// which checks the run against `expect` and returns its results; every count but 1 must
+// agree with the num_splits = 1 run (SplitAgreement), which `splits` lists first.
+void expect_split_counts_agree(const KVCacheCase& base, const ForwardExpectation& expect, DType dtype,
+                               std::initializer_list<int> splits,
+                               const std::function<ForwardResults(KVCacheCase&)>& run);
 
 ForwardResults forward_results(const DenseCase& c);
 BackwardResults backward_results(const DenseCase& c);
