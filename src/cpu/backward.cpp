@@ -10,16 +10,24 @@
 //   dQ += scale * dX K,   dK += scale * dX^T Q
 //
 // Determinism for any thread count, by construction rather than by atomics: every
-// output element has exactly one owner task, and each task sums in a fixed order.
+// output element has exactly one owner task, and each task sums in a fixed order. Two
+// schedules (cpu/schedule.hpp), bit-identical to each other:
+//   Key groups, parallel over (b, KV head g): the row blocks (q, dO, lse, D) of g's query
+//     heads are loaded once; for each key block in order, for each query head and query
+//     block in order, P and dS of the tile are computed once and feed dV, dK (of the key
+//     block, in thread-local buffers) and dQ (of the query block, held for the task):
+//     five products a tile. Used when there are at least two such tasks per thread.
+//   Two passes, for fewer (b, g) than that, large groups and block sparsity:
 //   Pass 1, parallel over (b, KV head g, key block): loops over the query heads of
 //     g's GQA group and then over the query blocks, accumulating dK and dV of its key
 //     block in thread-local buffers; the group sum is in head order.
 //   Pass 2, parallel over (b, query head h, query block): recomputes P and
 //     accumulates dQ of its rows over the key blocks in order.
-// P and dS are recomputed in both passes (the price of owning outputs without
-// races); no workspace is needed beyond the per-thread tiles. The two passes share one
-// task queue on the worker pool (cpu/pool.hpp, run_workers): the calling thread starts at
-// once and the call never waits for a helper that wakes after the last task was claimed.
+// In two passes, P and dS are recomputed in both (the price of owning outputs without
+// races over more, smaller tasks); no workspace is needed beyond the per-thread tiles. The
+// tasks run on the worker pool (cpu/pool.hpp, run_workers; the two passes share one
+// queue): the calling thread starts at once and the call never waits for a helper that
+// wakes after the last task was claimed.
 //
 // A block-sparse mask (cpu/block_sparse.hpp) restricts both passes to the listed blocks: pass
 // 1 skips the (head, query block) pairs that list none of its key block's keys, pass 2 the
@@ -35,10 +43,13 @@
 #include "cpu/block_sparse.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/pool.hpp"
+#include "cpu/schedule.hpp"
 #include "cpu/tile.hpp"
 
 namespace flashattn::detail::cpu {
 namespace {
+
+std::optional<BwdSchedule> g_schedule_override;
 
 // Whether S = Q K^T and dP = dO V^T run as bf16 dot products (Isa::kAvx512Bf16, bf16
 // tensors): the tile then also keeps q, dO and the key block as raw bf16 words.
@@ -46,20 +57,56 @@ bool bf16_products(const BwdParams& p) {
   return p.dtype == DType::kBFloat16 && active_isa() == Isa::kAvx512Bf16;
 }
 
+// The row operands of one query block (rows i0 .. i0 + rows of one query head), in the
+// compute type T: what every tile of those rows reads.
+template <class E>
+struct RowBlock {
+  using T = typename E::compute;
+  std::vector<T> q;       // [kBlockM][dp]      query rows (fp32 / fp64 products only)
+  std::vector<T> dout;    // [kBlockM][dvp]     output gradient rows (fp32 / fp64 products only)
+  std::vector<T> delta;   // [kBlockM]          D_i = dO_i . O_i
+  std::vector<T> lse;     // [kBlockM]
+  // bf16 products (bf16_products): words of two bf16 values.
+  std::vector<std::uint32_t> q16;       // [kBlockM][qpairs] query rows, zero-padded
+  std::vector<std::uint32_t> do16;      // [kBlockM][vpairs] output gradient rows, zero-padded
+  // The right-hand sides of dV += P^T dO and dK += dS^T Q in pairs of rows
+  // (bf16x::pack_value_pairs).
+  std::vector<std::uint32_t> q_pairs;   // [kBlockM / 2][dp]
+  std::vector<std::uint32_t> do_pairs;  // [kBlockM / 2][dvp]
+
+  RowBlock(int dp, int dvp, int qpairs, int vpairs, bool bf16)
+      : q(bf16 ? 0 : std::size_t(kBlockM) * dp),
+        dout(bf16 ? 0 : std::size_t(kBlockM) * dvp),
+        delta(kBlockM),
+        lse(kBlockM),
+        q16(bf16 ? std::size_t(kBlockM) * qpairs : 0),
+        do16(bf16 ? std::size_t(kBlockM) * vpairs : 0),
+        q_pairs(bf16 ? std::size_t(kBlockM / 2) * dp : 0),
+        do_pairs(bf16 ? std::size_t(kBlockM / 2) * dvp : 0) {}
+
+  // Bytes of the buffers (the key-group schedule's memory bound).
+  static std::size_t bytes(int dp, int dvp, int qpairs, int vpairs, bool bf16) {
+    const std::size_t words = bf16 ? std::size_t(kBlockM) * (qpairs + vpairs) +
+                                         std::size_t(kBlockM / 2) * (dp + dvp)
+                                   : 0;
+    const std::size_t elems = (bf16 ? 0 : std::size_t(kBlockM) * (dp + dvp)) + 2 * kBlockM;
+    return words * sizeof(std::uint32_t) + elems * sizeof(T);
+  }
+};
+
 // Per-thread tiles of the backward, in the compute type T.
 template <class E>
 struct BackwardTile {
   using T = typename E::compute;
   int d, dp;    // head dim of q, k and its padded width
   int dv, dvp;  // head dim of v, out and its padded width
-  std::vector<T> q;       // [kBlockM][dp]      query rows
-  std::vector<T> dout;    // [kBlockM][dvp]     output gradient rows
-  std::vector<T> delta;   // [kBlockM]          D_i = dO_i . O_i
-  std::vector<T> lse;     // [kBlockM]
+  int qpairs, vpairs;     // ceil(d / 2), ceil(d_v / 2)
+  RowBlock<E> rows;       // the query block of the two-pass schedule and of the sink pass
   std::vector<T> o_row;   // [dvp]              one output row, for D
+  std::vector<T> do_row;  // [dvp]              one output gradient row, for D (bf16 products)
   std::vector<T> kt;      // [d][kBlockN]       key block, transposed
   std::vector<T> vt;      // [dv][kBlockN]      value block, transposed
-  std::vector<T> k;       // [kBlockN][dp]      key block (pass 2: dQ += dS K)
+  std::vector<T> k;       // [kBlockN][dp]      key block (dQ += dS K)
   std::vector<T> v;       // [kBlockN][dvp]     value block (before the transpose into vt)
   std::vector<T> s;       // [kBlockM][kBlockN] scores, then P
   std::vector<T> capped;  // [kBlockM][kBlockN] softcapped scores before ALiBi
@@ -71,29 +118,26 @@ struct BackwardTile {
   std::vector<std::uint8_t> used;  // [kBlockN] block sparsity: keys of the block read
   std::vector<std::uint8_t> any;   // [kBlockN] block sparsity: their union (pass 1)
   // bf16 products (bf16_products): words of two bf16 values.
-  int qpairs, vpairs;              // ceil(d / 2), ceil(d_v / 2)
-  std::vector<std::uint32_t> q16;  // [kBlockM][qpairs] query rows, zero-padded
-  std::vector<std::uint32_t> do16; // [kBlockM][vpairs] output gradient rows, zero-padded
   std::vector<std::uint32_t> kp;   // [qpairs][kBlockN] key block packed by bf16x::pack_block
   std::vector<std::uint32_t> vp;   // [vpairs][kBlockN] value block, packed
   std::vector<const std::uint16_t*> k_rows, v_rows;  // [kBlockN] rows to pack (nullptr: zero)
-  // The right-hand sides of dV += P^T dO, dK += dS^T Q, dQ += dS K in pairs of rows
-  // (bf16x::pack_value_pairs).
-  std::vector<std::uint32_t> q_pairs;   // [kBlockM / 2][dp]
-  std::vector<std::uint32_t> do_pairs;  // [kBlockM / 2][dvp]
+  // The right-hand side of dQ += dS K in pairs of rows (bf16x::pack_value_pairs).
   std::vector<std::uint32_t> k_pairs;   // [kBlockN / 2][dp]
   std::vector<const std::uint16_t*> q_rows, do_rows;  // [kBlockM]
+  // The key-group schedule: the row blocks of a KV head's query heads and their dQ.
+  std::vector<RowBlock<E>> group_rows;  // [h_ratio * query blocks]
+  std::vector<T> group_dq;              // [h_ratio * query blocks][kBlockM][dp]
 
   BackwardTile(int head_dim, int value_dim, bool bf16)
       : d(head_dim),
         dp(padded_dim<T>(head_dim)),
         dv(value_dim),
         dvp(padded_dim<T>(value_dim)),
-        q(std::size_t(kBlockM) * dp),
-        dout(std::size_t(kBlockM) * dvp),
-        delta(kBlockM),
-        lse(kBlockM),
+        qpairs((head_dim + 1) / 2),
+        vpairs((value_dim + 1) / 2),
+        rows(dp, dvp, qpairs, vpairs, bf16),
         o_row(dvp),
+        do_row(bf16 ? dvp : 0),
         kt(std::size_t(head_dim) * kBlockN),
         vt(std::size_t(value_dim) * kBlockN),
         k(std::size_t(kBlockN) * dp),
@@ -107,16 +151,10 @@ struct BackwardTile {
         acc_b(std::size_t(kBlockN) * dvp),
         used(kBlockN),
         any(kBlockN),
-        qpairs((head_dim + 1) / 2),
-        vpairs((value_dim + 1) / 2),
-        q16(bf16 ? std::size_t(kBlockM) * qpairs : 0),
-        do16(bf16 ? std::size_t(kBlockM) * vpairs : 0),
         kp(bf16 ? std::size_t(qpairs) * kBlockN : 0),
         vp(bf16 ? std::size_t(vpairs) * kBlockN : 0),
         k_rows(bf16 ? kBlockN : 0),
         v_rows(bf16 ? kBlockN : 0),
-        q_pairs(bf16 ? std::size_t(kBlockM / 2) * dp : 0),
-        do_pairs(bf16 ? std::size_t(kBlockM / 2) * dvp : 0),
         k_pairs(bf16 ? std::size_t(kBlockN / 2) * dp : 0),
         q_rows(bf16 ? kBlockM : 0),
         do_rows(bf16 ? kBlockM : 0) {}
@@ -135,34 +173,34 @@ class Backward {
     return p_.stored_len_k(b);
   }
 
-  // Rows i0 .. i0 + rows of (b, h): q, dO, lse and D = rowsum(dO * O).
-  void load_rows(BackwardTile<E>& t, int b, int h, int i0, int rows) const {
+  // Rows i0 .. i0 + rows of (b, h) into rb: q, dO, lse and D = rowsum(dO * O) (t: scratch).
+  void load_rows(RowBlock<E>& rb, BackwardTile<E>& t, int b, int h, int i0, int rows) const {
     const S* q = static_cast<const S*>(p_.q) + p_.q_offset(b) + std::int64_t(h) * p_.q_head_stride;
     const S* dout =
         static_cast<const S*>(p_.dout) + p_.do_offset(b) + std::int64_t(h) * p_.do_head_stride;
     const S* out = static_cast<const S*>(p_.out) + p_.o_offset(b) + std::int64_t(h) * p_.o_head_stride;
     for (int r = 0; r < rows; ++r) {
       const std::int64_t i = i0 + r;
-      T* qr = &t.q[std::size_t(r) * t.dp];
-      T* dor = &t.dout[std::size_t(r) * t.dvp];
-      load_row<E>(qr, q + i * p_.q_row_stride, t.d, t.dp);
+      T* dor = bf16_ ? t.do_row.data() : &rb.dout[std::size_t(r) * t.dvp];
       load_row<E>(dor, dout + i * p_.do_row_stride, t.dv, t.dvp);
       if (bf16_) {
-        copy_words(&t.q16[std::size_t(r) * t.qpairs], q + i * p_.q_row_stride, t.d, t.qpairs);
-        copy_words(&t.do16[std::size_t(r) * t.vpairs], dout + i * p_.do_row_stride, t.dv, t.vpairs);
+        copy_words(&rb.q16[std::size_t(r) * t.qpairs], q + i * p_.q_row_stride, t.d, t.qpairs);
+        copy_words(&rb.do16[std::size_t(r) * t.vpairs], dout + i * p_.do_row_stride, t.dv, t.vpairs);
         t.q_rows[r] = reinterpret_cast<const std::uint16_t*>(q + i * p_.q_row_stride);
         t.do_rows[r] = reinterpret_cast<const std::uint16_t*>(dout + i * p_.do_row_stride);
+      } else {
+        load_row<E>(&rb.q[std::size_t(r) * t.dp], q + i * p_.q_row_stride, t.d, t.dp);
       }
       load_row<E>(t.o_row.data(), out + i * p_.o_row_stride, t.dv, t.dvp);
       T dot = 0;
 #pragma omp simd reduction(+ : dot)
       for (int c = 0; c < t.dvp; ++c) dot += dor[c] * t.o_row[c];
-      t.delta[r] = dot;
-      t.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
+      rb.delta[r] = dot;
+      rb.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
     }
     if (bf16_) {
-      bf16x::pack_value_pairs(t.q_rows.data(), rows, t.d, t.q_pairs.data(), t.dp);
-      bf16x::pack_value_pairs(t.do_rows.data(), rows, t.dv, t.do_pairs.data(), t.dvp);
+      bf16x::pack_value_pairs(t.q_rows.data(), rows, t.d, rb.q_pairs.data(), t.dp);
+      bf16x::pack_value_pairs(t.do_rows.data(), rows, t.dv, rb.do_pairs.data(), t.dvp);
     }
   }
 
@@ -213,16 +251,16 @@ class Backward {
 
   // For the loaded rows and key block j0 (n valid keys): t.s = P (times keep * rp
   // when dropout is on, i.e. the probabilities V was weighted with) and t.ds = dX.
-  void probs_and_grads(BackwardTile<E>& t, int b, int h, int i0, int rows, int s_q, int s_k,
-                       std::int64_t j0, int n) const {
+  void probs_and_grads(BackwardTile<E>& t, const RowBlock<E>& rb, int b, int h, int i0, int rows,
+                       int s_q, int s_k, std::int64_t j0, int n) const {
     if (bf16_) {
       if constexpr (std::is_same_v<T, float>) {
-        bf16x::dot_block(rows, t.qpairs, t.q16.data(), t.qpairs, t.kp.data(), t.s.data(), kBlockN);
-        bf16x::dot_block(rows, t.vpairs, t.do16.data(), t.vpairs, t.vp.data(), t.ds.data(), kBlockN);
+        bf16x::dot_block(rows, t.qpairs, rb.q16.data(), t.qpairs, t.kp.data(), t.s.data(), kBlockN);
+        bf16x::dot_block(rows, t.vpairs, rb.do16.data(), t.vpairs, t.vp.data(), t.ds.data(), kBlockN);
       }
     } else {
-      gemm<T>(rows, t.d, kBlockN, t.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
-      gemm<T>(rows, t.dv, kBlockN, t.dout.data(), t.dvp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
+      gemm<T>(rows, t.d, kBlockN, rb.q.data(), t.dp, t.kt.data(), kBlockN, t.s.data(), kBlockN, false);
+      gemm<T>(rows, t.dv, kBlockN, rb.dout.data(), t.dvp, t.vt.data(), kBlockN, t.ds.data(), kBlockN,
               false);
     }
     const semantics::KeyRange first = semantics::visible_keys(i0, s_q, s_k, p_.mask);
@@ -250,13 +288,13 @@ class Backward {
         make_scores<T>(sr, cr, static_cast<T>(p_.scale), softcap, slope, i, j0, s_q, s_k,
                        !interior, range.begin, range.end);
       }
-      const T lse = t.lse[r];
+      const T lse = rb.lse[r];
       if (lse == -static_cast<T>(INFINITY)) {
         std::fill(sr, sr + kBlockN, T(0));
         std::fill(dsr, dsr + kBlockN, T(0));
         continue;
       }
-      const T delta = t.delta[r];
+      const T delta = rb.delta[r];
       const T* kr = dropout ? &t.keep[std::size_t(r) * kBlockN] : nullptr;
       // A masked key (score -inf) gets P = 0 and dS = 0 by a select, not by 0 * x: a NaN
       // row (NaN lse, dO, D) or a NaN dP (a NaN value row) must not reach the keys and
@@ -293,6 +331,61 @@ class Backward {
       for (int j = 0; j < n; ++j) tr[std::size_t(j) * kBlockM + rows] = T(0);
   }
 
+  // One tile's products into the gradients, after probs_and_grads: dV[n][dvp] += P^T dO and
+  // dK[n][dp] += dX^T Q (when dk), and dQ[rows][dp] += dX K (when dq).
+  void tile_products(BackwardTile<E>& t, const RowBlock<E>& rb, int rows, int n, T* dk, T* dv,
+                     T* dq) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_) {  // P and dX rounded to bf16 (docs/semantics.md, CPU backend)
+        if (dk) {
+          const int pairs = (rows + 1) / 2;
+          transposed_pairs(t.s.data(), rows, n, t.tr.data());
+          bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, rb.do_pairs.data(), t.dvp, t.dvp, dv, t.dvp);
+          transposed_pairs(t.ds.data(), rows, n, t.tr.data());
+          bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, rb.q_pairs.data(), t.dp, t.dp, dk, t.dp);
+        }
+        if (dq)
+          bf16x::pv_block(rows, (n + 1) / 2, t.ds.data(), kBlockN, t.k_pairs.data(), t.dp, t.dp, dq, t.dp);
+        return;
+      }
+    }
+    if (dk) {
+      transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
+      gemm<T>(n, rows, t.dvp, t.tr.data(), kBlockM, rb.dout.data(), t.dvp, dv, t.dvp, true);
+      transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
+      gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, rb.q.data(), t.dp, dk, t.dp, true);
+    }
+    if (dq) gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);
+  }
+
+  // Whether the tile of query rows i0 .. i0 + rows against keys j0 .. j0 + n has a visible
+  // key (without block sparsity).
+  bool tile_visible(int i0, int rows, int s_q, int s_k, std::int64_t j0, int n) const {
+    const semantics::KeyRange keys = semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
+    return !keys.empty() && keys.end > j0 && keys.begin < j0 + n;
+  }
+
+  // dk and dv rows of key block j0 (`stored` of them), from the accumulators.
+  void store_kv(const BackwardTile<E>& t, int b, int g, std::int64_t j0, int stored, const T* dk,
+                const T* dv) const {
+    S* dk_out = static_cast<S*>(p_.dk);
+    S* dv_out = static_cast<S*>(p_.dv);
+    const T scale = static_cast<T>(p_.scale);
+    for (int j = 0; j < stored; ++j) {
+      store_row<E>(dk_out + p_.dk_offset(b, j0 + j, g), dk + std::size_t(j) * t.dp, t.d, scale);
+      store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dvp, t.dv, T(1));
+    }
+  }
+
+  // dq rows i0 .. i0 + rows of (b, h), from the accumulator.
+  void store_q(const BackwardTile<E>& t, int b, int h, int i0, int rows, const T* dq) const {
+    S* dq_out = static_cast<S*>(p_.dq) + p_.dq_offset(b) + std::int64_t(h) * p_.dq_head_stride;
+    const T scale = static_cast<T>(p_.scale);
+    for (int r = 0; r < rows; ++r)
+      store_row<E>(dq_out + std::int64_t(i0 + r) * p_.dq_row_stride, dq + std::size_t(r) * t.dp, t.d,
+                   scale);
+  }
+
   // Pass 1 task: dK and dV of key block kb of (b, g).
   void key_block(BackwardTile<E>& t, int b, int g, int kb) const {
     const std::int64_t j0 = std::int64_t(kb) * kBlockN;
@@ -321,40 +414,16 @@ class Backward {
         const int h = g * p_.h_ratio + hr;
         for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
           const int rows = std::min(kBlockM, s_q - i0);
-          if (sparse) {
-            if (!block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, nullptr)) continue;
-          } else {
-            const semantics::KeyRange keys =
-                semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
-            if (keys.empty() || keys.end <= j0 || keys.begin >= j0 + n) continue;
-          }
-          load_rows(t, b, h, i0, rows);
-          probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
-          // dV[n][dvp] += P^T[n][rows] dO[rows][dvp];  dK[n][dp] += dX^T[n][rows] Q[rows][dp]
-          if constexpr (std::is_same_v<T, float>) {
-            if (bf16_) {  // P and dX rounded to bf16 (docs/semantics.md, CPU backend)
-              const int pairs = (rows + 1) / 2;
-              transposed_pairs(t.s.data(), rows, n, t.tr.data());
-              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.do_pairs.data(), t.dvp, t.dvp, dv, t.dvp);
-              transposed_pairs(t.ds.data(), rows, n, t.tr.data());
-              bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, t.q_pairs.data(), t.dp, t.dp, dk, t.dp);
-              continue;
-            }
-          }
-          transpose<T>(t.s.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
-          gemm<T>(n, rows, t.dvp, t.tr.data(), kBlockM, t.dout.data(), t.dvp, dv, t.dvp, true);
-          transpose<T>(t.ds.data(), kBlockN, rows, n, t.tr.data(), kBlockM);
-          gemm<T>(n, rows, t.dp, t.tr.data(), kBlockM, t.q.data(), t.dp, dk, t.dp, true);
+          if (sparse ? !block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, nullptr)
+                     : !tile_visible(i0, rows, s_q, s_k, j0, n))
+            continue;
+          load_rows(t.rows, t, b, h, i0, rows);
+          probs_and_grads(t, t.rows, b, h, i0, rows, s_q, s_k, j0, n);
+          tile_products(t, t.rows, rows, n, dk, dv, nullptr);
         }
       }
     }
-    S* dk_out = static_cast<S*>(p_.dk);
-    S* dv_out = static_cast<S*>(p_.dv);
-    const T scale = static_cast<T>(p_.scale);
-    for (int j = 0; j < stored; ++j) {
-      store_row<E>(dk_out + p_.dk_offset(b, j0 + j, g), dk + std::size_t(j) * t.dp, t.d, scale);
-      store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dvp, t.dv, T(1));
-    }
+    store_kv(t, b, g, j0, stored, dk, dv);
   }
 
   // Pass 2 task: dQ of query block qb of (b, h).
@@ -370,28 +439,72 @@ class Backward {
         sparse ? semantics::KeyRange{0, s_k}
                : semantics::visible_keys_of_rows(i0, i0 + rows, s_q, s_k, p_.mask);
     if (!keys.empty()) {
-      load_rows(t, b, h, i0, rows);
+      load_rows(t.rows, t, b, h, i0, rows);
       const int g = h / p_.h_ratio;
       for (std::int64_t j0 = keys.begin / kBlockN * kBlockN; j0 < keys.end; j0 += kBlockN) {
         const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
         if (sparse && !block_sparse_keys(p_, b, h, i0, i0 + rows, j0, n, t.used.data())) continue;
         load_kv(t, b, g, j0, n, sparse ? t.used.data() : nullptr);
-        probs_and_grads(t, b, h, i0, rows, s_q, s_k, j0, n);
-        // dQ[rows][dp] += dX[rows][n] K[n][dp]
-        if constexpr (std::is_same_v<T, float>) {
-          if (bf16_) {  // dX rounded to bf16
-            bf16x::pv_block(rows, (n + 1) / 2, t.ds.data(), kBlockN, t.k_pairs.data(), t.dp, t.dp, dq, t.dp);
-            continue;
-          }
-        }
-        gemm<T>(rows, n, t.dp, t.ds.data(), kBlockN, t.k.data(), t.dp, dq, t.dp, true);
+        probs_and_grads(t, t.rows, b, h, i0, rows, s_q, s_k, j0, n);
+        tile_products(t, t.rows, rows, n, nullptr, nullptr, dq);
       }
     }
-    S* dq_out = static_cast<S*>(p_.dq) + p_.dq_offset(b) + std::int64_t(h) * p_.dq_head_stride;
-    const T scale = static_cast<T>(p_.scale);
-    for (int r = 0; r < rows; ++r)
-      store_row<E>(dq_out + std::int64_t(i0 + r) * p_.dq_row_stride, dq + std::size_t(r) * t.dp, t.d,
-                   scale);
+    store_q(t, b, h, i0, rows, dq);
+  }
+
+  // Key-group task (the one-pass schedule, without block sparsity): every gradient of the
+  // KV head g of sequence b. The row blocks of its query heads are loaded once; then for
+  // each key block in order, for each query head hr and query block in order, the tile's P
+  // and dS are computed once and feed all three products. dK and dV of a key block are
+  // summed over (hr, query block) in the order of pass 1, and dQ of a query block over the
+  // key blocks in the order of pass 2, with the same kernels on the same operands: the
+  // gradients are bit-identical to the two-pass schedule's.
+  void key_group(BackwardTile<E>& t, int b, int g) const {
+    const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
+    const int qblocks = (s_q + kBlockM - 1) / kBlockM;
+    const std::size_t blocks = std::size_t(p_.h_ratio) * qblocks;
+    while (t.group_rows.size() < blocks) t.group_rows.emplace_back(t.dp, t.dvp, t.qpairs, t.vpairs, bf16_);
+    const std::size_t dq_block = std::size_t(kBlockM) * t.dp;
+    t.group_dq.assign(blocks * dq_block, T(0));
+    for (int hr = 0; hr < p_.h_ratio; ++hr)
+      for (int qb = 0; qb < qblocks; ++qb) {
+        const int i0 = qb * kBlockM;
+        load_rows(t.group_rows[std::size_t(hr) * qblocks + qb], t, b, g * p_.h_ratio + hr, i0,
+                  std::min(kBlockM, s_q - i0));
+      }
+    T* dk = t.acc_a.data();  // [kBlockN][dp]
+    T* dv = t.acc_b.data();  // [kBlockN][dvp]
+    const std::int64_t stored_total = stored_keys(b);
+    for (std::int64_t j0 = 0; j0 < stored_total; j0 += kBlockN) {
+      const int stored = static_cast<int>(std::min<std::int64_t>(kBlockN, stored_total - j0));
+      const int n = static_cast<int>(std::max<std::int64_t>(0, std::min<std::int64_t>(kBlockN, s_k - j0)));
+      std::fill(dk, dk + std::size_t(kBlockN) * t.dp, T(0));
+      std::fill(dv, dv + std::size_t(kBlockN) * t.dvp, T(0));
+      if (n > 0) {
+        bool loaded = false;
+        for (int hr = 0; hr < p_.h_ratio; ++hr) {
+          const int h = g * p_.h_ratio + hr;
+          for (int qb = 0; qb < qblocks; ++qb) {
+            const int i0 = qb * kBlockM;
+            const int rows = std::min(kBlockM, s_q - i0);
+            if (!tile_visible(i0, rows, s_q, s_k, j0, n)) continue;
+            if (!loaded) load_kv(t, b, g, j0, n);
+            loaded = true;
+            const std::size_t blk = std::size_t(hr) * qblocks + qb;
+            const RowBlock<E>& rb = t.group_rows[blk];
+            probs_and_grads(t, rb, b, h, i0, rows, s_q, s_k, j0, n);
+            tile_products(t, rb, rows, n, dk, dv, &t.group_dq[blk * dq_block]);
+          }
+        }
+      }
+      store_kv(t, b, g, j0, stored, dk, dv);
+    }
+    for (int hr = 0; hr < p_.h_ratio; ++hr)
+      for (int qb = 0; qb < qblocks; ++qb) {
+        const int i0 = qb * kBlockM;
+        store_q(t, b, g * p_.h_ratio + hr, i0, std::min(kBlockM, s_q - i0),
+                &t.group_dq[(std::size_t(hr) * qblocks + qb) * dq_block]);
+      }
   }
 
   // Pass 3 (with a sink gradient), parallel over query heads: d sink_h = -sum over the
@@ -403,9 +516,9 @@ class Backward {
       const int s_q = p_.seq_len_q(b);
       for (int i0 = 0; i0 < s_q; i0 += kBlockM) {
         const int rows = std::min(kBlockM, s_q - i0);
-        load_rows(t, b, h, i0, rows);
+        load_rows(t.rows, t, b, h, i0, rows);
         for (int r = 0; r < rows; ++r)
-          acc -= double(semantics::sink_prob<T>(sink, t.lse[r])) * double(t.delta[r]);
+          acc -= double(semantics::sink_prob<T>(sink, t.rows.lse[r])) * double(t.rows.delta[r]);
       }
     }
     p_.dsink[h] = static_cast<float>(acc);
@@ -437,6 +550,16 @@ class Backward {
       };
       run_workers(sink_queue, threads, sink_body);
     }
+    if (schedule(threads) == BwdSchedule::kKeyGroups) {
+      TaskQueue queue(std::int64_t(p_.batch) * p_.h_k);
+      auto body = [&](TaskQueue& q) {
+        BackwardTile<E> t(p_.d, p_.d_v, bf16_);
+        for (std::int64_t task; (task = q.next()) >= 0;)
+          key_group(t, static_cast<int>(task / p_.h_k), static_cast<int>(task % p_.h_k));
+      };
+      run_workers(queue, threads, body);
+      return;
+    }
     const std::int64_t key_tasks =
         std::int64_t(p_.batch) * p_.h_k * ((p_.seqlen_k + kBlockN - 1) / kBlockN);
     const int qblocks = (p_.seqlen_q + kBlockM - 1) / kBlockM;
@@ -466,6 +589,20 @@ class Backward {
     run_workers(queue, threads, body);
   }
 
+  // cpu/schedule.hpp: key groups without block sparsity when there are at least two per
+  // thread (or one thread) and their row blocks fit kKeyGroupBytes.
+  BwdSchedule schedule(int threads) const {
+    if (p_.block_kinds != nullptr) return BwdSchedule::kTwoPasses;
+    if (g_schedule_override) return *g_schedule_override;
+    const std::int64_t groups = std::int64_t(p_.batch) * p_.h_k;
+    if (threads > 1 && groups < 2 * std::int64_t(threads)) return BwdSchedule::kTwoPasses;
+    const int dp = padded_dim<T>(p_.d), dvp = padded_dim<T>(p_.d_v);
+    const std::size_t per_block = RowBlock<E>::bytes(dp, dvp, (p_.d + 1) / 2, (p_.d_v + 1) / 2, bf16_) +
+                                  std::size_t(kBlockM) * dp * sizeof(T);
+    const std::size_t blocks = std::size_t(p_.h_ratio) * ((std::size_t(p_.seqlen_q) + kBlockM - 1) / kBlockM);
+    return blocks * per_block <= kKeyGroupBytes ? BwdSchedule::kKeyGroups : BwdSchedule::kTwoPasses;
+  }
+
  private:
   const BwdParams& p_;
   const bool bf16_;  // bf16_products(p_)
@@ -478,5 +615,7 @@ void backward(const BwdParams& p) {
 }
 
 std::size_t backward_workspace_size(const BwdParams&) { return 0; }
+
+void set_backward_schedule_override(std::optional<BwdSchedule> schedule) { g_schedule_override = schedule; }
 
 }  // namespace flashattn::detail::cpu
