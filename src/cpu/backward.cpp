@@ -69,25 +69,25 @@ struct RowBlock {
   // bf16 products (bf16_products): words of two bf16 values.
   std::vector<std::uint32_t> q16;       // [kBlockM][qpairs] query rows, zero-padded
   std::vector<std::uint32_t> do16;      // [kBlockM][vpairs] output gradient rows, zero-padded
-  // The right-hand sides of dV += P^T dO and dK += dS^T Q in pairs of rows
-  // (bf16x::pack_value_pairs).
-  std::vector<std::uint32_t> q_pairs;   // [kBlockM / 2][dp]
-  std::vector<std::uint32_t> do_pairs;  // [kBlockM / 2][dvp]
+  // The left-hand sides of dK^T += Q^T dS and dV^T += dO^T P in pairs of rows
+  // (bf16x::pack_transposed_pairs).
+  std::vector<std::uint32_t> qt;        // [d][kBlockM / 2]
+  std::vector<std::uint32_t> dot;       // [d_v][kBlockM / 2]
 
-  RowBlock(int dp, int dvp, int qpairs, int vpairs, bool bf16)
+  RowBlock(int d, int dv, int dp, int dvp, int qpairs, int vpairs, bool bf16)
       : q(bf16 ? 0 : std::size_t(kBlockM) * dp),
         dout(bf16 ? 0 : std::size_t(kBlockM) * dvp),
         delta(kBlockM),
         lse(kBlockM),
         q16(bf16 ? std::size_t(kBlockM) * qpairs : 0),
         do16(bf16 ? std::size_t(kBlockM) * vpairs : 0),
-        q_pairs(bf16 ? std::size_t(kBlockM / 2) * dp : 0),
-        do_pairs(bf16 ? std::size_t(kBlockM / 2) * dvp : 0) {}
+        qt(bf16 ? std::size_t(d) * (kBlockM / 2) : 0),
+        dot(bf16 ? std::size_t(dv) * (kBlockM / 2) : 0) {}
 
   // Bytes of the buffers (the key-group schedule's memory bound).
-  static std::size_t bytes(int dp, int dvp, int qpairs, int vpairs, bool bf16) {
+  static std::size_t bytes(int d, int dv, int dp, int dvp, int qpairs, int vpairs, bool bf16) {
     const std::size_t words = bf16 ? std::size_t(kBlockM) * (qpairs + vpairs) +
-                                         std::size_t(kBlockM / 2) * (dp + dvp)
+                                         std::size_t(kBlockM / 2) * (d + dv)
                                    : 0;
     const std::size_t elems = (bf16 ? 0 : std::size_t(kBlockM) * (dp + dvp)) + 2 * kBlockM;
     return words * sizeof(std::uint32_t) + elems * sizeof(T);
@@ -113,8 +113,8 @@ struct BackwardTile {
   std::vector<T> keep;    // [kBlockM][kBlockN] dropout keep mask, 1 or 0
   std::vector<T> ds;      // [kBlockM][kBlockN] dP, then dX
   std::vector<T> tr;      // [kBlockN][kBlockM] a transposed [rows][keys] tile
-  std::vector<T> acc_a;   // [kBlockN][dp] dK (pass 1) or [kBlockM][dp] dQ (pass 2)
-  std::vector<T> acc_b;   // [kBlockN][dvp] dV (pass 1)
+  std::vector<T> acc_a;   // [kBlockN][dp] dK (bf16 products: dK^T [d][kBlockN]) or [kBlockM][dp] dQ
+  std::vector<T> acc_b;   // [kBlockN][dvp] dV (bf16 products: dV^T [d_v][kBlockN])
   std::vector<std::uint8_t> used;  // [kBlockN] block sparsity: keys of the block read
   std::vector<std::uint8_t> any;   // [kBlockN] block sparsity: their union (pass 1)
   // bf16 products (bf16_products): words of two bf16 values.
@@ -123,6 +123,10 @@ struct BackwardTile {
   std::vector<const std::uint16_t*> k_rows, v_rows;  // [kBlockN] rows to pack (nullptr: zero)
   // The right-hand side of dQ += dS K in pairs of rows (bf16x::pack_value_pairs).
   std::vector<std::uint32_t> k_pairs;   // [kBlockN / 2][dp]
+  // P and dS rounded to bf16 (bf16x::pack_probs): pairs of rows at each key, pairs of keys.
+  std::vector<std::uint32_t> pt, dst;   // [kBlockM / 2][kBlockN]
+  std::vector<std::uint32_t> ds16;      // [kBlockM][kBlockN / 2]
+  std::vector<int> lo, hi;              // [kBlockM] visible keys of each row in the block
   std::vector<const std::uint16_t*> q_rows, do_rows;  // [kBlockM]
   // The key-group schedule: the row blocks of a KV head's query heads and their dQ.
   std::vector<RowBlock<E>> group_rows;  // [h_ratio * query blocks]
@@ -135,7 +139,7 @@ struct BackwardTile {
         dvp(padded_dim<T>(value_dim)),
         qpairs((head_dim + 1) / 2),
         vpairs((value_dim + 1) / 2),
-        rows(dp, dvp, qpairs, vpairs, bf16),
+        rows(head_dim, value_dim, dp, dvp, qpairs, vpairs, bf16),
         o_row(dvp),
         do_row(bf16 ? dvp : 0),
         kt(std::size_t(head_dim) * kBlockN),
@@ -156,6 +160,11 @@ struct BackwardTile {
         k_rows(bf16 ? kBlockN : 0),
         v_rows(bf16 ? kBlockN : 0),
         k_pairs(bf16 ? std::size_t(kBlockN / 2) * dp : 0),
+        pt(bf16 ? std::size_t(kBlockM / 2) * kBlockN : 0),
+        dst(bf16 ? std::size_t(kBlockM / 2) * kBlockN : 0),
+        ds16(bf16 ? std::size_t(kBlockM) * (kBlockN / 2) : 0),
+        lo(kBlockM),
+        hi(kBlockM),
         q_rows(bf16 ? kBlockM : 0),
         do_rows(bf16 ? kBlockM : 0) {}
 };
@@ -199,8 +208,8 @@ class Backward {
       rb.lse[r] = static_cast<T>(p_.lse[p_.lse_offset(b, h) + i]);
     }
     if (bf16_) {
-      bf16x::pack_value_pairs(t.q_rows.data(), rows, t.d, rb.q_pairs.data(), t.dp);
-      bf16x::pack_value_pairs(t.do_rows.data(), rows, t.dv, rb.do_pairs.data(), t.dvp);
+      bf16x::pack_transposed_pairs(t.q_rows.data(), rows, t.d, rb.qt.data());
+      bf16x::pack_transposed_pairs(t.do_rows.data(), rows, t.dv, rb.dot.data());
     }
   }
 
@@ -269,6 +278,20 @@ class Backward {
     const T slope = static_cast<T>(p_.alibi_slope(b, h));
     const T softcap = static_cast<T>(p_.softcap);
     const bool dropout = p_.rng.threshold != 0u;
+    if constexpr (std::is_same_v<T, float>) {
+      if (bf16_ && slope == T(0) && !(softcap > T(0)) && !dropout && !p_.block_kinds) {
+        // The plain case on 16 lanes (bf16x::softmax_grad_rows): the mask as a key range per row.
+        for (int r = 0; r < rows; ++r) {
+          const semantics::KeyRange range =
+              interior ? semantics::KeyRange{j0, j0 + kBlockN} : semantics::visible_keys(i0 + r, s_q, s_k, p_.mask);
+          t.lo[r] = static_cast<int>(std::clamp<std::int64_t>(range.begin - j0, 0, kBlockN));
+          t.hi[r] = static_cast<int>(std::clamp<std::int64_t>(range.end - j0, 0, kBlockN));
+        }
+        bf16x::softmax_grad_rows(rows, t.s.data(), t.ds.data(), kBlockN, static_cast<float>(p_.scale),
+                                 rb.lse.data(), rb.delta.data(), t.lo.data(), t.hi.data());
+        return;
+      }
+    }
     const T rp = static_cast<T>(semantics::dropout_keep_scale(p_.dropout_p));
     if (dropout)
       dropout_keep_tile<T>(p_.rng, p_.dropout_bh(b, h), i0, rows, j0, n, t.keep.data(), kBlockN);
@@ -323,29 +346,22 @@ class Backward {
     }
   }
 
-  // tr[n][kBlockM] = src[rows][kBlockN]^T, and column `rows` 0 when rows is odd (pv_block
-  // reads whole pairs of rows; a stale value there would meet the zero pad row of the pairs).
-  static void transposed_pairs(const T* src, int rows, int n, T* tr) {
-    transpose<T>(src, kBlockN, rows, n, tr, kBlockM);
-    if (rows % 2 != 0)
-      for (int j = 0; j < n; ++j) tr[std::size_t(j) * kBlockM + rows] = T(0);
-  }
-
   // One tile's products into the gradients, after probs_and_grads: dV[n][dvp] += P^T dO and
-  // dK[n][dp] += dX^T Q (when dk), and dQ[rows][dp] += dX K (when dq).
+  // dK[n][dp] += dX^T Q (when dk), and dQ[rows][dp] += dX K (when dq). With bf16 products dK
+  // and dV are kept transposed ([d][kBlockN], [d_v][kBlockN]: store_kv reads them so).
   void tile_products(BackwardTile<E>& t, const RowBlock<E>& rb, int rows, int n, T* dk, T* dv,
                      T* dq) const {
     if constexpr (std::is_same_v<T, float>) {
       if (bf16_) {  // P and dX rounded to bf16 (docs/semantics.md, CPU backend)
-        if (dk) {
+        bf16x::pack_probs(rows, t.s.data(), t.ds.data(), kBlockN, t.pt.data(), t.dst.data(), t.ds16.data());
+        if (dk) {  // transposed: dV^T[d_v][keys] += dO^T P, dK^T[d][keys] += Q^T dX
           const int pairs = (rows + 1) / 2;
-          transposed_pairs(t.s.data(), rows, n, t.tr.data());
-          bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, rb.do_pairs.data(), t.dvp, t.dvp, dv, t.dvp);
-          transposed_pairs(t.ds.data(), rows, n, t.tr.data());
-          bf16x::pv_block(n, pairs, t.tr.data(), kBlockM, rb.q_pairs.data(), t.dp, t.dp, dk, t.dp);
+          bf16x::dot_block(t.dv, pairs, rb.dot.data(), kBlockM / 2, t.pt.data(), dv, kBlockN, true);
+          bf16x::dot_block(t.d, pairs, rb.qt.data(), kBlockM / 2, t.dst.data(), dk, kBlockN, true);
         }
         if (dq)
-          bf16x::pv_block(rows, (n + 1) / 2, t.ds.data(), kBlockN, t.k_pairs.data(), t.dp, t.dp, dq, t.dp);
+          bf16x::pv_block_words(rows, (n + 1) / 2, t.ds16.data(), kBlockN / 2, t.k_pairs.data(), t.dp,
+                                t.dp, dq, t.dp);
         return;
       }
     }
@@ -371,6 +387,15 @@ class Backward {
     S* dk_out = static_cast<S*>(p_.dk);
     S* dv_out = static_cast<S*>(p_.dv);
     const T scale = static_cast<T>(p_.scale);
+    if (bf16_) {  // transposed accumulators
+      for (int j = 0; j < stored; ++j) {
+        S* kr = dk_out + p_.dk_offset(b, j0 + j, g);
+        S* vr = dv_out + p_.dv_offset(b, j0 + j, g);
+        for (int c = 0; c < t.d; ++c) kr[c] = E::store(dk[std::size_t(c) * kBlockN + j] * scale);
+        for (int c = 0; c < t.dv; ++c) vr[c] = E::store(dv[std::size_t(c) * kBlockN + j]);
+      }
+      return;
+    }
     for (int j = 0; j < stored; ++j) {
       store_row<E>(dk_out + p_.dk_offset(b, j0 + j, g), dk + std::size_t(j) * t.dp, t.d, scale);
       store_row<E>(dv_out + p_.dv_offset(b, j0 + j, g), dv + std::size_t(j) * t.dvp, t.dv, T(1));
@@ -463,7 +488,8 @@ class Backward {
     const int s_q = p_.seq_len_q(b), s_k = p_.seq_len_k(b);
     const int qblocks = (s_q + kBlockM - 1) / kBlockM;
     const std::size_t blocks = std::size_t(p_.h_ratio) * qblocks;
-    while (t.group_rows.size() < blocks) t.group_rows.emplace_back(t.dp, t.dvp, t.qpairs, t.vpairs, bf16_);
+    while (t.group_rows.size() < blocks)
+      t.group_rows.emplace_back(t.d, t.dv, t.dp, t.dvp, t.qpairs, t.vpairs, bf16_);
     const std::size_t dq_block = std::size_t(kBlockM) * t.dp;
     t.group_dq.assign(blocks * dq_block, T(0));
     for (int hr = 0; hr < p_.h_ratio; ++hr)
@@ -597,7 +623,7 @@ class Backward {
     const std::int64_t groups = std::int64_t(p_.batch) * p_.h_k;
     if (threads > 1 && groups < 2 * std::int64_t(threads)) return BwdSchedule::kTwoPasses;
     const int dp = padded_dim<T>(p_.d), dvp = padded_dim<T>(p_.d_v);
-    const std::size_t per_block = RowBlock<E>::bytes(dp, dvp, (p_.d + 1) / 2, (p_.d_v + 1) / 2, bf16_) +
+    const std::size_t per_block = RowBlock<E>::bytes(p_.d, p_.d_v, dp, dvp, (p_.d + 1) / 2, (p_.d_v + 1) / 2, bf16_) +
                                   std::size_t(kBlockM) * dp * sizeof(T);
     const std::size_t blocks = std::size_t(p_.h_ratio) * ((std::size_t(p_.seqlen_q) + kBlockM - 1) / kBlockM);
     return blocks * per_block <= kKeyGroupBytes ? BwdSchedule::kKeyGroups : BwdSchedule::kTwoPasses;

@@ -45,10 +45,10 @@ inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 template <int R>
 inline void dot_strip(int pairs, const std::uint32_t* a, std::int64_t lda, const std::uint32_t* bp,
-                      float* s, std::int64_t lds) {
+                      float* s, std::int64_t lds, bool accumulate) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
-    for (int x = 0; x < 4; ++x) acc[r][x] = _mm512_setzero_ps();
+    for (int x = 0; x < 4; ++x) acc[r][x] = accumulate ? _mm512_loadu_ps(s + r * lds + 16 * x) : _mm512_setzero_ps();
   for (int c = 0; c < pairs; ++c) {
     const std::uint32_t* b = bp + std::int64_t(c) * kKeys;
     const __m512i b0 = _mm512_loadu_si512(b), b1 = _mm512_loadu_si512(b + 16);
@@ -65,10 +65,11 @@ inline void dot_strip(int pairs, const std::uint32_t* a, std::int64_t lda, const
     for (int x = 0; x < 4; ++x) _mm512_storeu_ps(s + r * lds + 16 * x, acc[r][x]);
 }
 
-// acc[r][16 x ..] += P16[r] . vp over `pairs` key pairs, for NV vectors of 16 columns.
+// acc[r][16 x ..] += P16[r] . vp over `pairs` key pairs, for NV vectors of 16 columns (row r
+// of P16 at p16 + r * ldp16).
 template <int R, int NV>
-inline void pv_strip(int pairs, const std::uint32_t* p16, const std::uint32_t* vp, int ldw,
-                     float* acc, std::int64_t ldacc) {
+inline void pv_strip(int pairs, const std::uint32_t* p16, std::int64_t ldp16, const std::uint32_t* vp,
+                     int ldw, float* acc, std::int64_t ldacc) {
   __m512 a[R][NV];
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < NV; ++x) a[r][x] = _mm512_loadu_ps(acc + r * ldacc + 16 * x);
@@ -76,12 +77,25 @@ inline void pv_strip(int pairs, const std::uint32_t* p16, const std::uint32_t* v
     __m512i b[NV];
     for (int x = 0; x < NV; ++x) b[x] = _mm512_loadu_si512(vp + std::int64_t(c) * ldw + 16 * x);
     for (int r = 0; r < R; ++r) {
-      const __m512i pv = _mm512_set1_epi32(static_cast<int>(p16[r * (kKeys / 2) + c]));
+      const __m512i pv = _mm512_set1_epi32(static_cast<int>(p16[r * ldp16 + c]));
       for (int x = 0; x < NV; ++x) a[r][x] = _mm512_dpbf16_ps(a[r][x], as_bh(pv), as_bh(b[x]));
     }
   }
   for (int r = 0; r < R; ++r)
     for (int x = 0; x < NV; ++x) _mm512_storeu_ps(acc + r * ldacc + 16 * x, a[r][x]);
+}
+
+template <int R>
+inline void pv_cols(int pairs, const std::uint32_t* p16, std::int64_t ldp16, const std::uint32_t* vp,
+                    int ldw, int cols, float* acc, std::int64_t ldacc) {
+  int col = 0;
+  for (; col + 64 <= cols; col += 64) pv_strip<R, 4>(pairs, p16, ldp16, vp + col, ldw, acc + col, ldacc);
+  switch ((cols - col) / 16) {
+    case 3: pv_strip<R, 3>(pairs, p16, ldp16, vp + col, ldw, acc + col, ldacc); break;
+    case 2: pv_strip<R, 2>(pairs, p16, ldp16, vp + col, ldw, acc + col, ldacc); break;
+    case 1: pv_strip<R, 1>(pairs, p16, ldp16, vp + col, ldw, acc + col, ldacc); break;
+    default: break;
+  }
 }
 
 template <int R>
@@ -95,14 +109,7 @@ inline void pv_rows(int pairs, const float* p, std::int64_t ldp, const std::uint
                                              _mm512_loadu_ps(p + r * ldp + c));
       _mm512_store_si512(p16 + r * (kKeys / 2) + c / 2, (__m512i)w);
     }
-  int col = 0;
-  for (; col + 64 <= cols; col += 64) pv_strip<R, 4>(pairs, p16, vp + col, ldw, acc + col, ldacc);
-  switch ((cols - col) / 16) {
-    case 3: pv_strip<R, 3>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
-    case 2: pv_strip<R, 2>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
-    case 1: pv_strip<R, 1>(pairs, p16, vp + col, ldw, acc + col, ldacc); break;
-    default: break;
-  }
+  pv_cols<R>(pairs, p16, kKeys / 2, vp, ldw, cols, acc, ldacc);
 }
 
 }  // namespace
@@ -163,12 +170,131 @@ void pack_block(const std::uint16_t* const* rows, int n, int elems, std::uint32_
 }
 
 void dot_block(int rows, int pairs, const std::uint32_t* a, std::int64_t lda,
-               const std::uint32_t* bp, float* s, std::int64_t lds) {
+               const std::uint32_t* bp, float* s, std::int64_t lds, bool accumulate) {
   int r = 0;
-  for (; r + 6 <= rows; r += 6) dot_strip<6>(pairs, a + r * lda, lda, bp, s + r * lds, lds);
-  for (; r + 4 <= rows; r += 4) dot_strip<4>(pairs, a + r * lda, lda, bp, s + r * lds, lds);
-  for (; r + 2 <= rows; r += 2) dot_strip<2>(pairs, a + r * lda, lda, bp, s + r * lds, lds);
-  for (; r < rows; ++r) dot_strip<1>(pairs, a + r * lda, lda, bp, s + r * lds, lds);
+  for (; r + 6 <= rows; r += 6) dot_strip<6>(pairs, a + r * lda, lda, bp, s + r * lds, lds, accumulate);
+  for (; r + 4 <= rows; r += 4) dot_strip<4>(pairs, a + r * lda, lda, bp, s + r * lds, lds, accumulate);
+  for (; r + 2 <= rows; r += 2) dot_strip<2>(pairs, a + r * lda, lda, bp, s + r * lds, lds, accumulate);
+  for (; r < rows; ++r) dot_strip<1>(pairs, a + r * lda, lda, bp, s + r * lds, lds, accumulate);
+}
+
+void pv_block_words(int rows, int pairs, const std::uint32_t* a, std::int64_t lda,
+                    const std::uint32_t* vp, int ldw, int cols, float* acc, std::int64_t ldacc) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6) pv_cols<6>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r + 4 <= rows; r += 4) pv_cols<4>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r + 2 <= rows; r += 2) pv_cols<2>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+  for (; r < rows; ++r) pv_cols<1>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+}
+
+void pack_transposed_pairs(const std::uint16_t* const* rows, int n, int cols, std::uint32_t* dst) {
+  // Up to 256 columns at a time: pack_value_pairs into [kKeys / 2][columns rounded to 16]
+  // words, then 16 x 16 word transposes.
+  constexpr int kChunk = 256;
+  alignas(64) std::uint32_t tmp[(kKeys / 2) * kChunk];
+  const std::uint16_t* part[kKeys];
+  const int pairs = (n + 1) / 2;
+  for (int base = 0; base < cols; base += kChunk) {
+    const int width = cols - base < kChunk ? cols - base : kChunk;
+    const int ldw = (width + 15) / 16 * 16;
+    for (int j = 0; j < n; ++j) part[j] = rows[j] ? rows[j] + base : nullptr;
+    pack_value_pairs(part, n, width, tmp, ldw);
+    for (int c = pairs; c < kKeys / 2; ++c)
+      for (int col = 0; col < ldw; ++col) tmp[c * ldw + col] = 0;
+    for (int c0 = 0; c0 < kKeys / 2; c0 += 16)
+      for (int col0 = 0; col0 < ldw; col0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(tmp + (c0 + i) * ldw + col0);
+        transpose16(r);
+        const int left = width - col0 < 16 ? width - col0 : 16;
+        for (int k = 0; k < left; ++k)
+          _mm512_storeu_si512(dst + std::int64_t(base + col0 + k) * (kKeys / 2) + c0, r[k]);
+      }
+  }
+}
+
+namespace {
+
+// exp_nonpositive (cpu/tile.hpp) on 16 lanes: the same reduction and polynomial.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.33f);
+  const __m512 xc = _mm512_max_ps(lo, x);  // NaN stays NaN
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 result = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), result);
+}
+
+// Two rows of 16 fp32 values as 16 words (row a in the low half, b in the high half),
+// rounded to bf16 (round to nearest even).
+inline __m512i interleave_rows(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+}  // namespace
+
+void softmax_grad_rows(int rows, float* s, float* ds, std::int64_t ld, float scale, const float* lse,
+                       const float* delta, const int* lo, const int* hi) {
+  const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int r = 0; r < rows; ++r) {
+    float* sr = s + r * ld;
+    float* dsr = ds + r * ld;
+    if (lse[r] == -__builtin_inff()) {
+      for (int x = 0; x < kKeys; x += 16) {
+        _mm512_storeu_ps(sr + x, zero);
+        _mm512_storeu_ps(dsr + x, zero);
+      }
+      continue;
+    }
+    const __m512 l = _mm512_set1_ps(lse[r]), d = _mm512_set1_ps(delta[r]), sc = _mm512_set1_ps(scale);
+    const __m512i b = _mm512_set1_epi32(lo[r]), e = _mm512_set1_epi32(hi[r]);
+    for (int x = 0; x < kKeys; x += 16) {
+      const __m512i j = _mm512_add_epi32(lanes, _mm512_set1_epi32(x));
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sr + x), sc);
+      const __mmask16 visible = _mm512_cmpge_epi32_mask(j, b) & _mm512_cmplt_epi32_mask(j, e) &
+                                _mm512_cmp_ps_mask(v, neg_inf, _CMP_NEQ_UQ);
+      const __m512 p = exp_nonpositive16(_mm512_min_ps(zero, _mm512_sub_ps(v, l)));
+      const __m512 g = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(dsr + x), d));
+      _mm512_storeu_ps(sr + x, _mm512_maskz_mov_ps(visible, p));
+      _mm512_storeu_ps(dsr + x, _mm512_maskz_mov_ps(visible, g));
+    }
+  }
+}
+
+void pack_probs(int rows, const float* p, const float* ds, std::int64_t ld, std::uint32_t* pt,
+                std::uint32_t* dst, std::uint32_t* ds16) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int c = 0; c < (rows + 1) / 2; ++c) {
+    const float* p0 = p + 2 * c * ld;
+    const float* d0 = ds + 2 * c * ld;
+    const bool second = 2 * c + 1 < rows;
+    for (int x = 0; x < kKeys; x += 16) {
+      const __m512 pa = _mm512_loadu_ps(p0 + x), pb = second ? _mm512_loadu_ps(p0 + ld + x) : zero;
+      const __m512 da = _mm512_loadu_ps(d0 + x), db = second ? _mm512_loadu_ps(d0 + ld + x) : zero;
+      _mm512_storeu_si512(pt + c * kKeys + x, interleave_rows(pa, pb));
+      _mm512_storeu_si512(dst + c * kKeys + x, interleave_rows(da, db));
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int x = 0; x < kKeys; x += 32) {
+      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(ds + r * ld + x + 16), _mm512_loadu_ps(ds + r * ld + x));
+      _mm512_storeu_si512(ds16 + r * (kKeys / 2) + x / 2, (__m512i)w);
+    }
 }
 
 bool built() noexcept { return true; }
@@ -196,7 +322,20 @@ namespace flashattn::detail::cpu::bf16x {
 bool built() noexcept { return false; }
 void pack_block(const std::uint16_t* const*, int, int, std::uint32_t*) { std::abort(); }
 void dot_block(int, int, const std::uint32_t*, std::int64_t, const std::uint32_t*, float*,
-               std::int64_t) {
+               std::int64_t, bool) {
+  std::abort();
+}
+void pv_block_words(int, int, const std::uint32_t*, std::int64_t, const std::uint32_t*, int, int,
+                    float*, std::int64_t) {
+  std::abort();
+}
+void pack_transposed_pairs(const std::uint16_t* const*, int, int, std::uint32_t*) { std::abort(); }
+void softmax_grad_rows(int, float*, float*, std::int64_t, float, const float*, const float*,
+                       const int*, const int*) {
+  std::abort();
+}
+void pack_probs(int, const float*, const float*, std::int64_t, std::uint32_t*, std::uint32_t*,
+                std::uint32_t*) {
   std::abort();
 }
 void widen(const std::uint16_t*, int, float*) { std::abort(); }

@@ -3,6 +3,7 @@
 // AVX512_BF16) and skips the others. The bf16 kernels against a scalar fp64 computation on
 // odd sizes; forward, backward and decode (KV cache) against the fp64 oracle on odd shapes,
 // mostly bf16 (the dtype whose scores the avx512bf16 path computes differently).
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -116,6 +117,110 @@ TEST(CpuIsaKernels, Bf16DotBlockMatchesFp64) {
           }
       }
     }
+  }
+}
+
+// pack_transposed_pairs: word (row 2c, row 2c + 1) of column col at dst[col * kKeys / 2 + c],
+// exact; zero rows past n and for nullptr rows; more than 256 columns (two chunks).
+TEST(CpuIsaKernels, Bf16PackTransposedPairsExact) {
+  if (!detail::cpu::isa_supported(Isa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  namespace bx = detail::cpu::bf16x;
+  FA_SEEDED_RNG(rng);
+  for (int cols : {1, 24, 64, 300}) {
+    for (int n : {1, 17, 64}) {
+      SCOPED_TRACE("cols " + std::to_string(cols) + " n " + std::to_string(n));
+      const int ldv = cols + 3;
+      std::vector<std::uint16_t> v(std::size_t(n) * ldv, 0x7fc0);  // NaN past each row
+      std::vector<const std::uint16_t*> ptr(bx::kKeys, nullptr);
+      for (int j = 0; j < n; ++j) {
+        for (int c = 0; c < cols; ++c)
+          v[std::size_t(j) * ldv + c] = static_cast<std::uint16_t>(rng() & 0xffffu);
+        ptr[j] = (j % 5 == 3) ? nullptr : &v[std::size_t(j) * ldv];
+      }
+      std::vector<std::uint32_t> dst(std::size_t(cols) * (bx::kKeys / 2) + 7, 0xdeadbeefu);
+      bx::pack_transposed_pairs(ptr.data(), n, cols, dst.data());
+      auto elem = [&](int row, int col) -> std::uint32_t {
+        return row < n && ptr[row] ? ptr[row][col] : 0u;
+      };
+      for (int col = 0; col < cols; ++col)
+        for (int c = 0; c < bx::kKeys / 2; ++c)
+          ASSERT_EQ(dst[std::size_t(col) * (bx::kKeys / 2) + c], elem(2 * c, col) | (elem(2 * c + 1, col) << 16))
+              << "col " << col << " c " << c;
+      for (std::size_t i = std::size_t(cols) * (bx::kKeys / 2); i < dst.size(); ++i)
+        ASSERT_EQ(dst[i], 0xdeadbeefu) << "written past the end";
+    }
+  }
+}
+
+// softmax_grad_rows against the scalar formula in fp64 from the same fp32 argument: P within
+// 4 fp32 ulps of exp, dS = P (dP - D) within as much; masked keys (outside [lo, hi), score
+// -inf) and rows with lse = -inf exactly 0; a NaN score of a visible key gives NaN, of a
+// masked key 0. pack_probs then rounds P and dS to bf16 words exactly as float_to_bf16 (after
+// flushing subnormals to zero, as the instruction does).
+TEST(CpuIsaKernels, Bf16SoftmaxGradRowsAndPackProbs) {
+  if (!detail::cpu::isa_supported(Isa::kAvx512Bf16)) GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  namespace bx = detail::cpu::bf16x;
+  constexpr int kN = bx::kKeys;
+  FA_SEEDED_RNG(rng);
+  for (int rows : {1, 7, 64}) {
+    SCOPED_TRACE("rows " + std::to_string(rows));
+    const int ld = kN + 4;
+    std::vector<float> s(std::size_t(rows) * ld), dp(s.size()), lse(rows), delta(rows);
+    std::vector<int> lo(rows), hi(rows);
+    const float scale = 0.3f;
+    for (int r = 0; r < rows; ++r) {
+      lse[r] = r == 2 ? -INFINITY : static_cast<float>(uniform_real(rng, 2, 9));
+      delta[r] = static_cast<float>(uniform_real(rng, -1, 1));
+      lo[r] = static_cast<int>(rng() % 20);
+      hi[r] = r % 3 == 0 ? kN : lo[r] + static_cast<int>(rng() % (kN - lo[r] + 1));
+      for (int j = 0; j < kN; ++j) {
+        s[std::size_t(r) * ld + j] = static_cast<float>(uniform_real(rng, -400, 30));
+        dp[std::size_t(r) * ld + j] = static_cast<float>(uniform_real(rng, -2, 2));
+      }
+    }
+    s[0 * ld + 40] = NAN;    // visible in row 0 (hi = kN) when lo <= 40
+    s[0 * ld + 63] = -INFINITY;
+    const std::vector<float> s0 = s, dp0 = dp;
+    bx::softmax_grad_rows(rows, s.data(), dp.data(), ld, scale, lse.data(), delta.data(), lo.data(), hi.data());
+    for (int r = 0; r < rows; ++r)
+      for (int j = 0; j < kN; ++j) {
+        const std::size_t e = std::size_t(r) * ld + j;
+        const float x = s0[e] * scale;
+        const bool visible = j >= lo[r] && j < hi[r] && x != -INFINITY && lse[r] != -INFINITY;
+        if (!visible) {
+          ASSERT_EQ(s[e], 0.0f) << "P, r " << r << " j " << j;
+          ASSERT_EQ(dp[e], 0.0f) << "dS, r " << r << " j " << j;
+          continue;
+        }
+        if (std::isnan(x)) {
+          ASSERT_TRUE(std::isnan(s[e])) << "NaN score, r " << r << " j " << j;
+          continue;
+        }
+        const float arg = std::min(x - lse[r], 0.0f);
+        const double want = arg < -87.33f ? 0.0 : std::exp(double(arg));
+        ASSERT_LE(std::fabs(s[e] - want), 4 * 0x1p-24 * want) << "P, r " << r << " j " << j;
+        const double g = double(s[e]) * (double(dp0[e]) - delta[r]);
+        ASSERT_LE(std::fabs(dp[e] - g), 4 * 0x1p-24 * std::fabs(g) + 1e-30) << "dS, r " << r << " j " << j;
+      }
+    std::vector<std::uint32_t> pt(std::size_t(kN / 2) * kN), dst(pt.size()), ds16(std::size_t(kN) * (kN / 2));
+    bx::pack_probs(rows, s.data(), dp.data(), ld, pt.data(), dst.data(), ds16.data());
+    // The instruction reads subnormal fp32 inputs as zero (docs/semantics.md).
+    auto flush = [](float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; };
+    auto word = [&](float a, float b) -> std::uint32_t {
+      return std::uint32_t(float_to_bf16(flush(a))) | (std::uint32_t(float_to_bf16(flush(b))) << 16);
+    };
+    for (int c = 0; c < (rows + 1) / 2; ++c)
+      for (int j = 0; j < kN; ++j) {
+        const float p1 = 2 * c + 1 < rows ? s[std::size_t(2 * c + 1) * ld + j] : 0.0f;
+        const float d1 = 2 * c + 1 < rows ? dp[std::size_t(2 * c + 1) * ld + j] : 0.0f;
+        ASSERT_EQ(pt[std::size_t(c) * kN + j], word(s[std::size_t(2 * c) * ld + j], p1)) << "c " << c << " j " << j;
+        ASSERT_EQ(dst[std::size_t(c) * kN + j], word(dp[std::size_t(2 * c) * ld + j], d1)) << "c " << c << " j " << j;
+      }
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < kN / 2; ++c)
+        ASSERT_EQ(ds16[std::size_t(r) * (kN / 2) + c],
+                  word(dp[std::size_t(r) * ld + 2 * c], dp[std::size_t(r) * ld + 2 * c + 1]))
+            << "r " << r << " c " << c;
   }
 }
 
