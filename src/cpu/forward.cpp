@@ -20,6 +20,7 @@
 #include "core/backend.hpp"
 #include "cpu/bf16_kernels.hpp"
 #include "cpu/block_sparse.hpp"
+#include "cpu/f64_kernels.hpp"
 #include "cpu/isa.hpp"
 #include "cpu/pool.hpp"
 #include "cpu/tile.hpp"
@@ -118,6 +119,18 @@ bool bf16_scores(const FwdParams& p) {
          p.kv_dtype == DType::kBFloat16 && active_isa() == Isa::kAvx512Bf16;
 }
 
+// Whether the attend loop of fp32 tensors runs the AVX-512 fp64 kernels (Isa::kAvx512Bf16,
+// cpu/f64_kernels.hpp) on tasks of at most f64x::kMaxRows rows (decode: one query row, or the
+// packed GQA heads of a KV head): key and value rows read from the tensors and widened in
+// registers instead of the converted, transposed block, with the same sums in the same
+// order (bit-identical). Not with qv, an fp8 cache or block sparsity (their key rows are not
+// plain fp32 rows of one tensor).
+bool f64_fused(const FwdParams& p) {
+  return p.dtype == DType::kFloat32 && p.q_dtype == DType::kFloat32 &&
+         p.kv_dtype == DType::kFloat32 && !p.qv && !p.block_kinds && f64x::built() &&
+         active_isa() == Isa::kAvx512Bf16;
+}
+
 // Per-thread tiles of one forward task, in the compute type T.
 //
 // The score dot product runs over d_s = d (q . k) or, with qv (MLA), d + d_v: each query
@@ -146,6 +159,8 @@ struct ForwardTile {
   std::vector<const std::uint16_t*> key_rows;  // [kBlockN]  rows to pack (nullptr: zero)
   std::vector<std::uint32_t> vp;    // [kBlockN / 2][dvp] value rows in pairs (pack_value_pairs)
   std::vector<const std::uint16_t*> value_rows;  // [kBlockN]
+  // fp64 kernels of fp32 tensors (f64_fused): the block's key and value rows in the tensors.
+  std::vector<const float*> key_rows32, value_rows32;  // [kBlockN]
 
   // Buffers a call does not use are left empty (no allocation, no zeroing: a decode call
   // spent a fifth of its fixed time clearing them): q, kt, k, v with bf16 scores, keep
@@ -172,7 +187,9 @@ struct ForwardTile {
         k16(bf16 ? std::size_t(kBlockN) * score_dim : 0),
         key_rows(bf16 ? kBlockN : 0),
         vp(bf16 ? std::size_t(kBlockN / 2) * dvp : 0),
-        value_rows(bf16 ? kBlockN : 0) {}
+        value_rows(bf16 ? kBlockN : 0),
+        key_rows32(kBlockN),
+        value_rows32(kBlockN) {}
 };
 
 template <class E>
@@ -181,7 +198,7 @@ class Forward {
   using T = typename E::compute;
   using S = typename E::storage;
 
-  explicit Forward(const FwdParams& p) : p_(p), bf16_(bf16_scores(p)) {}
+  explicit Forward(const FwdParams& p) : p_(p), bf16_(bf16_scores(p)), f64_(f64_fused(p)) {}
 
   // The query rows of a task into tile.q (with qv: q's d columns, then qv's d_v).
   void load_q(ForwardTile<E>& t, int b, const TaskRows& rs) const {
@@ -313,6 +330,20 @@ class Forward {
       for (int j = n; j < kBlockN; ++j) t.kt[std::size_t(c) * kBlockN + j] = 0;
   }
 
+  // The fp64 kernels' inputs: pointers to the fp32 key and value rows j0 .. j0 + n of
+  // (b, KV head g) in the tensors.
+  void key_rows_f32(ForwardTile<E>& t, int b, int g, std::int64_t j0, int n) const {
+    const float* k = static_cast<const float*>(p_.k);
+    const float* v = static_cast<const float*>(p_.v);
+    KvRowWalk walk(p_, b, g);
+    for (int j = 0; j < n; ++j) {
+      std::int64_t k_off, v_off;
+      walk.at(j0 + j, k_off, v_off);
+      t.key_rows32[j] = k + k_off;
+      t.value_rows32[j] = v + v_off;
+    }
+  }
+
   // load_kv for fp8 keys and values (an fp8 cache, or fp8 k, v with [b, h_k] descales):
   // each e4m3 byte decoded and multiplied by the scale of its (block, KV head), or of its
   // (sequence, KV head) with descales (FwdParams::kv_scale_index), value = e4m3 * scale in
@@ -365,10 +396,12 @@ class Forward {
 
   // Scores of the loaded query rows against the loaded key block j0 into tile.s
   // (-inf where not visible).
+  // With products_done, tile.s already holds the raw dot products (the fp64 kernels).
   void scores(ForwardTile<E>& t, int b, const TaskRows& rs, int s_q, int s_k,
-              std::int64_t j0) const {
+              std::int64_t j0, bool products_done = false) const {
     const int rows = rs.rows;
-    if constexpr (std::is_same_v<T, float>) {
+    if (products_done) {
+    } else if constexpr (std::is_same_v<T, float>) {
       if (bf16_)
         bf16x::dot_block(rows, t.pairs, t.q16.data(), t.pairs, t.kp.data(), t.s.data(), kBlockN);
       else
@@ -424,12 +457,25 @@ class Forward {
     const int g = rs.h0 / p_.h_ratio;
     const std::uint32_t bh = p_.dropout_bh(b, rs.h0);  // dropout is never packed
     const bool dropout = p_.rng.threshold != 0u;
+    const bool fused = f64_ && rows <= f64x::kMaxRows;
     for (int kb = block_begin; kb < block_end; ++kb) {
       const std::int64_t j0 = std::int64_t(kb) * kBlockN;
       const int n = static_cast<int>(std::min<std::int64_t>(kBlockN, s_k - j0));
       // Block sparsity: only tiles with a listed block, and only its listed keys, are read.
       if (sparse && !block_sparse_keys(p_, b, rs.h0, rs.i0, rs.i_end(), j0, n, t.used.data()))
         continue;
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<T, double>) {
+        if (fused) {  // the fp64 kernels: rows read in place, the same sums (bit-identical)
+          key_rows_f32(t, b, g, j0, n);
+          f64x::scores(rows, t.d, t.q.data(), t.dp, t.key_rows32.data(), n, t.s.data(), kBlockN);
+          scores(t, b, rs, s_q, s_k, j0, true);
+          if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
+          online_softmax(t, rows, dropout);
+          f64x::pv(rows, n, t.s.data(), kBlockN, t.value_rows32.data(), t.dv, t.dvp, t.acc.data(),
+                   t.dvp);
+          continue;
+        }
+      }
       load_kv(t, b, g, j0, n, true, sparse ? t.used.data() : nullptr);
       scores(t, b, rs, s_q, s_k, j0);
       if (dropout) dropout_keep_tile<T>(p_.rng, bh, rs.i0, rows, j0, n, t.keep.data(), kBlockN);
@@ -691,6 +737,7 @@ class Forward {
  private:
   const FwdParams& p_;
   const bool bf16_;  // bf16_scores(p_)
+  const bool f64_;   // f64_fused(p_)
 };
 
 }  // namespace
