@@ -137,6 +137,34 @@ def test_run_upstream_sh_on_a_small_flash_attn_test_file(tmp_path):
         "10 skipped)"), full.stdout + full.stderr
 
 
+def test_run_upstream_sh_samples_after_keyword_selection(tmp_path):
+    """-- -k NAME draws the sample from the tests -k keeps (the sampler runs after pytest's
+    deselection), so a test function with few parametrizations can be sampled on its own."""
+    test_file = tmp_path / "test_flash_attn.py"
+    test_file.write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.mark.parametrize("i", range(1000))
+        def test_many(i):
+            pass
+
+        @pytest.mark.parametrize("i", range(12))
+        def test_few(i):
+            assert i != 5
+        """))
+    script = os.path.join(REPO, "tests", "python", "run_upstream.sh")
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", script, str(test_file), "12", "3", "--", "-k", "test_few"],
+                       env=env, capture_output=True, text=True)
+    assert r.stdout.strip().splitlines()[-1] == (
+        "upstream: 11 passed of 12 run (12 sampled with seed 3; 1 failed, 0 errors, "
+        "0 skipped)"), r.stdout + r.stderr
+    r = subprocess.run(["bash", script, str(test_file), "6", "3", "--", "-k", "test_few"],
+                       env=env, capture_output=True, text=True)
+    words = r.stdout.strip().splitlines()[-1].split()
+    assert words[3:6] == ["of", "6", "run"] and int(words[1]) in (5, 6), r.stdout + r.stderr
+
+
 def test_run_upstream_sh_cpu_emulation(tmp_path):
     """UPSTREAM_CPU=1 turns the file's CUDA device strings into "cpu" and forces the
     drop-in's CUDA-tensor paths (interface._EMULATE_CUDA) in a copy; the original stays."""

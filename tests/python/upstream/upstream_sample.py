@@ -1,8 +1,12 @@
 """pytest plugin for tests/python/run_upstream.sh: keep a seeded random sample of the
 collected tests (--upstream-sample N, --upstream-seed S; the same N, seed and test file
-give the same sample), so that flash-attention's own test file can be run in part."""
+give the same sample), so that flash-attention's own test file can be run in part. The draw
+is made from the tests left after pytest's own selection (-k, -m), so that `-k
+test_flash_attn_causal` samples that test alone."""
 
 import random
+
+import pytest
 
 
 def pytest_addoption(parser):
@@ -12,6 +16,7 @@ def pytest_addoption(parser):
     group.addoption("--upstream-seed", type=int, default=0, help="seed of the draw")
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected theirs
 def pytest_collection_modifyitems(config, items):
     n = config.getoption("--upstream-sample")
     if n <= 0 or n >= len(items):
