@@ -7,12 +7,14 @@
 #
 #   tests/python/run_upstream.sh PATH/test_flash_attn.py [SAMPLE [SEED]] [-- PYTEST_ARGS...]
 #
-# SAMPLE: tests to draw (default 400; 0 = all, tens of thousands), SEED (default 0): the
-# same file, SAMPLE and SEED run the same tests. Needs a GPU (the test file asks torch for
-# the device capability at import), flashattn installed with the CUDA backend (e.g. by
-# tests/python/run_gpu_tests.sh, or `pip install .`), torch, pytest and einops. Head dims
-# that are not compiled into the build (FLASHATTN_HEAD_DIMS) fail as UnsupportedError:
-# build all eight buckets for a fair count. Writes build-py/upstream-{junit.xml,pytest.log}.
+# SAMPLE: tests to draw (default 400; 0 = all, 508,772 in v2.8.3), SEED (default 0): the
+# same file, SAMPLE and SEED run the same tests; `-- -k NAME` draws them from the tests
+# -k keeps (-k test_flash_attn_causal: that function alone). Needs a GPU (the test file
+# asks torch for the device capability at import), flashattn installed with the CUDA
+# backend (e.g. by tests/python/run_gpu_tests.sh, or `pip install .`), torch, pytest and
+# einops. Head dims that are not compiled into the build (FLASHATTN_HEAD_DIMS) fail as
+# UnsupportedError: build all eight buckets for a fair count. Writes
+# build-py/upstream-{junit.xml,pytest.log}.
 #
 # UPSTREAM_CPU=1: no GPU needed. A copy of the test file with its CUDA device strings
 # turned into "cpu" (and compute capability 9.0) runs on CPU tensors with the drop-in's
@@ -21,7 +23,7 @@
 # draw small samples. A check of the Python layer, not of the CUDA kernels.
 set -euo pipefail
 if [[ $# -lt 1 || ! -f $1 ]]; then
-  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 test_file=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
