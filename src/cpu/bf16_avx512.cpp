@@ -112,6 +112,21 @@ inline void pv_rows(int pairs, const float* p, std::int64_t ldp, const std::uint
   pv_cols<R>(pairs, p16, kKeys / 2, vp, ldw, cols, acc, ldacc);
 }
 
+// Calls f(Rows<R>{}, r) over row blocks of 6, 4, 2 and 1 that cover [0, rows): the register
+// blockings of the P V kernels. (A tag of this unit, not std::integral_constant: see above.)
+template <int R>
+struct Rows {
+  static constexpr int value = R;
+};
+template <class F>
+inline void by_row_blocks(int rows, F&& f) {
+  int r = 0;
+  for (; r + 6 <= rows; r += 6) f(Rows<6>{}, r);
+  for (; r + 4 <= rows; r += 4) f(Rows<4>{}, r);
+  for (; r + 2 <= rows; r += 2) f(Rows<2>{}, r);
+  for (; r < rows; ++r) f(Rows<1>{}, r);
+}
+
 }  // namespace
 
 void pack_value_pairs(const std::uint16_t* const* rows, int n, int cols, std::uint32_t* dst,
@@ -140,11 +155,9 @@ void pack_value_pairs(const std::uint16_t* const* rows, int n, int cols, std::ui
 
 void pv_block(int rows, int pairs, const float* p, std::int64_t ldp, const std::uint32_t* vp,
               int ldw, int cols, float* acc, std::int64_t ldacc) {
-  int r = 0;
-  for (; r + 6 <= rows; r += 6) pv_rows<6>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r + 4 <= rows; r += 4) pv_rows<4>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r + 2 <= rows; r += 2) pv_rows<2>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r < rows; ++r) pv_rows<1>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+  by_row_blocks(rows, [&](auto R, int r) {
+    pv_rows<decltype(R)::value>(pairs, p + r * ldp, ldp, vp, ldw, cols, acc + r * ldacc, ldacc);
+  });
 }
 
 void pack_block(const std::uint16_t* const* rows, int n, int elems, std::uint32_t* dst) {
@@ -180,11 +193,9 @@ void dot_block(int rows, int pairs, const std::uint32_t* a, std::int64_t lda,
 
 void pv_block_words(int rows, int pairs, const std::uint32_t* a, std::int64_t lda,
                     const std::uint32_t* vp, int ldw, int cols, float* acc, std::int64_t ldacc) {
-  int r = 0;
-  for (; r + 6 <= rows; r += 6) pv_cols<6>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r + 4 <= rows; r += 4) pv_cols<4>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r + 2 <= rows; r += 2) pv_cols<2>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
-  for (; r < rows; ++r) pv_cols<1>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+  by_row_blocks(rows, [&](auto R, int r) {
+    pv_cols<decltype(R)::value>(pairs, a + r * lda, lda, vp, ldw, cols, acc + r * ldacc, ldacc);
+  });
 }
 
 void pack_transposed_pairs(const std::uint16_t* const* rows, int n, int cols, std::uint32_t* dst) {
