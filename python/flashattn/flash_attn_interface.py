@@ -128,10 +128,10 @@ def _gpu_varlen_fwd(q, k, v, out_, cu_seqlens_q, cu_seqlens_k, seqused_k, leftpa
     _no_leftpad("flash_attn_gpu.varlen_fwd", leftpad_k_)
     q, k, v, alibi = _detach(q), _detach(k), _detach(v), _detach(alibi_slopes_)
     layout_max_k = int(max_seqlen_k)
-    if block_table_ is not None:  # paged KV: the blocks gathered into a packed k, v
-        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = interface._paged_as_varlen(
-            "flashattn.flash_attn_gpu.varlen_fwd", q, k, v, cu_seqlens_k, seqused_k,
-            block_table_, int(max_seqlen_k))
+    # Paged KV: the blocks gathered into a packed k, v.
+    k, v, cu_seqlens_k, seqused_k, max_seqlen_k = interface._paged_as_varlen(
+        "flashattn.flash_attn_gpu.varlen_fwd", q, k, v, cu_seqlens_k, seqused_k, block_table_,
+        int(max_seqlen_k))
     rng_state = _rng_state(float(p_dropout), gen_)
     cuda = interface._cuda_path(q)
     want_probs = bool(return_softmax) and not cuda

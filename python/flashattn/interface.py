@@ -259,13 +259,8 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     layout_max_k = max_seqlen_k  # of probs / S_dmask
-    if block_table is not None:
-        if block_sparse_tensors is not None:
-            raise invalid(fn, "block_sparse_tensors", "None with a block_table (a block mask "
-                          "addresses the keys of unpaged sequences)", "a block mask",
-                          cls=UnsupportedError)
-        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
-            fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
+    k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
+        fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k, block_sparse_tensors)
     scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
     d8, qp, kp, vp = _padded_inputs(q, k, v, qv)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu" and not _cuda_path(q)
@@ -291,14 +286,23 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return out, lse, None
 
 
-def _paged_as_varlen(fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k):
+def _paged_as_varlen(fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k,
+                     block_sparse_tensors=None):
     """Paged varlen (flash_attn's block_table in flash_attn_varlen_func): k, v
     [num_blocks, block_size, h_k, d]; sequence i has cu_seqlens_k[i+1] - cu_seqlens_k[i]
     keys (the first seqused_k[i] when given), key j in block block_table[i][j // block_size],
     row j % block_size. Gathered (differentiably: dk, dv reach the blocks, summed where
     blocks are shared) into a packed varlen k, v with one slot of max_blocks * block_size
     rows per sequence and seqused_k = the key counts: the same keys in the same order, so
-    the varlen call is exact. Returns (k, v, cu_seqlens_k, seqused_k, max_seqlen_k)."""
+    the varlen call is exact. Returns (k, v, cu_seqlens_k, seqused_k, max_seqlen_k), the
+    arguments as they are without a block_table. A block mask (block_sparse_tensors)
+    addresses the keys of unpaged sequences: UnsupportedError with a block_table."""
+    if block_table is None:
+        return k, v, cu_seqlens_k, seqused_k, max_seqlen_k
+    if block_sparse_tensors is not None:
+        raise invalid(fn, "block_sparse_tensors", "None with a block_table (a block mask "
+                      "addresses the keys of unpaged sequences)", "a block mask",
+                      cls=UnsupportedError)
     layout = "[num_blocks, block_size, h_k, d] (paged, with block_table)"
     for name, t in (("k", k), ("v", v)):
         check_rank(fn, name, t, 4, layout)
@@ -417,13 +421,8 @@ def _fp8_varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_q = check_int(fn, "max_seqlen_q", max_seqlen_q, 0, INT32_MAX)
     max_seqlen_k = check_int(fn, "max_seqlen_k", max_seqlen_k, 0, INT32_MAX)
     layout_max_k = max_seqlen_k  # of probs
-    if block_table is not None:
-        if block_sparse_tensors is not None:
-            raise invalid(fn, "block_sparse_tensors", "None with a block_table (a block mask "
-                          "addresses the keys of unpaged sequences)", "a block mask",
-                          cls=UnsupportedError)
-        k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
-            fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k)
+    k, v, cu_seqlens_k, seqused_k, max_seqlen_k = _paged_as_varlen(
+        fn, q, k, v, cu_seqlens_k, seqused_k, block_table, max_seqlen_k, block_sparse_tensors)
     out_dtype = _fp8_out_dtype(fn, q, out_dtype)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
     out, lse, probs = _call(ops.varlen_fwd_fp8, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
