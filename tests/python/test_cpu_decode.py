@@ -13,14 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-
-def _cpu_has_avx512bf16():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"))
+from cpu_features import has_avx512bf16  # noqa: E402
 
 
 SCRIPT = textwrap.dedent("""
@@ -113,7 +106,7 @@ def _run(isa, threads, seed):
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512bf16"])
 def test_decode_matches_fp64_for_any_thread_count(isa, seed):
-    if isa == "avx512bf16" and not _cpu_has_avx512bf16():
+    if isa == "avx512bf16" and not has_avx512bf16():
         pytest.skip("this CPU lacks AVX512_BF16 (test_cpu_isa.py checks the refusal)")
     s = seed % (1 << 31)
     runs = [_run(isa, threads, s) for threads in (1, 3)]
