@@ -381,18 +381,22 @@ class Backward {
     return !keys.empty() && keys.end > j0 && keys.begin < j0 + n;
   }
 
-  // dk and dv rows of key block j0 (`stored` of them), from the accumulators.
-  void store_kv(const BackwardTile<E>& t, int b, int g, std::int64_t j0, int stored, const T* dk,
-                const T* dv) const {
+  // dk and dv rows of key block j0 (`stored` of them), from the accumulators; the first n
+  // are keys of the sequence, the rest (past seqused_k) are 0.
+  void store_kv(const BackwardTile<E>& t, int b, int g, std::int64_t j0, int stored, int n,
+                const T* dk, const T* dv) const {
     S* dk_out = static_cast<S*>(p_.dk);
     S* dv_out = static_cast<S*>(p_.dv);
     const T scale = static_cast<T>(p_.scale);
-    if (bf16_) {  // transposed accumulators
+    if (bf16_) {
+      // Transposed accumulators. Their columns past n are not 0 where a NaN q / dO row met
+      // the zero P and dS of those keys (0 * NaN in the block product), so they are not read.
       for (int j = 0; j < stored; ++j) {
         S* kr = dk_out + p_.dk_offset(b, j0 + j, g);
         S* vr = dv_out + p_.dv_offset(b, j0 + j, g);
-        for (int c = 0; c < t.d; ++c) kr[c] = E::store(dk[std::size_t(c) * kBlockN + j] * scale);
-        for (int c = 0; c < t.dv; ++c) vr[c] = E::store(dv[std::size_t(c) * kBlockN + j]);
+        const bool key = j < n;
+        for (int c = 0; c < t.d; ++c) kr[c] = E::store(key ? dk[std::size_t(c) * kBlockN + j] * scale : T(0));
+        for (int c = 0; c < t.dv; ++c) vr[c] = E::store(key ? dv[std::size_t(c) * kBlockN + j] : T(0));
       }
       return;
     }
@@ -448,7 +452,7 @@ class Backward {
         }
       }
     }
-    store_kv(t, b, g, j0, stored, dk, dv);
+    store_kv(t, b, g, j0, stored, n, dk, dv);
   }
 
   // Pass 2 task: dQ of query block qb of (b, h).
@@ -523,7 +527,7 @@ class Backward {
           }
         }
       }
-      store_kv(t, b, g, j0, stored, dk, dv);
+      store_kv(t, b, g, j0, stored, n, dk, dv);
     }
     for (int hr = 0; hr < p_.h_ratio; ++hr)
       for (int qb = 0; qb < qblocks; ++qb) {

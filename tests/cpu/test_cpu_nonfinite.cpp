@@ -205,7 +205,7 @@ TEST(CpuNonFinite, NanAlibiSlope) {
 // rows of the keys it sees.
 TEST(CpuNonFinite, VarlenPaddingNeverReadAndRowsContained) {
   FA_SEEDED_RNG(rng);
-  for (DType dtype : {DType::kFloat16, DType::kFloat32}) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
     for (bool causal : {false, true}) {
       const std::vector<int> cu_q = {0, 13, 13, 54, 61}, cu_k = {0, 20, 27, 70, 77};
       VarlenCase clean = VarlenCase::make(rng, cu_q, cu_k, 4, 2, 16, dtype, 5, 7);
