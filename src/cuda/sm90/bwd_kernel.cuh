@@ -60,7 +60,7 @@ struct BwdConfig {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K (or V)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
   static constexpr int kDqBytes = 64 * 64 * 4;            // one consumer's fp32 dQ block
-  static constexpr int kBarriers = 1 + 2 * kStages;
+  static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
                                     kConsumers * kDqBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
   // dV's product is issued before dS is computed (overlapping it) where the registers
@@ -160,14 +160,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   std::uint64_t* full_kv = bars;
   std::uint64_t* full = bars + 1;
   std::uint64_t* empty = full + kStages;
+  std::uint64_t* tail = empty + kStages;  // the copies of a tile whose tail rows get zeroed
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, wg = warp / 4;
   if (tid == 0) {
-    mbar_init(full_kv, 1);
+    mbar_init(full_kv, 32);
+    mbar_init(tail, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(&full[s], 2);  // the TMA bytes' arrival, then the lanes' lse / D
-      mbar_init(&empty[s], 4 * Cfg::kConsumers);
+      // The TMA bytes' arrival, then each producer lane's after its lse / D stores; each
+      // consumer thread's release after its last read of the slot (lse / D included).
+      mbar_init(&full[s], 1 + 32);
+      mbar_init(&empty[s], 128 * Cfg::kConsumers);
     }
     mbar_init_fence();
   }
@@ -182,15 +186,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       const int q_b = p.cu_seqlens_q ? 0 : b;
       const int k_row0 = p.cu_seqlens_k ? p.k_start(b) : 0;
       const int k_b = p.cu_seqlens_k ? 0 : b;
+      // Rows of a tile past its sequence hold another sequence's values (varlen) or unused
+      // keys (seqused_k), NaN or inf as they may be: zeroed where a product multiplies them
+      // by a masked 0 (K in dQ = dS K; Q, dO in dK += dS^T Q, dV += P^T dO), so that nothing
+      // leaks into this sequence's gradients (docs/semantics.md rule 5). Such tiles are
+      // copied on the tail barrier, their tail rows zeroed by the lanes, then released.
+      std::uint32_t tail_phase = 0;
+      auto zero_rows = [&](unsigned char* tile, int rows, int row0) {  // rows [row0, rows) of kColBlocks blocks
+        const int chunks = (rows - row0) * 8;  // 16-byte chunks per 64-column block
+        for (int c = 0; c < Cfg::kColBlocks; ++c)
+          for (int e = lane; e < chunks; e += 32)
+            *reinterpret_cast<uint4*>(tile + c * rows * 128 + row0 * 128 + e * 16) = make_uint4(0, 0, 0, 0);
+      };
+      const bool kv_tail = n0 + kBlockN > s_k && (p.cu_seqlens_k != nullptr || s_k < p.seqlen_k);
+      std::uint64_t* const kv_bar = kv_tail ? tail : full_kv;
       if (leader) {
         prefetch_tensor_map(&args.tmap_q);
         prefetch_tensor_map(&args.tmap_do);
-        mbar_arrive_expect_tx(full_kv, 2 * Cfg::kKVBytes);
+        mbar_arrive_expect_tx(kv_bar, 2 * Cfg::kKVBytes);
 #pragma unroll
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          tma_load_4d(sK + c * kBlockN * 128, &args.tmap_k, c * 64, k_row0 + n0, g, k_b, full_kv);
-          tma_load_4d(sV + c * kBlockN * 128, &args.tmap_v, c * 64, k_row0 + n0, g, k_b, full_kv);
+          tma_load_4d(sK + c * kBlockN * 128, &args.tmap_k, c * 64, k_row0 + n0, g, k_b, kv_bar);
+          tma_load_4d(sV + c * kBlockN * 128, &args.tmap_v, c * 64, k_row0 + n0, g, k_b, kv_bar);
         }
+      }
+      if (kv_tail) {
+        mbar_wait(tail, tail_phase);
+        tail_phase ^= 1;
+        zero_rows(sK, kBlockN, s_k - n0);  // V's rows meet only masked selects (dP^T's rows)
+        fence_proxy_async_smem();
+        mbar_arrive(full_kv);  // every lane, the TMA's bytes having landed
+      } else if (!leader) {
+        mbar_arrive(full_kv);
       }
       const std::int64_t row0_ws = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.seqlen_q;
       int h = g * p.h_ratio, m_block = m_begin;
@@ -199,14 +226,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         const std::uint32_t phase = (it / kStages) & 1;
         const int m0 = m_block * kBlockM;
         mbar_wait(&empty[stage], phase ^ 1);
+        const bool q_tail = p.cu_seqlens_q != nullptr && m0 + kBlockM > s_q;
+        std::uint64_t* const q_bar = q_tail ? tail : &full[stage];
         if (leader) {
-          mbar_arrive_expect_tx(&full[stage], 2 * Cfg::kQBytes);
+          mbar_arrive_expect_tx(q_bar, 2 * Cfg::kQBytes);
 #pragma unroll
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
             tma_load_4d(sQ + stage * Cfg::kQBytes + c * kBlockM * 128, &args.tmap_q, c * 64, q_row0 + m0, h, q_b,
-                        &full[stage]);
+                        q_bar);
             tma_load_4d(sdO + stage * Cfg::kQBytes + c * kBlockM * 128, &args.tmap_do, c * 64, q_row0 + m0, h,
-                        q_b, &full[stage]);
+                        q_b, q_bar);
           }
         }
         // lse in log2 units, +inf for rows past s_q or that see no key (P = 0 there); D.
@@ -218,8 +247,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           sLse[stage * kBlockM + r] = l == -INFINITY ? INFINITY : l * kLog2e;
           sDsum[stage * kBlockM + r] = valid ? dsum_row[r] : 0.0f;
         }
-        __syncwarp();
-        if (leader) mbar_arrive(&full[stage]);
+        if (q_tail) {
+          mbar_wait(tail, tail_phase);
+          tail_phase ^= 1;
+          zero_rows(sQ + stage * Cfg::kQBytes, kBlockM, s_q - m0);
+          zero_rows(sdO + stage * Cfg::kQBytes, kBlockM, s_q - m0);
+          fence_proxy_async_smem();
+          if (leader) mbar_arrive(&full[stage]);  // in place of the TMA's arrival
+        }
+        mbar_arrive(&full[stage]);
         if (++m_block == m_end) {
           m_block = m_begin;
           ++h;
@@ -576,8 +612,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         named_barrier_arrive(kDqFull + cw, 128 + 32);
       }
       wgmma_wait<0>();  // dV, dK: Q and dO are free
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[stage]);
+      mbar_arrive(&empty[stage]);
       if (++m_block == m_end) {
         m_block = m_begin;
         ++h;
