@@ -623,22 +623,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   // The writer's last arrival on this consumer's empty barrier (one more than the blocks).
   if (n_iter > 0) named_barrier_sync(kDqEmpty + cw, 128 + 32);
 
-  // Epilogue: dK (times scale) and dV in the output type; rows past s_k are zero.
+  // Epilogue: dK (times scale) and dV in the output type; rows past s_k (seqused_k) are
+  // zero by a select: their accumulators hold 0 * x sums, NaN where a query row of the
+  // pair held one (docs/semantics.md rule 5).
   Element* const dk_ptr = static_cast<Element*>(p.dk);
   Element* const dv_ptr = static_cast<Element*>(p.dv);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int j = n0 + key_in_tile + 8 * half;
     if (j < len_k) {
+      const bool used = j < s_k;
       Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
       Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
 #pragma unroll
       for (int c = 0; c < kHeadDim / 8; ++c) {
         if (8 * c + 2 * (lane % 4) < p.d) {
-          *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) =
-              pack2<Element>(dk[4 * c + 2 * half] * p.scale, dk[4 * c + 2 * half + 1] * p.scale);
+          const float k0 = used ? dk[4 * c + 2 * half] * p.scale : 0.0f;
+          const float k1 = used ? dk[4 * c + 2 * half + 1] * p.scale : 0.0f;
+          *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
           *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
-              pack2<Element>(dv[4 * c + 2 * half], dv[4 * c + 2 * half + 1]);
+              pack2<Element>(used ? dv[4 * c + 2 * half] : 0.0f, used ? dv[4 * c + 2 * half + 1] : 0.0f);
         }
       }
     }
