@@ -201,7 +201,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
 // cu_seqlens_q/_k: int32 [b + 1], non-decreasing, starting at 0, ending at most at the
 // tensor's first dimension. seqused_k (optional, int32 [b]): keys used per sequence
 // (the first seqused_k[i] keys of sequence i), at most its length.
-// seqused_q (optional, int32 [b], CPU backend only for now): of sequence i's query slots
+// seqused_q (optional, int32 [b]; every backend): of sequence i's query slots
 // only the first seqused_q[i] are real, at most its length; the sequence then has
 // s_q = seqused_q[i] queries (the visibility rule's s_q), and the rows past them are not
 // computed: their out and dq are 0 and their lse is -inf.

@@ -515,8 +515,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     gives the key counts (the blocks are gathered into a packed k, v, so every feature, the
     backward included, works; dk, dv reach the blocks). seqused_q / seqused_k (int32 [b],
     FlashAttention-4's names): only the first seqused_q[b] queries / seqused_k[b] keys of
-    sequence b are used; query rows past seqused_q[b] get out 0 (lse -inf); seqused_q runs
-    on the CPU backend. block_sparse_tensors: a block-sparse mask over each sequence's
+    sequence b are used; query rows past seqused_q[b] get out 0 (lse -inf), on every
+    backend. block_sparse_tensors: a block-sparse mask over each sequence's
     max_seqlen_q x max_seqlen_k grid (positions within the sequence; doc ids packed
     [total_q], [total_k]); not with a block_table. fp8 (q, k, v torch.float8_e4m3fn with
     q_descale / k_descale / v_descale fp32 [b, h_k], out_dtype): as flash_attn_func's, with

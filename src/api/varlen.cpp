@@ -157,10 +157,6 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
-  if (a.seqused_q.defined() && target == Target::kCUDA) {
-    c.unsupported("seqused_q", "an undefined tensor on CUDA (seqused_q runs on the CPU backend)",
-                  "a tensor on " + to_string(a.q.device));
-  }
   const bool read = check_varlen_contents(c, a, dims, target, opts.stream);
   if (contents_read) *contents_read = read;
   return target;

@@ -13,6 +13,10 @@
 //              sm90::bwd_unsupported is null,
 //              else sm80 (logged)
 //
+// seqused_q (varlen) runs in every family: the kernels compute seq_len_q(b) rows, the
+// forward's remaining stored rows are written after them (collective/unused_rows.hpp), the
+// backward's dq conversion writes their dq as 0.
+//
 // A learnable sink (FwdParams::sink) runs in every family: it joins the row max and sum in
 // the epilogues (sm80 forward and decode, sm90 forward) or the split merge; the sm80
 // backward adds a small kernel for its gradient (BwdParams::dsink).
@@ -29,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include "core/backend.hpp"
+#include "cuda/collective/unused_rows.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/runtime/device_guard.hpp"
@@ -100,11 +105,13 @@ void forward(const FwdParams& in) {
     const char* why = sm90::fwd_unsupported(p);
     if (why == nullptr) {
       sm90::run_fwd(p);
+      write_unused_query_rows(p);
       return;
     }
     if (debug_log()) std::fprintf(stderr, "flashattn: forward: sm90 family declined (%s), running sm80\n", why);
   }
   sm80::forward(p);
+  write_unused_query_rows(p);
 }
 
 // KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);

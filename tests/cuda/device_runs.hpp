@@ -75,7 +75,7 @@ inline void cuda_backward(DenseCase& c) {
 // Device copies of a varlen case's inputs and the VarlenArgs over them.
 struct DeviceVarlen {
   DeviceCopy q, k, v, cu_q, cu_k;
-  std::unique_ptr<DeviceCopy> used;
+  std::unique_ptr<DeviceCopy> used, used_q;
   VarlenArgs args;
   explicit DeviceVarlen(const VarlenCase& c) : q(c.q), k(c.k), v(c.v), cu_q(c.cu_q_t), cu_k(c.cu_k_t) {
     args = c.args();
@@ -87,6 +87,10 @@ struct DeviceVarlen {
     if (!c.seqused_k.empty()) {
       used = std::make_unique<DeviceCopy>(c.seqused_t);
       args.seqused_k = used->view();
+    }
+    if (!c.seqused_q.empty()) {
+      used_q = std::make_unique<DeviceCopy>(c.seqused_q_t);
+      args.seqused_q = used_q->view();
     }
   }
 };
@@ -103,12 +107,12 @@ inline void cuda_varlen_forward(VarlenCase& c, KernelFamily family) {
   lse.download(c.lse);
 }
 
-inline void cuda_varlen_backward(VarlenCase& c) {
+inline void cuda_varlen_backward(VarlenCase& c, KernelFamily family = KernelFamily::kAuto) {
   c.poison_backward();
   DeviceVarlen d(c);
   DeviceCopy out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
   std::unique_ptr<DeviceCopy> alibi;
-  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, KernelFamily::kAuto, alibi);
+  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
   ASSERT_NO_THROW(flashattn::varlen_backward(d.args, dout.view(), out.view(), lse.view(), dq.view(), dk.view(),
                                              dv.view(), opts));
   FA_CUDA_OK(cudaDeviceSynchronize());

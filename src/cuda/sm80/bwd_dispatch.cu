@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kSinkThreads) bwd_sink_grad_kernel(const __gri
 
 // dq[b, i, h, :] = scale * dq_accum[(b, i / kBwdBlockM, h), (i % kBwdBlockM, :)] in the
 // output type, every row of every sequence (rows no key tile reached hold the zeros of
-// the memset). A thread converts one 8-column slab of a row: in the fragment order of
+// the memset; rows past seqused_q get 0). A thread converts one 8-column slab of a row: in the fragment order of
 // dq_accum those are four float2 at a 16-byte stride.
 template <typename Element>
 __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_constant__ BwdParams p,
@@ -120,11 +120,15 @@ __global__ void __launch_bounds__(256) bwd_convert_dq_kernel(const __grid_consta
   const int b = blockIdx.z, h = blockIdx.y;
   const int i = blockIdx.x * kRowsPerBlock + threadIdx.x / kRowThreads;
   const int sub = threadIdx.x % kRowThreads;
-  if (i >= p.seq_len_q(b)) return;
-  const float* tile = ws.dq_accum + dq_accum_tile(ws, b, i / kBwdBlockM, h, p.h_q, p.d);
-  const int r = i % kBwdBlockM;
+  if (i >= p.seq_rows_q(b)) return;
   Element* dq = static_cast<Element*>(p.dq) + p.dq_offset(b) + std::int64_t(i) * p.dq_row_stride +
                 std::int64_t(h) * p.dq_head_stride;
+  if (i >= p.seq_len_q(b)) {  // seqused_q: a row not computed has dq 0
+    for (int c = sub * 8; c < p.d; c += kRowThreads * 8) *reinterpret_cast<uint4*>(dq + c) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const float* tile = ws.dq_accum + dq_accum_tile(ws, b, i / kBwdBlockM, h, p.h_q, p.d);
+  const int r = i % kBwdBlockM;
   for (int c = sub * 8; c < p.d; c += kRowThreads * 8) {
     const float* slab = tile + dq_accum_index(r, c);  // columns c, c + 1; c + 2k at + 4k
     std::uint32_t w[4];
