@@ -93,7 +93,7 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 }
 
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name) {
+                     int h_q, std::string_view v_name, bool d_v_may_differ) {
   if (dtype == DType::kFloat8E4M3 && target == Target::kCUDA) {
     check.unsupported("q",
                       "dtype float16 or bfloat16 (CUDA backend; the fp8 forward runs on the CPU "
@@ -128,14 +128,20 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
     check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend)",
                       "d = " + std::to_string(d));
   }
-  if (d_v != d) {
+  if (d_v != d && !d_v_may_differ) {
     check.unsupported(v_name, "head dim d_v == d = " + std::to_string(d) +
-                               " (CUDA backend; d_v != d runs on the CPU backend)",
+                               " (CUDA KV-cache calls; d_v != d runs on the CPU backend)",
                       "d_v = " + std::to_string(d_v));
   }
-  if (!cuda::supports_head_dim(d)) {
-    check.unsupported("q", "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
-                      "d = " + std::to_string(d));
+  if (d_v < 1 || d_v % 8 != 0 || d_v > kMaxHeadDim) {
+    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= 256 (CUDA backend)",
+                      "d_v = " + std::to_string(d_v));
+  }
+  // The kernels run d_v != d in the bucket of the larger head dim.
+  if (!cuda::supports_head_dim(std::max(d, d_v))) {
+    check.unsupported(d_v > d ? v_name : std::string_view("q"),
+                      "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
+                      d_v > d ? "d_v = " + std::to_string(d_v) : "d = " + std::to_string(d));
   }
 }
 

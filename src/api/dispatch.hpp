@@ -29,8 +29,11 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
 // d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512];
 // CUDA kernels need d_v == d). v_name names v's tensor in errors ("v", or "v_cache").
+// On CUDA, d_v may differ from d (both % 8 == 0, at most 256; the kernels run in the
+// bucket of the larger) except where d_v_may_differ is false (the KV-cache calls: their
+// decode kernel has one head dim).
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name = "v");
+                     int h_q, std::string_view v_name = "v", bool d_v_may_differ = true);
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

@@ -25,6 +25,7 @@
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -76,6 +77,11 @@ void check_common(const char* fn, const FwdParams& p) {
   if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
     throw Unsupported(fn, "q", "a head dim d % 8 == 0 within the compiled CUDA buckets",
                       std::to_string(p.d));
+  }
+  // d_v != d: the sm80 kernels run in the bucket of the larger head dim (sm80/family.hpp).
+  if (p.d_v % 8 != 0 || !supports_head_dim(p.d_v) || !supports_head_dim(std::max(p.d, p.d_v))) {
+    throw Unsupported(fn, "v", "a head dim d_v % 8 == 0 within the compiled CUDA buckets",
+                      std::to_string(p.d_v));
   }
 }
 

@@ -526,14 +526,24 @@ TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   }
 }
 
-TEST(ErrorsCudaRules, HeadDimsOfKAndVMustAgree) {
+// d_v != d runs on CUDA (DeepSeek-V3's (192, 128)) where d_v follows d's rules.
+TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
   const fa::detail::api::Check check("forward");
-  try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 192, 128, 2, 8);
-    FAIL() << "d_v != d accepted for CUDA";
-  } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim d_v == d = 192 (CUDA backend"));
-    EXPECT_THAT(e.what(), HasSubstr("got d_v = 128"));
+  // A build with the buckets (a CPU-only build compiles none: the bucket rule then fails).
+  if (fa::detail::cuda::supports_head_dim(192) && fa::detail::cuda::supports_head_dim(128)) {
+    EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16,
+                                                     192, 128, 2, 8));
+    EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA,
+                                                     fa::DType::kBFloat16, 64, 128, 2, 8));
+  }
+  for (int d_v : {100, 0, 264}) {
+    try {
+      fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 128, d_v, 2, 8);
+      FAIL() << "d_v = " << d_v << " accepted for CUDA";
+    } catch (const fa::Unsupported& e) {
+      EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256"));
+      EXPECT_THAT(e.what(), HasSubstr("got d_v = " + std::to_string(d_v)));
+    }
   }
 }
 
@@ -541,10 +551,10 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
   const fa::detail::api::Check check("kvcache_forward");
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
-                                     "v_cache");
+                                     "v_cache", /*d_v_may_differ=*/false);
     FAIL() << "d_v != d accepted for CUDA";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA backend"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA KV-cache calls"));
   }
 }
 

@@ -1,6 +1,7 @@
 // The sm80 backward: the workspace, the preprocess (D = rowsum(dO * O)), the learnable
 // sink's gradient (when asked for), the main kernel of the compiled head-dim bucket, and
 // the postprocess (dQ = scale * dq_accum in the output type).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(256) bwd_dot_do_o_kernel(const __grid_constant
                           std::int64_t(i) * p.do_row_stride + std::int64_t(h) * p.do_head_stride;
     const Element* out = static_cast<const Element*>(p.out) + p.o_offset(b) +
                          std::int64_t(i) * p.o_row_stride + std::int64_t(h) * p.o_head_stride;
-    for (int c = sub * 8; c < p.d; c += kRowThreads * 8) {
+    for (int c = sub * 8; c < p.d_v; c += kRowThreads * 8) {
       float a[8], o[8];
       unpack8<Element>(*reinterpret_cast<const uint4*>(dout + c), a);
       unpack8<Element>(*reinterpret_cast<const uint4*>(out + c), o);
@@ -151,6 +152,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
   }
   if (p.dsink != nullptr) launch_sink_grad(p, ws.dpsum, ws.rows_total, stream);  // also with no rows: 0
   bool launched = p.seqlen_k == 0;
+  const int kd = std::max(p.d, p.d_v);  // d_v != d: the bucket of the larger head dim
   if (!launched && main != nullptr) {
     main(p, ws, stream);
     launched = true;
@@ -160,7 +162,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
   // the 14% more MMA work of the padding (docs/performance.md).
 #define FLASHATTN_BWD_TALL_256(D)                                                        \
   if constexpr (D == 256) {                                                              \
-    if (!launched && p.d > 192 && p.d <= 224 && bwd_main_runs_tall<Element, D>(p)) {     \
+    if (!launched && kd > 192 && kd <= 224 && bwd_main_runs_tall<Element, D>(p)) {       \
       run_bwd_main<Element, D>(p, ws, stream);                                           \
       launched = true;                                                                   \
     }                                                                                    \
@@ -168,7 +170,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_TALL_256)
 #undef FLASHATTN_BWD_TALL_256
 #define FLASHATTN_BWD_BUCKET(D)                    \
-  if (!launched && p.d <= D) {                     \
+  if (!launched && kd <= D) {                      \
     run_bwd_main<Element, D>(p, ws, stream);       \
     launched = true;                               \
   }

@@ -143,7 +143,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
                                       p.q_row_stride, rows, p.d, tid);
     load_tile_async<TileQ, kNThreads>(s_dst + TileQ::kBytes,
                                       do_seq + head * p.do_head_stride + m0 * p.do_row_stride,
-                                      p.do_row_stride, rows, p.d, tid);
+                                      p.do_row_stride, rows, p.d_v, tid);
     if (tid < 2 * kBlockM) {
       const int r = tid % kBlockM;
       const float* src = tid < kBlockM ? lse_seq + head * p.lse_head_stride + m0
@@ -168,7 +168,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         rows_k, p.d, tid);
     load_tile_async<TileK, kNThreads>(
         s_v_tile, static_cast<const Element*>(p.v) + p.v_offset(b, n0, kv_head), p.v_row_stride,
-        rows_k, p.d, tid);
+        rows_k, p.d_v, tid);
     load_q_do(kv_head * p.h_ratio, m_begin, 0);
   }
   cp_async_commit();
@@ -462,17 +462,24 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
       for (int hf = 0; hf < 2; ++hf) {
         const int j = n0 + wn_kv * Cfg::kWarpNdkv + mt * 16 + g8 + hf * 8;
         const int c = wd_kv * Cfg::kWarpDdkv + nt * 8 + 2 * t4;
-        if (j < len_k && c < p.d) {
+        // Columns of the bucket past d (dK) or d_v (dV) are not stored.
+        if (j < len_k) {
           if constexpr (Cfg::kSplitDkDv) {
             const float sc = dv_warp ? 1.0f : p.scale;
             Element* const dst = dv_warp ? dv_ptr + p.dv_offset(b, j, kv_head) : dk_ptr + p.dk_offset(b, j, kv_head);
-            *reinterpret_cast<std::uint32_t*>(dst + c) =
-                pack2<Element>(acc_dv[mt][nt][2 * hf] * sc, acc_dv[mt][nt][2 * hf + 1] * sc);
+            if (c < (dv_warp ? p.d_v : p.d)) {
+              *reinterpret_cast<std::uint32_t*>(dst + c) =
+                  pack2<Element>(acc_dv[mt][nt][2 * hf] * sc, acc_dv[mt][nt][2 * hf + 1] * sc);
+            }
           } else {
-            *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
-                pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
-            *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
-                pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+            if (c < p.d) {
+              *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
+                  pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
+            }
+            if (c < p.d_v) {
+              *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
+                  pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+            }
           }
         }
       }

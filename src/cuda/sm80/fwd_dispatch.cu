@@ -1,6 +1,7 @@
 // The sm80 forward: the decode kernel for the KV-cache calls it suits, else the fused
 // forward of the compiled head-dim bucket and element type; what it does not do (yet) is a
 // clear Unsupported error.
+#include <algorithm>
 #include <string>
 
 #include "cuda/sm80/decode_dispatch.hpp"
@@ -37,7 +38,7 @@ void forward(const FwdParams& p) {
   }
   const bool bf16 = p.dtype == DType::kBFloat16;
 #define FLASHATTN_FWD_BUCKET(D)                           \
-  if (p.d <= D) {                                         \
+  if (std::max(p.d, p.d_v) <= D) {                        \
     if (bf16) run_fwd<D, __nv_bfloat16>(p);               \
     else run_fwd<D, __half>(p);                           \
     return;                                               \

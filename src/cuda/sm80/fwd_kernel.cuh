@@ -128,16 +128,18 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     }
     if (parts & kLoadV) {
       load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                              p.v_row_stride, s_k - n0, p.d, p.v, tid);
+                                              p.v_row_stride, s_k - n0, p.d_v, p.v, tid);
     }
   };
   // Key tiles below the last are full, which is every tile the main loop refills.
   using FullKV = FullTileCopy<KVTile, Tr::kThreads>;
   const int full_row = FullKV::row(tid);
-  const bool full_col_ok = FullKV::col(tid) < p.d;
-  const int full_col = full_col_ok ? FullKV::col(tid) : 0;
-  const Element* const k_full = k_base + k_row0 + std::int64_t(full_row) * p.k_row_stride + full_col;
-  const Element* const v_full = v_base + v_row0 + std::int64_t(full_row) * p.v_row_stride + full_col;
+  // Columns past d (K) or d_v (V) of the bucket's tile are zero-filled.
+  const bool k_col_ok = FullKV::col(tid) < p.d, v_col_ok = FullKV::col(tid) < p.d_v;
+  const Element* const k_full =
+      k_base + k_row0 + std::int64_t(full_row) * p.k_row_stride + (k_col_ok ? FullKV::col(tid) : 0);
+  const Element* const v_full =
+      v_base + v_row0 + std::int64_t(full_row) * p.v_row_stride + (v_col_ok ? FullKV::col(tid) : 0);
   std::uint32_t kv_full_dst[FullKV::kDstVariants];
 #pragma unroll
   for (int v = 0; v < FullKV::kDstVariants; ++v) {
@@ -148,11 +150,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       const std::int64_t n0 = std::int64_t(tile) * kBlockN;
       const std::uint32_t base = stage * (2 * KVTile::kBytes);
       if (parts & kLoadK) {
-        FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, full_col_ok);
+        FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, k_col_ok);
       }
       if (parts & kLoadV) {
         FullKV::issue(kv_full_dst, base + KVTile::kBytes, v_full + n0 * p.v_row_stride,
-                      p.v_row_stride, full_col_ok);
+                      p.v_row_stride, v_col_ok);
       }
     } else {
       load_kv_dense(stage, tile, parts);
@@ -174,18 +176,18 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       const int row = idx / kChunksPerRow;
       const int col = (idx % kChunksPerRow) * 8;
       const int j = n0 + row;
-      const bool valid = j < s_k && col < p.d;
+      const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v;
       const Element* k_src = k_base;
       const Element* v_src = v_base;
-      if (valid) {
+      if (j < s_k) {
         const std::int64_t blk = p.block_id(b, j / p.block_size);  // clamped (params.hpp)
         const int in_block = j % p.block_size;
-        k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
-        v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
+        if (k_valid) k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
+        if (v_valid) v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
       }
       const std::uint32_t off = 2 * KVTile::offset(row, col);
-      if (parts & kLoadK) cp_async_16(sK + off, k_src, valid);
-      if (parts & kLoadV) cp_async_16(sV + off, v_src, valid);
+      if (parts & kLoadK) cp_async_16(sK + off, k_src, k_valid);
+      if (parts & kLoadV) cp_async_16(sV + off, v_src, v_valid);
     }
   };
 
@@ -494,7 +496,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     const int idx = lane + 32 * pass;
     const int row = warp_row0 + idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * 8;
-    if (row < rows_here && col < p.d) {
+    if (row < rows_here && col < p.d_v) {
       *reinterpret_cast<uint4*>(o_rows + std::int64_t(row) * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sQ + QTile::offset(row, col));
     }

@@ -15,6 +15,7 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
   if (p.d > 128 || p.d % 8 != 0) return "head dim";
+  if (p.d_v != p.d) return "d_v != d";
   const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : BwdHdim128::kSmemBytes;
   if (p.smem_limit > 0 && p.smem_limit < smem) return "shared memory limit below the sm90 tiles";
   if (p.dropout_p > 0.0f) return "dropout";
