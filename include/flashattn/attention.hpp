@@ -44,8 +44,11 @@ enum class KernelFamily : std::uint8_t {
 
 // Block-sparse attention mask (FlashAttention-4's BlockSparseTensors, FlexAttention's
 // BlockMask), for the dense and varlen entry points (forward, backward, varlen_forward,
-// varlen_backward) on the CPU backend; the KV-cache entry point and CUDA tensors decline it
-// (Unsupported naming opts.block_sparse).
+// varlen_backward) on the CPU backend, and the forward (forward, varlen_forward) on CUDA,
+// where the blocks must hold whole tiles of the kernel (block_size_q a multiple of 128 and
+// block_size_k of 128 serve every head dim; else Unsupported naming opts.block_sparse, with
+// the multiples). The KV-cache entry point, and the CUDA backward, decline it (Unsupported
+// naming opts.block_sparse).
 // The (query, key) plane of each (batch, query head) is tiled into blocks of
 // block_size_q x block_size_k elements; M = ceil(s_q / block_size_q) query blocks and
 // N = ceil(s_k / block_size_k) key blocks (the last ones may be short). Varlen: positions

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "api/dispatch.hpp"
+#include "core/backend.hpp"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::api {
@@ -528,9 +529,34 @@ void decline_block_sparse(const Check& check, const Options& opts, std::string_v
                     "a block-sparse mask");
 }
 
+namespace {
+
+// An int32 CUDA tensor's elements copied to the host for the content checks: the span from
+// its first to its last element, viewed with the same strides. False while the stream is
+// captured into a CUDA graph or device-only index checks are on (the device then checks).
+bool host_int32(const Tensor& t, void* stream, std::vector<std::int32_t>& buf, Tensor& view) {
+  view = t;
+  std::int64_t span = 1;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] == 0) span = 0;
+  }
+  if (span > 0) {
+    for (int d = 0; d < t.rank; ++d) span += (t.shape[d] - 1) * t.stride[d];
+  }
+  if (detail::cuda::device_index_checks_only()) return false;
+  buf.assign(std::size_t(span), 0);
+  if (!detail::cuda::copy_to_host_for_validation(buf.data(), t.data, buf.size() * sizeof(std::int32_t), stream)) {
+    return false;
+  }
+  view.data = buf.data();
+  return true;
+}
+
+}  // namespace
+
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
                        const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
-                       FwdParams& p) {
+                       FwdParams& p, bool cuda_supported) {
   const BlockSparseTensors& bs = opts.block_sparse;
   const int batch = dims.batch, h_q = dims.h_q, s_q = dims.s_q, s_k = dims.s_k;
   const std::string sq = dims.varlen ? "max_seqlen_q" : "s_q";
@@ -546,9 +572,10 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
     }
     return;
   }
-  if (!cpu_backend) {
+  if (!cpu_backend && !cuda_supported) {
     check.unsupported("opts.block_sparse",
-                      "undefined lists (block-sparse masks run on the CPU backend)",
+                      "undefined lists (the CUDA backend runs block-sparse masks in the forward; "
+                      "the backward runs on the CPU backend)",
                       "a block-sparse mask with tensors on " + to_string(device));
   }
   if (bs.block_size_q < 1) {
@@ -566,11 +593,10 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
 
   struct Pair {
     std::string_view cnt_name, idx_name;
-    const Tensor& cnt;
-    const Tensor& idx;
+    Tensor cnt, idx;  // CUDA: host copies for the content checks (below)
     std::uint8_t kind;
   };
-  const Pair pairs[2] = {
+  Pair pairs[2] = {
       {"opts.block_sparse.mask_block_cnt", "opts.block_sparse.mask_block_idx", bs.mask_block_cnt,
        bs.mask_block_idx, semantics::kBlockPartial},
       {"opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx", bs.full_block_cnt,
@@ -605,6 +631,30 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
     th = std::max(th, H);
   }
 
+  // CUDA: the lists themselves go to the device's table build (its own checks report what
+  // the host could not read); the host checks copies of them when it can.
+  bool contents = true;
+  std::vector<std::int32_t> host_buf[4];
+  if (!cpu_backend) {
+    for (int i = 0; i < 2; ++i) {
+      Pair& pr = pairs[i];
+      if (!pr.cnt.defined()) continue;
+      FwdParams::BlockList& l = p.bs_lists[i];
+      l.cnt = static_cast<const int*>(pr.cnt.data);
+      l.idx = static_cast<const int*>(pr.idx.data);
+      l.cnt_b = pr.cnt.shape[0] > 1 ? pr.cnt.stride[0] : 0;
+      l.cnt_h = pr.cnt.shape[1] > 1 ? pr.cnt.stride[1] : 0;
+      l.idx_b = pr.idx.shape[0] > 1 ? pr.idx.stride[0] : 0;
+      l.idx_h = pr.idx.shape[1] > 1 ? pr.idx.stride[1] : 0;
+      l.idx_m = pr.idx.stride[2];
+      if (pr.idx.stride[3] != 1) {
+        check.fail(pr.idx_name, "unit stride in its last dimension", std::to_string(pr.idx.stride[3]));
+      }
+      contents = contents && host_int32(pr.cnt, opts.stream, host_buf[2 * i], pr.cnt) &&
+                 host_int32(pr.idx, opts.stream, host_buf[2 * i + 1], pr.idx);
+    }
+  }
+
   const std::int64_t plane = M * N;
   // The table has one byte per (batch, head, query block, key block) of the lists.
   constexpr std::int64_t kMaxTable = std::int64_t{1} << 31;
@@ -614,9 +664,9 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
                std::to_string(tb) + " x " + std::to_string(th) + " x " + std::to_string(M) +
                    " x " + std::to_string(N));
   }
-  kinds.assign(std::size_t(tb * th * plane), semantics::kBlockSkip);
+  if (contents) kinds.assign(std::size_t(tb * th * plane), semantics::kBlockSkip);
   for (const Pair& pr : pairs) {
-    if (!pr.cnt.defined()) continue;
+    if (!pr.cnt.defined() || !contents) continue;
     const std::int64_t B = pr.cnt.shape[0], H = pr.cnt.shape[1];
     for (std::int64_t b = 0; b < B; ++b)
       for (std::int64_t h = 0; h < H; ++h)
@@ -684,8 +734,11 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
     check.dtype("opts.block_sparse.prefix_keys", pk, DType::kInt32, "");
     check.device("opts.block_sparse.prefix_keys", pk, device, "same as q");
     check.layout("opts.block_sparse.prefix_keys", pk);
-    for (std::int64_t b = 0; b < pk.shape[0]; ++b) {
-      const std::int32_t v = int32_at(pk, b, 0);
+    std::vector<std::int32_t> pk_buf;
+    Tensor pk_host = pk;  // CUDA: the kernels read a negative prefix as 0 where no copy was made
+    const bool read = cpu_backend || host_int32(pk, opts.stream, pk_buf, pk_host);
+    for (std::int64_t b = 0; read && b < pk.shape[0]; ++b) {
+      const std::int32_t v = int32_at(pk_host, b, 0);
       if (v < 0) {
         check.fail("opts.block_sparse.prefix_keys", "values >= 0 at [" + std::to_string(b) + "]",
                    std::to_string(v));
@@ -694,7 +747,9 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
     p.prefix_keys = static_cast<const int*>(pk.data);
     p.prefix_batch_stride = pk.shape[0] > 1 ? pk.stride[0] : 0;
   }
-  p.block_kinds = kinds.data();
+  p.block_kinds = cpu_backend ? kinds.data() : nullptr;
+  p.bs_table_batch = static_cast<int>(tb);
+  p.bs_table_heads = static_cast<int>(th);
   p.bs_block_q = bs.block_size_q;
   p.bs_block_k = bs.block_size_k;
   p.bs_blocks_q = static_cast<int>(M);

@@ -100,9 +100,12 @@ struct BlockSparseDims {
   bool varlen = false;
   std::int64_t total_q = 0, total_k = 0;  // varlen only
 };
+// CUDA (cpu_backend false): the lists' device pointers go to p.bs_lists (the device builds
+// the table; kinds is filled only for the content checks of an eager call); a call whose
+// CUDA path has no block-sparse kernels (cuda_supported false: the backward) is Unsupported.
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
                        const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
-                       FwdParams& p);
+                       FwdParams& p, bool cuda_supported = true);
 // Entry points without block sparsity (KV cache): Unsupported when it is given.
 void decline_block_sparse(const Check& check, const Options& opts, std::string_view why);
 

@@ -46,10 +46,17 @@ bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, 
 // would, and records the first bad value per device in mapped host memory. The kernels
 // clamp the values meanwhile (params.hpp). Not checked there: KV-cache append targets
 // written twice (the host's check_append_targets).
-enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2 };
+enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2, kForward = 3 };
 // Enqueues the check of p's index tensors on p.stream; false when it could not (no record
 // memory: the kernels' clamps still apply).
 bool check_indices_on_device(const FwdParams& p, IndexCall call);
+// Block-sparse masks on CUDA: the bytes of the kinds table (FwdParams::block_kinds) that
+// build_block_kinds writes (0 without p.bs_lists), and the build: one small kernel on
+// p.stream writes the table from p.bs_lists into `table`, checking the lists as the host
+// does (counts in [0, N], indices in [0, N), no block listed twice in a row) and recording
+// the first bad entry as the index checks do (it is then skipped).
+std::size_t block_kinds_bytes(const FwdParams& p);
+void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call);
 // Raises, as InvalidArgument naming the tensor, entry, expected range and value, the bad
 // index a device check recorded on `device` (-1: every device) and clears it. Does not
 // synchronise: it sees the checks that have run by now.

@@ -100,16 +100,28 @@ struct FwdParams {
   const std::uint32_t* tree_mask = nullptr;
   std::int64_t tree_batch_stride = 0, tree_row_stride = 0;
 
-  // Block-sparse mask (Options::block_sparse; CPU backend only), or null: the kind
+  // Block-sparse mask (Options::block_sparse), or null: the kind
   // (semantics::BlockKind) of block (m, n) of sequence b, query head h is
   //   block_kinds[b * bs_batch_stride + h * bs_head_stride + m * bs_blocks_k + n]
-  // (strides 0 where the mask broadcasts over batch or heads), a table the entry point
-  // builds from the count / index lists while checking them (varlen: positions i, j within
+  // (strides 0 where the mask broadcasts over batch or heads), a table built from the count
+  // / index lists: by the entry point while checking them (CPU backend), or on the device
+  // from bs_lists in the call's workspace (CUDA backend; the entry point sets bs_lists and
+  // leaves block_kinds null) (varlen: positions i, j within
   // sequence b, the grid of max_seqlen_q x max_seqlen_k). Partial blocks apply the element
   // rule with doc_ids_q[b * doc_q_batch_stride + i] == doc_ids_k[b * .. + j] (varlen: the
   // packed rows q_start(b) + i, k_start(b) + j) when doc_ids_q is non-null, and
   // prefix_keys[b] when non-null.
   const std::uint8_t* block_kinds = nullptr;
+  // The lists on the device (CUDA): [0] mask_block_cnt / _idx (partial), [1] full_block_cnt
+  // / _idx (cnt null: none). Entry (b, h, m) of a list at b * cnt_b + h * cnt_h + m (0
+  // strides where it broadcasts), its e-th index at b * idx_b + h * idx_h + m * idx_m + e.
+  struct BlockList {
+    const int* cnt = nullptr;
+    const int* idx = nullptr;
+    std::int64_t cnt_b = 0, cnt_h = 0, idx_b = 0, idx_h = 0, idx_m = 0;
+  };
+  BlockList bs_lists[2];
+  int bs_table_batch = 0, bs_table_heads = 0;  // the table's extents (1 where it broadcasts)
   int bs_block_q = 0, bs_block_k = 0;    // block sizes
   int bs_blocks_q = 0, bs_blocks_k = 0;  // blocks per sequence: ceil(s / block)
   std::int64_t bs_batch_stride = 0, bs_head_stride = 0;

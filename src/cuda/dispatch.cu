@@ -69,6 +69,11 @@ bool debug_log() {
   return on;
 }
 
+// Where a block-sparse call's kinds table starts in the forward's workspace.
+std::size_t block_kinds_offset(const FwdParams& p) {
+  return (sm80::forward_workspace_size(p) + 255) & ~std::size_t(255);
+}
+
 // Checks every family shares; a family's own limits are its own.
 void check_common(const char* fn, const FwdParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
@@ -105,6 +110,13 @@ void forward(const FwdParams& in) {
   const KernelChoice choice = resolve_kernel_family(kFn, p);
   p.smem_limit = choice.smem_limit;
   DeviceGuard guard(p.device_index);
+  // A block-sparse mask: its kinds table, built on the device from the lists, after the
+  // workspace of the decode path (which a block-sparse call never takes).
+  if (p.bs_lists[0].cnt != nullptr) {
+    auto* table = static_cast<std::uint8_t*>(p.workspace) + block_kinds_offset(p);
+    build_block_kinds(p, table, p.is_varlen() ? IndexCall::kVarlenForward : IndexCall::kForward);
+    p.block_kinds = table;
+  }
   // Decoding (a few query rows against a long cache) is memory-bound: the decode kernel
   // (split-KV, fp8, draft trees) serves it on every family.
   if (choice.family == KernelFamily::kSm90 && !sm80::plan_decode(p).use) {
@@ -122,7 +134,9 @@ void forward(const FwdParams& in) {
 
 // KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
 // computed from shapes and upper bounds only (the same during CUDA graph capture).
-std::size_t forward_workspace_size(const FwdParams& p) { return sm80::forward_workspace_size(p); }
+std::size_t forward_workspace_size(const FwdParams& p) {
+  return block_kinds_offset(p) + block_kinds_bytes(p);
+}
 
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";

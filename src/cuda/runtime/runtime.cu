@@ -85,7 +85,10 @@ struct IndexErrorRecord {
   long long value, lo, hi;
 };
 
-enum IndexArg : int { kCuQ, kCuK, kMaxQ, kMaxK, kSequsedK, kCacheSeqlens, kCacheBatchIdx, kBlockTable };
+enum IndexArg : int {
+  kCuQ, kCuK, kMaxQ, kMaxK, kSequsedK, kCacheSeqlens, kCacheBatchIdx, kBlockTable,
+  kMaskBlockCnt, kMaskBlockIdx, kFullBlockCnt, kFullBlockIdx  // block-sparse lists
+};
 
 constexpr int kMaxDevices = 64;
 IndexErrorRecord* g_records[kMaxDevices] = {};
@@ -201,7 +204,54 @@ const char* call_name(int call) {
   switch (call) {
     case 0: return "varlen_forward";
     case 1: return "varlen_backward";
+    case 3: return "forward";
     default: return "kvcache_forward";
+  }
+}
+
+// One thread per (table batch, table head, query block) row: the row's N kinds from the
+// two lists (partial, then full), each entry checked as the host checks it.
+struct BlockKindsArgs {
+  IndexCheckArgs chk;  // record (null: no reports) and call
+  FwdParams::BlockList lists[2];
+  int heads, m_blocks, n_blocks;
+  long long rows;
+  unsigned char* table;
+};
+
+__global__ void block_kinds_kernel(const __grid_constant__ BlockKindsArgs a) {
+  __shared__ int claim;
+  if (threadIdx.x == 0) claim = 0;
+  __syncthreads();
+  const long long r = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= a.rows) return;
+  const int m = static_cast<int>(r % a.m_blocks);
+  const int h = static_cast<int>((r / a.m_blocks) % a.heads);
+  const int b = static_cast<int>(r / (static_cast<long long>(a.m_blocks) * a.heads));
+  const int n_blocks = a.n_blocks;
+  unsigned char* row = a.table + r * n_blocks;
+  for (int n = 0; n < n_blocks; ++n) row[n] = semantics::kBlockSkip;
+  for (int i = 0; i < 2; ++i) {
+    const FwdParams::BlockList& l = a.lists[i];
+    if (l.cnt == nullptr) continue;
+    const int cnt_arg = i == 0 ? kMaskBlockCnt : kFullBlockCnt;
+    int cnt = l.cnt[b * l.cnt_b + h * l.cnt_h + m];
+    if (cnt < 0 || cnt > n_blocks) {
+      if (a.chk.record) report(a.chk, &claim, cnt_arg, static_cast<int>(r), -1, cnt, 0, n_blocks);
+      cnt = cnt < 0 ? 0 : n_blocks;
+    }
+    const int* idx = l.idx + b * l.idx_b + h * l.idx_h + m * l.idx_m;
+    for (int e = 0; e < cnt; ++e) {
+      const int n = idx[e];
+      if (n < 0 || n >= n_blocks) {
+        if (a.chk.record) report(a.chk, &claim, cnt_arg + 1, static_cast<int>(r), e, n, 0, n_blocks - 1);
+      } else if (row[n] != semantics::kBlockSkip) {
+        // Listed twice: reported with an empty range (lo > hi), the first listing kept.
+        if (a.chk.record) report(a.chk, &claim, cnt_arg + 1, static_cast<int>(r), e, n, 1, 0);
+      } else {
+        row[n] = static_cast<unsigned char>(i == 0 ? semantics::kBlockPartial : semantics::kBlockFull);
+      }
+    }
   }
 }
 
@@ -261,6 +311,38 @@ bool check_indices_on_device(const FwdParams& p, IndexCall call) {
   return true;
 }
 
+std::size_t block_kinds_bytes(const FwdParams& p) {
+  if (p.bs_lists[0].cnt == nullptr) return 0;
+  const std::size_t bytes = std::size_t(p.bs_table_batch) * std::size_t(p.bs_table_heads) *
+                            std::size_t(p.bs_blocks_q) * std::size_t(p.bs_blocks_k);
+  return (bytes + 255) & ~std::size_t(255);
+}
+
+void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call) {
+  BlockKindsArgs a{};
+  a.chk.call = static_cast<int>(call);
+  if (IndexErrorRecord* host = record_of(p.device_index, false)) {
+    void* dev = nullptr;
+    if (cudaHostGetDevicePointer(&dev, host, 0) == cudaSuccess) {
+      a.chk.record = static_cast<IndexErrorRecord*>(dev);
+    } else {
+      cudaGetLastError();
+    }
+  }
+  a.lists[0] = p.bs_lists[0];
+  a.lists[1] = p.bs_lists[1];
+  a.heads = p.bs_table_heads;
+  a.m_blocks = p.bs_blocks_q;
+  a.n_blocks = p.bs_blocks_k;
+  a.rows = static_cast<long long>(p.bs_table_batch) * p.bs_table_heads * p.bs_blocks_q;
+  a.table = table;
+  if (a.rows == 0 || a.n_blocks == 0) return;
+  constexpr int kThreads = 128;
+  const long long blocks = (a.rows + kThreads - 1) / kThreads;
+  block_kinds_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
+  FLASHATTN_CUDA_CHECK(cudaGetLastError());
+}
+
 void raise_index_error(int device) {
   for (int d = device < 0 ? 0 : device; d < (device < 0 ? kMaxDevices : device + 1) && d < kMaxDevices; ++d) {
     IndexErrorRecord* r = nullptr;
@@ -274,7 +356,9 @@ void raise_index_error(int device) {
     const IndexErrorRecord e{2, v->call, v->argument, v->entry, v->entry2, v->value, v->lo, v->hi};
     v->state = 0;
     static const char* const names[] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                                        "seqused_k",    "cache_seqlens", "cache_batch_idx", "block_table"};
+                                        "seqused_k",    "cache_seqlens", "cache_batch_idx", "block_table",
+                                        "opts.block_sparse.mask_block_cnt", "opts.block_sparse.mask_block_idx",
+                                        "opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx"};
     const std::string name = names[e.argument];
     std::string where = " (found on cuda:";
     where += std::to_string(d);
@@ -289,6 +373,23 @@ void raise_index_error(int device) {
       at += '[';
       at += std::to_string(e.entry2);
       at += ']';
+    }
+    if (e.argument >= kMaskBlockCnt) {
+      // Block lists: entry is the flat (b, h, m) row of the table (b * H + h) * M + m, entry2
+      // the list position (-1 for a count); lo > hi marks a block listed twice.
+      std::string at_row = name + " at (b, h, m) row " + std::to_string(e.entry);
+      if (e.entry2 >= 0) at_row += ", position " + std::to_string(e.entry2);
+      if (e.lo > e.hi) {
+        throw InvalidArgument(call_name(e.call), name,
+                              "each key block listed at most once per query block (in mask_block_idx "
+                              "and full_block_idx together)",
+                              "key block " + std::to_string(e.value) + " listed again" + " (" + at_row + ")" +
+                                  where);
+      }
+      throw InvalidArgument(call_name(e.call), name,
+                            "values in [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) + "] (" +
+                                at_row + ")",
+                            std::to_string(e.value) + where);
     }
     if (e.argument == kMaxQ || e.argument == kMaxK) {
       throw InvalidArgument(call_name(e.call), name,

@@ -89,15 +89,49 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
 
   const TileMask mask(s_q, s_k, p.mask);
   int tile_begin = 0, tile_end = 0;  // key tiles [tile_begin, tile_end) seen by some row
-  if (s_k > 0) {
-    const semantics::KeyRange keys =
-        semantics::visible_keys_of_rows(m0, m0 + rows_here, s_q, s_k, p.mask);
-    if (!keys.empty()) {
-      tile_begin = static_cast<int>(keys.begin) / kBlockN;
-      tile_end = static_cast<int>((keys.end + kBlockN - 1) / kBlockN);
+  // Block-sparse: this query tile lies in one row of mask blocks and each key tile in one
+  // block (the mask's blocks are multiples of the tiles, checked at launch): the key tiles
+  // visited are those of listed blocks, in descending order, through a cursor per stream
+  // of tile requests (the loads ahead, the staggered K and V, the products), each moving
+  // down past unlisted blocks. Keys of unlisted blocks are never loaded.
+  const std::uint8_t* const bs_row =
+      p.block_kinds == nullptr
+          ? nullptr
+          : p.block_kinds + std::int64_t(b) * p.bs_batch_stride + std::int64_t(h) * p.bs_head_stride +
+                std::int64_t(m0 / p.bs_block_q) * p.bs_blocks_k;
+  const bool sparse = bs_row != nullptr;
+  const int tiles_per_block = sparse ? p.bs_block_k / kBlockN : 1;
+  auto sparse_kind = [&](int t) { return static_cast<int>(bs_row[t / tiles_per_block]); };
+  int n_tiles = 0;
+  if (sparse) {
+    tile_end = (s_k + kBlockN - 1) / kBlockN;
+    for (int t = 0; t < tile_end; ++t) n_tiles += sparse_kind(t) != semantics::kBlockSkip;
+  } else {
+    if (s_k > 0) {
+      const semantics::KeyRange keys =
+          semantics::visible_keys_of_rows(m0, m0 + rows_here, s_q, s_k, p.mask);
+      if (!keys.empty()) {
+        tile_begin = static_cast<int>(keys.begin) / kBlockN;
+        tile_end = static_cast<int>((keys.end + kBlockN - 1) / kBlockN);
+      }
     }
+    n_tiles = tile_end - tile_begin;
   }
-  const int n_tiles = tile_end - tile_begin;
+  // The key tile of visit x (x counts up from 0 per stream): tile_end - 1 - x, or with a
+  // block-sparse mask the x-th listed tile from the top.
+  struct Cursor {
+    int x, t;
+  };
+  auto tile_of = [&](Cursor& c, int x) {
+    if (!sparse) return tile_end - 1 - x;
+    while (c.x < x) {
+      --c.t;
+      while (c.t >= 0 && sparse_kind(c.t) == semantics::kBlockSkip) --c.t;
+      ++c.x;
+    }
+    return c.t;
+  };
+  Cursor load_cursor{-1, tile_end}, v_cursor{-1, tile_end}, compute_cursor{-1, tile_end};
 
   // ---- global addressing
   const Element* const q_rows = static_cast<const Element*>(p.q) + p.q_offset(b) +
@@ -201,7 +235,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   const bool has_dropout = p.rng.threshold != 0u;
   const std::uint32_t dropout_bh = p.dropout_bh(b, h);
   const int shift = s_k - s_q;
-  const bool general_path = paged || !raw_scores || has_dropout;
+  const bool general_path = paged || !raw_scores || has_dropout || sparse;
 
   OnlineSoftmax<kMTiles> softmax;
   softmax.init();
@@ -221,15 +255,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // rather than in the key loop); each later tile's V is issued at the top of its step.
   if (n_tiles > 0) {
     load_tile_strided<QTile, Tr::kThreads>(sQ, q_rows, p.q_row_stride, rows_here, p.d, p.q, tid);
-    load_kv(0, tile_end - 1, Tr::kStaggered ? kLoadK : kLoadKV);
+    load_kv(0, tile_of(load_cursor, 0), Tr::kStaggered ? kLoadK : kLoadKV);
     cp_async_commit();
     if constexpr (Tr::kStaggered) {
-      load_kv(0, tile_end - 1, kLoadV);
+      load_kv(0, tile_of(v_cursor, 0), kLoadV);
       cp_async_commit();
     }
 #pragma unroll
     for (int s = 1; s < kStages - 1; ++s) {
-      if (s < n_tiles) load_kv(s, tile_end - 1 - s, kLoadKV);
+      if (s < n_tiles) load_kv(s, tile_of(load_cursor, s), kLoadKV);
       cp_async_commit();
     }
   }
@@ -261,6 +295,14 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   auto key_tile = [&](int it, auto mode_tag) {
     constexpr FwdMode kMode = decltype(mode_tag)::value;
     constexpr bool kGeneral = kMode == FwdMode::kGeneral;
+    // Block-sparse calls take the general copy; the plain copies keep the plain order.
+    auto tile_at = [&](Cursor& c, int x) {
+      if constexpr (kGeneral) {
+        return tile_of(c, x);
+      } else {
+        return tile_end - 1 - x;
+      }
+    };
     // Interior tiles (every one below the last) take the per-thread full-tile copy plan.
     auto issue = [&](int stage, int tile, int parts) {
       if constexpr (kGeneral) {
@@ -275,7 +317,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       if constexpr (Tr::kStaggered) {
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_tiles) issue(0, tile_end - 2 - it, kLoadK);
+        if (it + 1 < n_tiles) issue(0, tile_at(load_cursor, it + 1), kLoadK);
         cp_async_commit();
       }
     };
@@ -287,16 +329,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
         cp_async_wait<0>();
       }
       __syncthreads();  // K_it is visible to all; every warp is done with V_{it-1}
-      if (it > 0) issue(0, tile_end - 1 - it, kLoadV);
+      if (it > 0) issue(0, tile_at(v_cursor, it), kLoadV);
       cp_async_commit();
     } else {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
       const int ahead = it + kStages - 1;
-      if (ahead < n_tiles) issue(ahead % kStages, tile_end - 1 - ahead, kLoadKV);
+      if (ahead < n_tiles) issue(ahead % kStages, tile_at(load_cursor, ahead), kLoadKV);
       cp_async_commit();
     }
-    const int n0 = (tile_end - 1 - it) * kBlockN;
+    const int tile = tile_at(compute_cursor, it);
+    const int n0 = tile * kBlockN;
     // A warp whose rows see none of this tile's keys (its rows above the causal diagonal,
     // or past the queries' end) skips the tile: its softmax state and O are what a tile of
     // -inf scores leaves them, and the SM sub-partition's tensor cores go to the other
@@ -383,8 +426,44 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
             s[mt][nt][e] = x;
           }
     }
-    if (kMode == FwdMode::kPlainMasked ||
-        (kGeneral && mask.tile_needs_mask(m0, kBlockM, n0, kBlockN))) {
+    if (kGeneral && sparse) {
+      // Block-sparse: the tile's one block is full (every key below s_k) or partial (the
+      // call's rule widened to the prefix keys, and-ed with equal document ids).
+      const bool full = sparse_kind(tile) == semantics::kBlockFull;
+      const int prefix = p.prefix_keys != nullptr ? p.prefix_keys[std::int64_t(b) * p.prefix_batch_stride] : 0;
+      const bool docs = p.doc_ids_q != nullptr && !full;
+      int doc_k[kNTiles][2];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = col_base + nt * 8 + e;
+          doc_k[nt][e] = docs && j < s_k ? p.doc_ids_k[p.cu_seqlens_k ? p.k_start(b) + j
+                                                                      : std::int64_t(b) * p.doc_k_batch_stride + j]
+                                         : 0;
+        }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = row_base + mt * 16 + half * 8;
+          int lo = 0, hi = s_k;  // the call's visible range of row i (absolute keys)
+          if (!full) mask.row_range(i, lo, hi);
+          const int doc_q = docs && i < s_q ? p.doc_ids_q[p.cu_seqlens_q ? p.q_start(b) + i
+                                                                        : std::int64_t(b) * p.doc_q_batch_stride + i]
+                                            : 0;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = col_base + nt * 8 + e;
+              const bool seen = j < s_k && (full || ((j < prefix || (j >= lo && j < hi)) &&
+                                                     (!docs || doc_q == doc_k[nt][e])));
+              if (!seen) s[mt][nt][2 * half + e] = -INFINITY;
+            }
+        }
+    } else if (kMode == FwdMode::kPlainMasked ||
+               (kGeneral && mask.tile_needs_mask(m0, kBlockM, n0, kBlockN))) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -518,6 +597,14 @@ void launch_fwd(const FwdParams& p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
   auto kernel = fwd_kernel<kHeadDim, Element, kKind>;
   constexpr int kSmem = Tr::kSmemBytes;
+  // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
+  if (p.block_kinds != nullptr && (p.bs_block_q % Tr::kBlockM != 0 || p.bs_block_k % Tr::kBlockN != 0)) {
+    throw Unsupported("forward", "opts.block_sparse",
+                      "block_size_q a multiple of " + std::to_string(Tr::kBlockM) + " and block_size_k a multiple of " +
+                          std::to_string(Tr::kBlockN) + " (the CUDA forward's tile at head dim " +
+                          std::to_string(kHeadDim) + ")",
+                      "block sizes " + std::to_string(p.bs_block_q) + " x " + std::to_string(p.bs_block_k));
+  }
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }

@@ -27,6 +27,7 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0) return "head dim";
   if (p.d_v != p.d) return "d_v != d";
+  if (p.block_kinds != nullptr) return "block-sparse mask";
   if (p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";
   if (p.probs != nullptr) return "return_probs";
