@@ -7,6 +7,11 @@
 //
 //   flashattn_cuda_fwd_bench [csv path|-] [hdim causal seqlen]
 // prints a table (and writes CSV when a path is given); hdim causal seqlen pick one cell.
+//   flashattn_cuda_fwd_bench --sparse hdim seqlen
+// block-sparse masks of 128 x 128 blocks (random lists per head and query block, half of the
+// listed blocks full) at densities 10 / 50 / 100 %, against the same call without a mask:
+// one line each, "sparse d s density visited ms ratio" (all on the sm80 family, which runs
+// block-sparse masks; density 0.00 is the call without a mask).
 // BENCH_SINK=1: every call has a learnable sink of -1000 per head (the sink's code path
 // runs; its term exp(-1000 - m) is 0, so the check against the naive result still holds):
 // the cost of a sink against the same grid without one.
@@ -108,6 +113,104 @@ double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, fl
   return worst / std::max(ref_max, 1e-30);
 }
 
+// The dense [b, s, h, d] bf16 call of the grid on one input set.
+flashattn::detail::FwdParams grid_params(const Buffers& in, int b, int h, int d, int s, bool causal) {
+  flashattn::detail::FwdParams p;
+  p.dtype = p.kv_dtype = flashattn::DType::kBFloat16;
+  p.batch = b;
+  p.h_q = p.h_k = h;
+  p.d = p.d_v = d;
+  p.h_ratio = 1;
+  p.seqlen_q = p.seqlen_k = s;
+  p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = std::int64_t(h) * d;
+  p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride = std::int64_t(s) * h * d;
+  p.lse_head_stride = s;
+  p.lse_batch_stride = std::int64_t(h) * s;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.mask = flashattn::semantics::Mask::make(causal, -1, -1);
+  p.q = in.q;
+  p.k = in.k;
+  p.v = in.v;
+  p.out = in.out;
+  p.lse = in.lse;
+  return p;
+}
+
+int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent_t stop) {
+  constexpr int kTokens = 16384, kModelDim = 2048, kBlock = 128, kWarmup = 3, kRepeats = 15;
+  const int b = kTokens / s, h = kModelDim / d, blocks = (s + kBlock - 1) / kBlock;
+  double dense_ms = 0;
+  for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
+    std::vector<int> cnt[2], idx[2];
+    std::uint32_t state = 12345u;
+    long long listed = 0;
+    for (int l = 0; l < 2; ++l) {
+      cnt[l].assign(std::size_t(h) * blocks, 0);
+      idx[l].assign(std::size_t(h) * blocks * blocks, 0);
+    }
+    for (int r = 0; r < h * blocks; ++r)
+      for (int n = 0; n < blocks; ++n) {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        if (double(state % 100000u) / 100000.0 >= density) continue;
+        const int l = (state >> 20) & 1;  // half partial, half full
+        idx[l][std::size_t(r) * blocks + cnt[l][r]++] = n;
+        ++listed;
+      }
+    int* dev[4] = {};
+    void* ws = nullptr;
+    flashattn::detail::FwdParams p = grid_params(sets[0], b, h, d, s, false);
+    if (density > 0) {
+      for (int l = 0; l < 2; ++l) {
+        BENCH_CHECK(cudaMalloc(&dev[2 * l], cnt[l].size() * sizeof(int)));
+        BENCH_CHECK(cudaMalloc(&dev[2 * l + 1], idx[l].size() * sizeof(int)));
+        BENCH_CHECK(cudaMemcpy(dev[2 * l], cnt[l].data(), cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        BENCH_CHECK(cudaMemcpy(dev[2 * l + 1], idx[l].data(), idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+      }
+    }
+    std::vector<float> ms;
+    for (int r = 0; r < kWarmup + kRepeats; ++r) {
+      p = grid_params(sets[r % 2], b, h, d, s, false);
+      p.kernel_family = flashattn::KernelFamily::kSm80;  // the family that runs block-sparse masks
+      if (density > 0) {
+        for (int l = 0; l < 2; ++l) {
+          auto& bl = p.bs_lists[l];
+          bl.cnt = dev[2 * l];
+          bl.idx = dev[2 * l + 1];
+          bl.cnt_h = blocks;
+          bl.idx_h = std::int64_t(blocks) * blocks;
+          bl.idx_m = blocks;
+        }
+        p.bs_table_batch = 1;
+        p.bs_table_heads = h;
+        p.bs_block_q = p.bs_block_k = kBlock;
+        p.bs_blocks_q = p.bs_blocks_k = blocks;
+        p.bs_head_stride = std::int64_t(blocks) * blocks;
+        if (ws == nullptr) BENCH_CHECK(cudaMalloc(&ws, flashattn::detail::cuda::forward_workspace_size(p)));
+        p.workspace = ws;
+        p.workspace_bytes = flashattn::detail::cuda::forward_workspace_size(p);
+      }
+      BENCH_CHECK(cudaEventRecord(start));
+      flashattn::detail::cuda::forward(p);
+      BENCH_CHECK(cudaEventRecord(stop));
+      BENCH_CHECK(cudaEventSynchronize(stop));
+      float t = 0;
+      BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+      if (r >= kWarmup) ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double median = ms[ms.size() / 2];
+    if (density == 0) dense_ms = median;
+    const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
+    std::printf("sparse %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, median, median / dense_ms);
+    for (int* x : dev) cudaFree(x);
+    cudaFree(ws);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -142,6 +245,9 @@ int main(int argc, char** argv) {
   BENCH_CHECK(cudaEventCreate(&start));
   BENCH_CHECK(cudaEventCreate(&stop));
 
+  if (argc == 4 && std::string(argv[1]) == "--sparse") {
+    return sparse_sweep(sets, std::atoi(argv[2]), std::atoi(argv[3]), start, stop);
+  }
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
   const int only_d = argc > 4 ? std::atoi(argv[2]) : 0;
   const int only_causal = argc > 4 ? std::atoi(argv[3]) : -1;
