@@ -266,7 +266,7 @@ int main(int argc, char** argv) {
         p.dtype = p.kv_dtype = flashattn::DType::kBFloat16;
         p.batch = b;
         p.h_q = p.h_k = h;
-        p.d = d;
+        p.d = p.d_v = d;
         p.h_ratio = 1;
         p.seqlen_q = p.seqlen_k = s;
         // [b, s, h, d] contiguous

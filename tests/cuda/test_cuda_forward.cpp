@@ -418,7 +418,7 @@ TEST(CudaForward, SplitsAndProbsAreUnsupported) {
   FA_REQUIRE_GPU();
   detail::FwdParams p;
   p.dtype = DType::kBFloat16;
-  p.d = 64;
+  p.d = p.d_v = 64;
   p.num_splits = 2;
   EXPECT_THROW(detail::cuda::forward(p), Unsupported);
   EXPECT_EQ(detail::cuda::forward_workspace_size(p), 0u);
