@@ -19,7 +19,7 @@ Keys of unlisted blocks are never read; rows that see nothing have out 0 and lse
 The library has no arbitrary mask_mod: the element rule of partial blocks is the call's
 built-in masks plus the optional prefix and document ids, which make the patterns below
 exact. Each builder returns a BlockSparseTensorsTorch and says which causal / window_size
-the call must use with it. CPU backend only for now (dense and varlen calls; varlen: the
+the call must use with it. CPU backend, and the forward on CUDA (dense and varlen calls; varlen: the
 grid of max_seqlen_q x max_seqlen_k per sequence, doc ids packed [total_q], [total_k]).
 
 Builders take ints, numpy arrays or torch tensors. They return torch int32 tensors (on

@@ -28,7 +28,7 @@ its gradient d sink (fp32 [h_q], or an empty [0] tensor without a sink) after dq
 Block-sparse masks (FlashAttention-4's BlockSparseTensors): the dense ops fwd and bwd take,
 after learnable_sink (and fwd after qv), mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx (int32,
 optional), block_size_q, block_size_k (ints, default 128), q_doc_ids, k_doc_ids and
-prefix_keys (int32, optional): flashattn::BlockSparseTensors, the CPU backend only; the
+prefix_keys (int32, optional): flashattn::BlockSparseTensors (CPU; the forward on CUDA); the
 varlen ops take the same after seqused_q (varlen_fwd after qv; doc ids packed [total_q], [total_k]). They carry
 no gradient.
 
