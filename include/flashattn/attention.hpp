@@ -46,8 +46,9 @@ enum class KernelFamily : std::uint8_t {
 // BlockMask), for the dense and varlen entry points (forward, backward, varlen_forward,
 // varlen_backward) on the CPU backend, and the forward (forward, varlen_forward) on CUDA,
 // where the blocks must hold whole tiles of the kernel (block_size_q a multiple of 128 and
-// block_size_k of 128 serve every head dim; else Unsupported naming opts.block_sparse, with
-// the multiples). The KV-cache entry point, and the CUDA backward, decline it (Unsupported
+// block_size_k of 128 serve every head dim; smaller blocks fit some tiles, and which tile
+// runs can depend on the lengths: else Unsupported naming opts.block_sparse, with the
+// multiples). The KV-cache entry point, and the CUDA backward, decline it (Unsupported
 // naming opts.block_sparse).
 // The (query, key) plane of each (batch, query head) is tiled into blocks of
 // block_size_q x block_size_k elements; M = ceil(s_q / block_size_q) query blocks and

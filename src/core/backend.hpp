@@ -42,7 +42,7 @@ bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, 
 // Device-side index checks, for the calls whose index tensors the host did not read (a
 // captured stream, or FLASHATTN_DEVICE_INDEX_CHECKS=1 for every call): a small kernel, in
 // stream order before the call's kernels, checks cu_seqlens_q / _k (and max_seqlen_q / _k),
-// seqused_k, cache_seqlens, cache_batch_idx and the used block_table entries as the host
+// seqused_k, seqused_q, cache_seqlens, cache_batch_idx and the used block_table entries as the host
 // would, and records the first bad value per device in mapped host memory. The kernels
 // clamp the values meanwhile (params.hpp). Not checked there: KV-cache append targets
 // written twice (the host's check_append_targets).

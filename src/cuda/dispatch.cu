@@ -112,7 +112,12 @@ void forward(const FwdParams& in) {
   DeviceGuard guard(p.device_index);
   // A block-sparse mask: its kinds table, built on the device from the lists, after the
   // workspace of the decode path (which a block-sparse call never takes).
-  if (p.bs_lists[0].cnt != nullptr) {
+  if (p.bs_lists[0].cnt != nullptr && block_kinds_bytes(p) > 0) {
+    const std::size_t need = block_kinds_offset(p) + block_kinds_bytes(p);
+    if (p.workspace == nullptr || p.workspace_bytes < need) {
+      throw Unsupported(kFn, "workspace", "at least " + std::to_string(need) + " bytes (the block-sparse kinds table)",
+                        std::to_string(p.workspace_bytes) + " bytes");
+    }
     auto* table = static_cast<std::uint8_t*>(p.workspace) + block_kinds_offset(p);
     build_block_kinds(p, table, p.is_varlen() ? IndexCall::kVarlenForward : IndexCall::kForward);
     p.block_kinds = table;

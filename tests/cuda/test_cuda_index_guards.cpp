@@ -302,6 +302,61 @@ TEST(CudaIndexGuards, DeviceCheckNamesTheBadEntry) {
   cudaStreamDestroy(s);
 }
 
+// seqused_q and block-sparse lists, captured with bad values: the device checks name them
+// (check_errors), and the captured calls stay in bounds (memcheck in scripts/gpu.sh).
+TEST(CudaIndexGuards, SequsedQAndBlockListsUnderCapture) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  VarlenCase c = VarlenCase::make(rng, {0, 70, 70, 273, 285}, {0, 90, 130, 330, 346}, 4, 2,
+                                  built_head_dims({64, 128}).front(), DType::kBFloat16);
+  {
+    VarlenCase first = c;  // an eager call: a captured one cannot allocate the error record
+    cuda_varlen_forward(first, KernelFamily::kAuto);
+  }
+  cudaStream_t s;
+  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto captured = [&](auto&& call) {
+    cudaGraph_t graph;
+    FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+    EXPECT_NO_THROW(call());
+    FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+    cudaGraphExec_t exec;
+    FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    FA_CUDA_OK(cudaGraphLaunch(exec, s));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  };
+  {
+    VarlenCase u = c;
+    u.set_seqused_q({5, 0, 250, 3});  // sequence 2 has 203 queries
+    DeviceVarlen dev(u);
+    DeviceCopy out(u.out), lse(u.lse);
+    Options opts = u.call_options();
+    opts.stream = s;
+    captured([&] { varlen_forward(dev.args, out.view(), lse.view(), opts); });
+    const std::string what = expect_recorded_index_error({"seqused_q"}, "varlen_forward");
+    EXPECT_NE(what.find("seqused_q[2] in [0, 203]"), std::string::npos) << what;
+  }
+  {
+    // 128 x 128 blocks over max_seqlen 203 x 200: M = N = 2; key block 2 is out of range.
+    DeviceVarlen dev(c);
+    HostTensor cnt_h(DType::kInt32, {1, 1, 2}), idx_h(DType::kInt32, {1, 1, 2, 2});
+    const int cnt_v[2] = {1, 2}, idx_v[4] = {2, 0, 1, 0};
+    for (int i = 0; i < 2; ++i) cnt_h.as<std::int32_t>()[i] = cnt_v[i];
+    for (int i = 0; i < 4; ++i) idx_h.as<std::int32_t>()[i] = idx_v[i];
+    DeviceCopy out(c.out), lse(c.lse), cnt(cnt_h), idx(idx_h);
+    Options opts = c.call_options();
+    opts.stream = s;
+    opts.block_sparse.mask_block_cnt = cnt.view();
+    opts.block_sparse.mask_block_idx = idx.view();
+    captured([&] { varlen_forward(dev.args, out.view(), lse.view(), opts); });
+    const std::string what = expect_recorded_index_error({"opts.block_sparse.mask_block_idx"}, "varlen_forward");
+    EXPECT_NE(what.find("values in [0, 1]"), std::string::npos) << what;
+  }
+  cudaStreamDestroy(s);
+}
+
 // FLASHATTN_DEVICE_INDEX_CHECKS=1 (run the suite once with it): eager calls do not copy the
 // indices to the host nor synchronise; a bad value is not an error of the call itself but
 // of check_errors() after the stream's work, and the kernels clamp it meanwhile.

@@ -87,7 +87,8 @@ struct IndexErrorRecord {
 
 enum IndexArg : int {
   kCuQ, kCuK, kMaxQ, kMaxK, kSequsedK, kCacheSeqlens, kCacheBatchIdx, kBlockTable,
-  kMaskBlockCnt, kMaskBlockIdx, kFullBlockCnt, kFullBlockIdx  // block-sparse lists
+  kMaskBlockCnt, kMaskBlockIdx, kFullBlockCnt, kFullBlockIdx,  // block-sparse lists
+  kSequsedQ
 };
 
 constexpr int kMaxDevices = 64;
@@ -120,6 +121,7 @@ struct IndexCheckArgs {
   const int* cu_q;
   const int* cu_k;
   const int* seqused_k;
+  const int* seqused_q;
   long long total_q, total_k;
   int max_q, max_k;
   const int* cache_seqlens;
@@ -177,6 +179,11 @@ __global__ void index_check_kernel(const __grid_constant__ IndexCheckArgs a) {
       const long long len = a.cu_k ? (long long)a.cu_k[b + 1] - a.cu_k[b] : 0;
       const long long u = a.seqused_k[b];
       if (u < 0 || u > len) report(a, &claim, kSequsedK, b, -1, u, 0, len);
+    }
+    if (a.seqused_q) {
+      const long long len = a.cu_q ? (long long)a.cu_q[b + 1] - a.cu_q[b] : 0;
+      const long long u = a.seqused_q[b];
+      if (u < 0 || u > len) report(a, &claim, kSequsedQ, b, -1, u, 0, len);
     }
     if (a.cache_seqlens) {
       const long long len = a.cache_seqlens[b];
@@ -293,6 +300,7 @@ bool check_indices_on_device(const FwdParams& p, IndexCall call) {
   a.cu_q = p.cu_seqlens_q;
   a.cu_k = p.cu_seqlens_k;
   a.seqused_k = p.seqused_k;
+  a.seqused_q = p.seqused_q;
   a.total_q = p.total_q;
   a.total_k = p.total_k;
   a.max_q = p.seqlen_q;  // varlen: max_seqlen_q / _k
@@ -358,7 +366,8 @@ void raise_index_error(int device) {
     static const char* const names[] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
                                         "seqused_k",    "cache_seqlens", "cache_batch_idx", "block_table",
                                         "opts.block_sparse.mask_block_cnt", "opts.block_sparse.mask_block_idx",
-                                        "opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx"};
+                                        "opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx",
+                                        "seqused_q"};
     const std::string name = names[e.argument];
     std::string where = " (found on cuda:";
     where += std::to_string(d);
@@ -374,7 +383,7 @@ void raise_index_error(int device) {
       at += std::to_string(e.entry2);
       at += ']';
     }
-    if (e.argument >= kMaskBlockCnt) {
+    if (e.argument >= kMaskBlockCnt && e.argument <= kFullBlockIdx) {
       // Block lists: entry is the flat (b, h, m) row of the table (b * H + h) * M + m, entry2
       // the list position (-1 for a count); lo > hi marks a block listed twice.
       std::string at_row = name + " at (b, h, m) row " + std::to_string(e.entry);
