@@ -28,7 +28,7 @@ def naive_attention(q, k, v, scale, causal=False, window=(-1, -1), qv=None, soft
     s = s * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    mask = torch.as_tensor(ref.visible(q.shape[1], k.shape[1], causal, window))
+    mask = torch.as_tensor(ref.visible(q.shape[1], k.shape[1], causal, window), device=s.device)
     s = s.masked_fill(~mask, float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
