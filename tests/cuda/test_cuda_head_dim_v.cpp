@@ -1,7 +1,7 @@
 // CUDA, v with its own head dim (d_v != d; DeepSeek-V3's prefill (192, 128), issue 22):
-// forward and backward on every kernel family this GPU runs (the sm90 family declines it
-// and runs sm80, which computes in the bucket of the larger head dim with the smaller one's
-// columns zero-filled and not stored), against the fp64 oracle under the suite's tolerance
+// forward and backward on every kernel family this GPU runs (each computes in the bucket of
+// the larger head dim with the smaller one's columns zero-filled and not stored; the sm90
+// family's backward declines it and runs sm80), against the fp64 oracle under the suite's tolerance
 // rule, outputs poisoned; dense with masks, softcap, dropout, GQA, and varlen with
 // seqused_k. Head dims whose bucket is not in this build are skipped.
 #include <string>

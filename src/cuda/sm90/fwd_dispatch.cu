@@ -25,8 +25,8 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
-  if (p.d > 256 || p.d % 8 != 0) return "head dim";
-  if (p.d_v != p.d) return "d_v != d";
+  if (p.d > 256 || p.d % 8 != 0 || p.d_v > 256 || p.d_v % 8 != 0) return "head dim";
+  if (p.d_v != p.d && p.cache_seqlens != nullptr) return "d_v != d with a KV cache";
   if (p.block_kinds != nullptr) return "block-sparse mask";
   if (p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";
@@ -74,7 +74,11 @@ void run(const FwdParams& p, FwdArgs& args) {
                                    {tma_stride(k_rows, p.k_row_stride), tma_stride(p.h_k, p.k_head_stride),
                                     tma_stride(k_batches, p.k_batch_stride)},
                                    box_k);
-  args.tmap_v = make_tensor_map_4d(p.v, p.dtype, k_dims,
+  // v has its own head dim (d_v != d: DeepSeek-V3's (192, 128)); the tile's columns past it
+  // are zero-filled by the copy, and out is stored for d_v columns.
+  const std::uint64_t v_dims[4] = {std::uint64_t(p.d_v), std::uint64_t(k_rows), std::uint64_t(p.h_k),
+                                   std::uint64_t(k_batches)};
+  args.tmap_v = make_tensor_map_4d(p.v, p.dtype, v_dims,
                                    {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
                                     tma_stride(k_batches, p.v_batch_stride)},
                                    box_k);
@@ -86,12 +90,13 @@ void run(const FwdParams& p, FwdArgs& args) {
 // balances better; hdim 128 takes 176 keys per tile where queries see >= 8k keys on average.
 template <typename Element>
 void run_bucket(const FwdParams& p, FwdArgs& args) {
-  if (p.d <= 64) {
+  const int kd = std::max(p.d, p.d_v);  // d_v != d: the bucket of the larger head dim
+  if (kd <= 64) {
     const bool tall = p.mask.right < 0 || p.seqlen_q > 2048;
     if (tall) return run<FwdHdim64Tall, Element>(p, args);
     return run<FwdHdim64, Element>(p, args);
   }
-  if (p.d <= 128) {
+  if (kd <= 128) {
     const bool wide = mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= 8192;
     if (wide) return run<FwdHdim128Wide, Element>(p, args);
     return run<FwdHdim128, Element>(p, args);

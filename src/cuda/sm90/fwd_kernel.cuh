@@ -501,7 +501,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         Element* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
 #pragma unroll
         for (int c = 0; c < kHeadDim / 8; ++c) {
-          if (8 * c + 2 * (lane % 4) < p.d) {
+          if (8 * c + 2 * (lane % 4) < p.d_v) {
             *reinterpret_cast<std::uint32_t*>(o_row + 8 * c) =
                 pack2<Element>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
           }
