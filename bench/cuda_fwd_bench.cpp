@@ -137,6 +137,22 @@ flashattn::detail::FwdParams grid_params(const Buffers& in, int b, int h, int d,
   return p;
 }
 
+// One forward call between two events, in ms.
+float timed_forward(const flashattn::detail::FwdParams& p, cudaEvent_t start, cudaEvent_t stop) {
+  BENCH_CHECK(cudaEventRecord(start));
+  flashattn::detail::cuda::forward(p);
+  BENCH_CHECK(cudaEventRecord(stop));
+  BENCH_CHECK(cudaEventSynchronize(stop));
+  float t = 0;
+  BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+  return t;
+}
+
+double median_of(std::vector<float> ms) {
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
 int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent_t stop) {
   constexpr int kTokens = 16384, kModelDim = 2048, kBlock = 128, kWarmup = 3, kRepeats = 15;
   const int b = kTokens / s, h = kModelDim / d, blocks = (s + kBlock - 1) / kBlock;
@@ -192,16 +208,10 @@ int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent
         p.workspace = ws;
         p.workspace_bytes = flashattn::detail::cuda::forward_workspace_size(p);
       }
-      BENCH_CHECK(cudaEventRecord(start));
-      flashattn::detail::cuda::forward(p);
-      BENCH_CHECK(cudaEventRecord(stop));
-      BENCH_CHECK(cudaEventSynchronize(stop));
-      float t = 0;
-      BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+      const float t = timed_forward(p, start, stop);
       if (r >= kWarmup) ms.push_back(t);
     }
-    std::sort(ms.begin(), ms.end());
-    const double median = ms[ms.size() / 2];
+    const double median = median_of(ms);
     if (density == 0) dense_ms = median;
     const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
     std::printf("sparse %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, median, median / dense_ms);
@@ -263,40 +273,14 @@ int main(int argc, char** argv) {
           continue;
         const int b = kTokens / s, h = kModelDim / d;
         FwdParams p;
-        p.dtype = p.kv_dtype = flashattn::DType::kBFloat16;
-        p.batch = b;
-        p.h_q = p.h_k = h;
-        p.d = p.d_v = d;
-        p.h_ratio = 1;
-        p.seqlen_q = p.seqlen_k = s;
-        // [b, s, h, d] contiguous
-        p.q_row_stride = p.k_row_stride = p.v_row_stride = p.o_row_stride = std::int64_t(h) * d;
-        p.q_head_stride = p.k_head_stride = p.v_head_stride = p.o_head_stride = d;
-        p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.o_batch_stride =
-            std::int64_t(s) * h * d;
-        p.lse_head_stride = s;
-        p.lse_batch_stride = std::int64_t(h) * s;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(d));
-        p.mask = flashattn::semantics::Mask::make(causal != 0, -1, -1);
-        p.sink = sink;
         std::vector<float> ms;
         for (int r = 0; r < kWarmup + kRepeats; ++r) {
-          const Buffers& in = sets[r % kSets];
-          p.q = in.q;
-          p.k = in.k;
-          p.v = in.v;
-          p.out = in.out;
-          p.lse = in.lse;
-          BENCH_CHECK(cudaEventRecord(start));
-          flashattn::detail::cuda::forward(p);
-          BENCH_CHECK(cudaEventRecord(stop));
-          BENCH_CHECK(cudaEventSynchronize(stop));
-          float t = 0;
-          BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+          p = grid_params(sets[r % kSets], b, h, d, s, causal != 0);
+          p.sink = sink;
+          const float t = timed_forward(p, start, stop);
           if (r >= kWarmup) ms.push_back(t);
         }
-        std::sort(ms.begin(), ms.end());
-        const double median = ms[ms.size() / 2];
+        const double median = median_of(ms);
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (median * 1e-3) / 1e12;
         // Checked on the last call's inputs (check_cell): relative error FAIL above 2e-2

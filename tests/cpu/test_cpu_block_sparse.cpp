@@ -132,12 +132,6 @@ TEST(CpuBlockSparseRule, DropoutProbsSinkWindowMatchOracle) {
   }
 }
 
-std::vector<int> offsets(const std::vector<int>& lengths) {
-  std::vector<int> cu{0};
-  for (int len : lengths) cu.push_back(cu.back() + len);
-  return cu;
-}
-
 // Varlen: the grid is max_seqlen_q x max_seqlen_k, positions within each sequence; packed
 // doc ids ([total_q], [total_k]), prefix keys, seqused_q / seqused_k, GQA, causal.
 TEST(CpuBlockSparseVarlen, ForwardProbsAndBackwardMatchOracle) {

@@ -20,12 +20,6 @@
 namespace flashattn::test {
 namespace {
 
-std::vector<int> offsets(const std::vector<int>& lengths) {
-  std::vector<int> cu{0};
-  for (int len : lengths) cu.push_back(cu.back() + len);
-  return cu;
-}
-
 // Multiplies the heads of each (row-group b, head h) of x [rows, h, d] by factor(b, h):
 // inputs whose descales differ widely per (sequence, KV head).
 template <class F>

@@ -23,12 +23,6 @@ constexpr DType kAllDtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat
 
 Shape shape_of(int b, int s_q, int s_k, int h_q, int h_k, int d) { return {b, s_q, s_k, h_q, h_k, d}; }
 
-std::vector<int> offsets(const std::vector<int>& lengths) {
-  std::vector<int> cu{0};
-  for (int len : lengths) cu.push_back(cu.back() + len);
-  return cu;
-}
-
 void check_dense(DenseCase& c, bool with_backward) {
   SCOPED_TRACE(c.shape.str() + " " + dtype_name(c.dtype) + " " + describe(c.call_options()));
   c.poison_forward();

@@ -17,12 +17,6 @@ namespace {
 
 constexpr DType kAllDtypes[] = {DType::kFloat16, DType::kBFloat16, DType::kFloat32, DType::kFloat64};
 
-std::vector<int> offsets(const std::vector<int>& lengths) {
-  std::vector<int> cu{0};
-  for (int len : lengths) cu.push_back(cu.back() + len);
-  return cu;
-}
-
 void check_varlen(VarlenCase& c, bool with_backward) {
   SCOPED_TRACE(std::string(dtype_name(c.dtype)) + " h_q=" + std::to_string(c.h_q) + " h_k=" +
                std::to_string(c.h_k) + " d=" + std::to_string(c.d) + " batch=" + std::to_string(c.batch()) +

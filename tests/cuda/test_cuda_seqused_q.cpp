@@ -23,23 +23,6 @@
 namespace flashattn::test {
 namespace {
 
-std::vector<int> offsets(const std::vector<int>& lengths) {
-  std::vector<int> cu{0};
-  for (int len : lengths) cu.push_back(cu.back() + len);
-  return cu;
-}
-
-void poison_unused_inputs(VarlenCase& c) {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const std::int64_t width = std::int64_t(c.h_q) * c.d;
-  for (int b = 0; b < c.batch(); ++b)
-    for (int i = c.used_q(b); i < c.len_q(b); ++i)
-      for (std::int64_t e = 0; e < width; ++e) {
-        c.q.set((c.cu_q[b] + i) * width + e, nan);
-        c.dout.set((c.cu_q[b] + i) * width + e, nan);
-      }
-}
-
 std::size_t count_not(const std::vector<double>& xs, double want) {
   std::size_t n = 0;
   for (double x : xs) n += !(x == want);
@@ -67,7 +50,7 @@ TEST(CudaSequsedQ, ForwardAndBackwardMatchOracle) {
           if (mode == 3) c.opts.softcap = 4.0f;
           SCOPED_TRACE(std::string(family_str(family)) + " d=" + std::to_string(d) + " " +
                        dtype_name(dtype) + " h_k=" + std::to_string(h_k) + " " + describe(c.call_options()));
-          poison_unused_inputs(c);
+          c.poison_unused_q_rows();
           cuda_varlen_forward(c, family);
           const RefProblem p = c.problem();
           const ForwardResults fwd = forward_results(c);

@@ -12,6 +12,12 @@
 
 namespace flashattn::test {
 
+std::vector<int> offsets(const std::vector<int>& lengths) {
+  std::vector<int> cu{0};
+  for (int len : lengths) cu.push_back(cu.back() + len);
+  return cu;
+}
+
 namespace {
 
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
@@ -201,6 +207,17 @@ void VarlenCase::set_qv(Rng& rng) { qv = random_normal(dtype, {total_q, h_q, d_v
 void VarlenCase::set_seqused_k(std::vector<int> used) {
   seqused_k = std::move(used);
   seqused_t = int_tensor(seqused_k);
+}
+
+void VarlenCase::poison_unused_q_rows() {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const std::int64_t width = std::int64_t(h_q) * d;
+  for (int b = 0; b < batch(); ++b)
+    for (int i = used_q(b); i < len_q(b); ++i)
+      for (std::int64_t e = 0; e < width; ++e) {
+        q.set((cu_q[b] + i) * width + e, nan);
+        dout.set((cu_q[b] + i) * width + e, nan);
+      }
 }
 
 void VarlenCase::set_seqused_q(std::vector<int> used) {

@@ -15,6 +15,9 @@
 
 namespace flashattn::test {
 
+// cu_seqlens of sequences with these lengths: 0, then the running sums.
+std::vector<int> offsets(const std::vector<int>& lengths);
+
 // Random ALiBi slopes in (0, 1], [h_q] or [batch * h_q].
 std::vector<float> random_alibi(Rng& rng, int batch, int h_q, bool per_batch);
 
@@ -95,6 +98,8 @@ struct VarlenCase {
                          int d, DType dtype, int pad_q = 0, int pad_k = 0, int d_v = 0);
   void set_seqused_k(std::vector<int> used);
   void set_seqused_q(std::vector<int> used);
+  // q and dout rows past seqused_q become NaN: a backend that reads them shows it.
+  void poison_unused_q_rows();
   void set_alibi(std::vector<float> slopes, bool per_batch);
   void want_probs();
   Options call_options() const;
