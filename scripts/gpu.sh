@@ -7,6 +7,7 @@
 # against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
 # short table last. Logs and CSVs go to $OUT (default ./out), bundled into logs.tgz at the end.
 #   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python,upstream
+#                                 (TESTS_FILTER=<gtest filter>: the tests step runs only those)
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
 # the git metadata of the device machine's copy of the tree can be that of an older commit.
@@ -68,7 +69,9 @@ run_suites() {  # name [filter]: one process per suite (or one for the filter); 
   done
 }
 if [[ $STEPS == *tests* ]]; then
-  for run in "auto::" "sm80::" "sm80-99k:101376:Cuda/CudaForwardFeature.*:CudaForward.HeadDims:CudaForward.RandomGrid"; do
+  # TESTS_FILTER (a gtest filter): only those tests, in one process per family, where a
+  # call has little device time (e.g. the suites a change touched first).
+  for run in "auto::${TESTS_FILTER:-}" "sm80::${TESTS_FILTER:-}" "sm80-99k:101376:Cuda/CudaForwardFeature.*:CudaForward.HeadDims:CudaForward.RandomGrid"; do
     IFS=: read -r name cap filter <<<"$run"
     family=${name%-99k}
     export FLASHATTN_KERNEL_FAMILY=$family FLASHATTN_SMEM_CAP=${cap:-0}
