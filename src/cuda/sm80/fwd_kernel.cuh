@@ -52,7 +52,10 @@ using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 // major where a mask bounds the keys a tile sees.
 __host__ __device__ inline bool fwd_tile_major(const FwdParams& p) { return !p.mask.unbounded(); }
 
-template <int kHeadDim, typename Element, int kKind>
+// kSparse: the instantiation for block-sparse masks (p.block_kinds), apart so that the
+// others keep their registers (with the cursors in every kernel ptxas spilled 100 B more at
+// d = 128 and up to 228 B at d = 256, sm_90).
+template <int kHeadDim, typename Element, int kKind, bool kSparse = false>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
@@ -94,16 +97,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // visited are those of listed blocks, in descending order, through a cursor per stream
   // of tile requests (the loads ahead, the staggered K and V, the products), each moving
   // down past unlisted blocks. Keys of unlisted blocks are never loaded.
+  constexpr bool sparse = kSparse;
   const std::uint8_t* const bs_row =
-      p.block_kinds == nullptr
-          ? nullptr
-          : p.block_kinds + std::int64_t(b) * p.bs_batch_stride + std::int64_t(h) * p.bs_head_stride +
-                std::int64_t(m0 / p.bs_block_q) * p.bs_blocks_k;
-  const bool sparse = bs_row != nullptr;
+      !sparse ? nullptr
+              : p.block_kinds + std::int64_t(b) * p.bs_batch_stride + std::int64_t(h) * p.bs_head_stride +
+                    std::int64_t(m0 / p.bs_block_q) * p.bs_blocks_k;
   const int tiles_per_block = sparse ? p.bs_block_k / kBlockN : 1;
   auto sparse_kind = [&](int t) { return static_cast<int>(bs_row[t / tiles_per_block]); };
   int n_tiles = 0;
-  if (sparse) {
+  if constexpr (sparse) {
     tile_end = (s_k + kBlockN - 1) / kBlockN;
     for (int t = 0; t < tile_end; ++t) n_tiles += sparse_kind(t) != semantics::kBlockSkip;
   } else {
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     int x, t;
   };
   auto tile_of = [&](Cursor& c, int x) {
-    if (!sparse) return tile_end - 1 - x;
+    if constexpr (!sparse) return tile_end - 1 - x;
     while (c.x < x) {
       --c.t;
       while (c.t >= 0 && sparse_kind(c.t) == semantics::kBlockSkip) --c.t;
@@ -426,7 +428,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
             s[mt][nt][e] = x;
           }
     }
-    if (kGeneral && sparse) {
+    if constexpr (kGeneral && sparse) {
       // Block-sparse: the tile's one block is full (every key below s_k) or partial (the
       // call's rule widened to the prefix keys, and-ed with equal document ids).
       const bool full = sparse_kind(tile) == semantics::kBlockFull;
@@ -529,7 +531,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // visit is masked tiles, one interior run, masked tiles.
   if (general_path) {
     for (int it = 0; it < n_tiles; ++it) key_tile(it, FwdModeTag<FwdMode::kGeneral>{});
-  } else {
+  } else if constexpr (!sparse) {  // (the block-sparse instantiation has the general copy only)
     auto interior = [&](int it) {
       return !mask.tile_needs_mask(m0, kBlockM, (tile_end - 1 - it) * kBlockN, kBlockN);
     };
@@ -595,7 +597,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
 template <int kHeadDim, typename Element, int kKind>
 void launch_fwd(const FwdParams& p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
-  auto kernel = fwd_kernel<kHeadDim, Element, kKind>;
+  auto kernel = p.block_kinds != nullptr ? fwd_kernel<kHeadDim, Element, kKind, true>
+                                         : fwd_kernel<kHeadDim, Element, kKind, false>;
   constexpr int kSmem = Tr::kSmemBytes;
   // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
   if (p.block_kinds != nullptr && (p.bs_block_q % Tr::kBlockM != 0 || p.bs_block_k % Tr::kBlockN != 0)) {
