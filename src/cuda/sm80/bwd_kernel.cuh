@@ -451,7 +451,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   }
   cp_async_wait<0>();
 
-  // Epilogue: dK (times scale) and dV in the output type; rows past s_k are zero.
+  // Epilogue: dK (times scale) and dV in the output type; rows past s_k (seqused_k) are
+  // zero, not their accumulators: a NaN q / dO row times the keys' masked dS = 0 / P = 0 is
+  // NaN there.
   Element* const dk_ptr = static_cast<Element*>(p.dk);
   Element* const dv_ptr = static_cast<Element*>(p.dv);
 #pragma unroll
@@ -464,21 +466,24 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         const int c = wd_kv * Cfg::kWarpDdkv + nt * 8 + 2 * t4;
         // Columns of the bucket past d (dK) or d_v (dV) are not stored.
         if (j < len_k) {
+          const bool key = j < s_k;
+          auto out2 = [&](float x0, float x1, float sc) {
+            return pack2<Element>(key ? x0 * sc : 0.0f, key ? x1 * sc : 0.0f);
+          };
           if constexpr (Cfg::kSplitDkDv) {
             const float sc = dv_warp ? 1.0f : p.scale;
             Element* const dst = dv_warp ? dv_ptr + p.dv_offset(b, j, kv_head) : dk_ptr + p.dk_offset(b, j, kv_head);
             if (c < (dv_warp ? p.d_v : p.d)) {
-              *reinterpret_cast<std::uint32_t*>(dst + c) =
-                  pack2<Element>(acc_dv[mt][nt][2 * hf] * sc, acc_dv[mt][nt][2 * hf + 1] * sc);
+              *reinterpret_cast<std::uint32_t*>(dst + c) = out2(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1], sc);
             }
           } else {
             if (c < p.d) {
               *reinterpret_cast<std::uint32_t*>(dk_ptr + p.dk_offset(b, j, kv_head) + c) =
-                  pack2<Element>(acc_dk[mt][nt][2 * hf] * p.scale, acc_dk[mt][nt][2 * hf + 1] * p.scale);
+                  out2(acc_dk[mt][nt][2 * hf], acc_dk[mt][nt][2 * hf + 1], p.scale);
             }
             if (c < p.d_v) {
               *reinterpret_cast<std::uint32_t*>(dv_ptr + p.dv_offset(b, j, kv_head) + c) =
-                  pack2<Element>(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1]);
+                  out2(acc_dv[mt][nt][2 * hf], acc_dv[mt][nt][2 * hf + 1], 1.0f);
             }
           }
         }
