@@ -237,7 +237,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   const bool has_dropout = p.rng.threshold != 0u;
   const std::uint32_t dropout_bh = p.dropout_bh(b, h);
   const int shift = s_k - s_q;
-  const bool general_path = paged || !raw_scores || has_dropout || sparse;
+  const bool general_path = paged || !raw_scores || has_dropout;
 
   OnlineSoftmax<kMTiles> softmax;
   softmax.init();
@@ -297,9 +297,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   auto key_tile = [&](int it, auto mode_tag) {
     constexpr FwdMode kMode = decltype(mode_tag)::value;
     constexpr bool kGeneral = kMode == FwdMode::kGeneral;
-    // Block-sparse calls take the general copy; the plain copies keep the plain order.
+    // Visit x's tile: the plain order, or the listed tiles of a block-sparse mask.
     auto tile_at = [&](Cursor& c, int x) {
-      if constexpr (kGeneral) {
+      if constexpr (sparse) {
         return tile_of(c, x);
       } else {
         return tile_end - 1 - x;
@@ -531,7 +531,26 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // visit is masked tiles, one interior run, masked tiles.
   if (general_path) {
     for (int it = 0; it < n_tiles; ++it) key_tile(it, FwdModeTag<FwdMode::kGeneral>{});
-  } else if constexpr (!sparse) {  // (the block-sparse instantiation has the general copy only)
+  } else if constexpr (sparse) {
+    // Block-sparse, plain scores: a full block's tile below s_k has no mask (the interior
+    // copy); a partial block's tile is the plain rule's when the mask has no prefix keys
+    // and no document ids (the interior or the masked copy, as without a block mask);
+    // other tiles take the general copy. Only the first tile visited can cross s_k, so
+    // the plain copies' full-tile loads of the tiles ahead stay in bounds.
+    const bool plain_partial =
+        p.doc_ids_q == nullptr && (p.prefix_keys == nullptr || p.prefix_keys[std::int64_t(b) * p.prefix_batch_stride] == 0);
+    for (int it = 0; it < n_tiles; ++it) {
+      const int tile = tile_of(compute_cursor, it);
+      const int n0 = tile * kBlockN;
+      if (sparse_kind(tile) == semantics::kBlockFull && n0 + kBlockN <= s_k) {
+        key_tile(it, FwdModeTag<FwdMode::kPlainInterior>{});
+      } else if (plain_partial && !mask.tile_needs_mask(m0, kBlockM, n0, kBlockN)) {
+        key_tile(it, FwdModeTag<FwdMode::kPlainInterior>{});
+      } else {
+        key_tile(it, FwdModeTag<FwdMode::kGeneral>{});
+      }
+    }
+  } else {
     auto interior = [&](int it) {
       return !mask.tile_needs_mask(m0, kBlockM, (tile_end - 1 - it) * kBlockN, kBlockN);
     };
@@ -597,8 +616,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
 template <int kHeadDim, typename Element, int kKind>
 void launch_fwd(const FwdParams& p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
-  auto kernel = p.block_kinds != nullptr ? fwd_kernel<kHeadDim, Element, kKind, true>
-                                         : fwd_kernel<kHeadDim, Element, kKind, false>;
+  auto kernel = fwd_kernel<kHeadDim, Element, kKind, false>;
+  if constexpr (kKind != kFwdStaggered) {  // (run_fwd gives block-sparse calls the large tile)
+    if (p.block_kinds != nullptr) kernel = fwd_kernel<kHeadDim, Element, kKind, true>;
+  }
   constexpr int kSmem = Tr::kSmemBytes;
   // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
   if (p.block_kinds != nullptr && (p.bs_block_q % Tr::kBlockM != 0 || p.bs_block_k % Tr::kBlockN != 0)) {
@@ -626,7 +647,10 @@ void run_fwd(const FwdParams& p) {
   const int limit = p.smem_limit;
   if constexpr (has_large_fwd_tile(kHeadDim)) {
     if (limit >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
-      if (mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= double(kFwdStaggeredMinKeys)) {
+      // Block-sparse calls keep the large tile: the staggered tile's sparse copy spilled
+      // 350 / 612 B (ptxas sm_90, bf16 hdim 256), the large tile's 4 / 12.
+      if (p.block_kinds == nullptr &&
+          mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= double(kFwdStaggeredMinKeys)) {
         launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
       } else {
         launch_fwd<kHeadDim, Element, kFwdLarge>(p);
