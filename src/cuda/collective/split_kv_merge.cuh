@@ -1,11 +1,10 @@
 // The split-KV merge of the decode kernel: each split of a row chunk writes fp32 partial O
-// and lse to a workspace, counts itself in the chunk's arrival word (arrive_split: a
-// tag in the high bits, the count under kSplitCountMask), and the last split to arrive
-// merges every split's partials by log-sum-exp (merge_split_row, semantics::merge_weight),
-// one warp per row, in the same launch. Used by the sm80 decode kernel (decode_kernel.cuh;
-// the workspace layout, tag and mask are decode_launch.hpp's DecodeArgs / kSplitCountMask,
-// passed in as template arguments so that this layer does not include the family's
-// headers). In the sm80 namespace with the conversions it uses (convert.cuh).
+// and lse to a workspace, counts itself in the chunk's arrival counter (arrive_split; the
+// counters are zeroed in the call's stream before the launch), and the last split to
+// arrive merges every split's partials by log-sum-exp (merge_split_row,
+// semantics::merge_weight), one warp per row, in the same launch. Used by the sm80 decode
+// kernel (decode_kernel.cuh; the workspace layout is decode_launch.hpp's DecodeArgs). In
+// the sm80 namespace with the conversions it uses (convert.cuh).
 //
 // merge_split_row's SplitArgs: splits, ws_o ([splits][batch * h_q * seqlen_q][d] fp32),
 // ws_lse ([splits][batch * h_q * seqlen_q]) and q_bf16 (the output's dtype).
@@ -21,33 +20,19 @@
 namespace flashattn::detail::cuda::sm80 {
 
 // Split-KV merge, in the decode kernel itself (no second launch): each split's block
-// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival word
-// (decode_launch.hpp: the call's tag over a 16-bit count); the one that brings the count
-// to a.splits merges every split's partials. A word holding another tag (a previous call's,
-// or whatever the caller's workspace held) counts as nothing arrived; the last split resets
-// the word to (tag, 0), which a replay of the same captured call starts from. Returns true
-// in the merging block's thread (one thread per block calls it, after a barrier: the one
-// fence there covers the whole block's stores, as in a grid barrier).
+// writes its fp32 partial O and lse, then counts itself in its row chunk's arrival counter
+// (zero at the launch: run_decode_path clears the counters in the stream, captured with
+// the call); the one that brings the count to `splits` merges every split's partials.
+// Returns true in the merging block's thread (one thread per block calls it, after a
+// barrier: the one fence there covers the whole block's stores, as in a grid barrier).
 // (A separate combine kernel cost ~4 us of a 41 us decode step at 4k on the H200, its
 // launch and ramp more than its loads; docs/performance.md.)
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
-template <unsigned long long kSplitCountMask>
-__device__ __forceinline__ bool arrive_split(unsigned long long* word, unsigned long long tag, int splits) {
+__device__ __forceinline__ bool arrive_split(unsigned int* counter, int splits) {
   fence_acq_rel_gpu();  // releases the block's partials (ordered before it by the barrier)
-  unsigned long long cur = *reinterpret_cast<volatile unsigned long long*>(word);
-  for (;;) {
-    const unsigned long long next = ((cur & ~kSplitCountMask) == tag ? cur : tag) + 1;
-    const unsigned long long seen = atomicCAS(word, cur, next);
-    if (seen == cur) {
-      const bool last = (next & kSplitCountMask) == static_cast<unsigned long long>(splits);
-      if (last) {
-        atomicExch(word, tag);
-        fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
-      }
-      return last;
-    }
-    cur = seen;
-  }
+  const bool last = atomicAdd(counter, 1u) + 1u == static_cast<unsigned int>(splits);
+  if (last) fence_acq_rel_gpu();  // acquires the other splits' partials, read after the barrier
+  return last;
 }
 
 // One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]

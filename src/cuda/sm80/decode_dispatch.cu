@@ -12,7 +12,6 @@
 #include <numeric>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -153,17 +152,6 @@ TileFacts tile_facts(int d, bool fp8, bool t8) {
   return {};
 }
 
-// A tag per host call for the split merge's arrival words (decode_launch.hpp): splitmix64
-// of a process-wide counter, count bits cleared, never 0.
-unsigned long long next_split_tag() {
-  static std::atomic<unsigned long long> calls{0};
-  unsigned long long x = calls.fetch_add(1, std::memory_order_relaxed) + 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  x = (x ^ (x >> 31)) & ~kSplitCountMask;
-  return x == 0 ? kSplitCountMask + 1 : x;
-}
-
 }  // namespace
 
 DecodePlan plan_decode(const FwdParams& p) {
@@ -192,7 +180,7 @@ DecodePlan plan_decode(const FwdParams& p) {
     const std::size_t words = std::size_t(p.batch) * std::size_t(p.h_k) * std::size_t(plan.row_chunks);
     plan.o_bytes = round_up(partial_rows * std::size_t(p.d) * sizeof(float));
     plan.lse_bytes = round_up(partial_rows * sizeof(float));
-    plan.workspace_bytes = plan.o_bytes + plan.lse_bytes + round_up(words * sizeof(unsigned long long));
+    plan.workspace_bytes = plan.o_bytes + plan.lse_bytes + round_up(words * sizeof(unsigned int));
   }
   return plan;
 }
@@ -214,9 +202,12 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);
-    a.ws_count =
-        reinterpret_cast<unsigned long long*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
-    a.tag = next_split_tag();
+    a.ws_count = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
+    // The arrival counters start at zero whatever the workspace held (compute-sanitizer
+    // initcheck: the tagged words they replace read the caller's uninitialised memory).
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0,
+                                         std::size_t(p.batch) * p.h_k * plan.row_chunks * sizeof(unsigned int),
+                                         static_cast<cudaStream_t>(p.stream)));
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;

@@ -559,7 +559,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, D
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored
     if (tid == 0) {
-      merges = arrive_split<kSplitCountMask>(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.tag, a.splits);
+      merges = arrive_split(a.ws_count + (std::int64_t(b) * p.h_k + g_kv) * a.row_chunks + chunk, a.splits);
     }
     __syncthreads();
     if (!merges) return;

@@ -81,16 +81,10 @@ struct DecodeArgs {
   bool pdl = false;        // sm90: programmatic dependent launch (decode_kernel.cuh: griddep_wait)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32
   float* ws_lse = nullptr;  // [splits, batch, h_q, seqlen_q] fp32
-  // [batch, h_k, row_chunks] arrival words of the split merge (split_kv_merge.cuh:
-  // arrive_split): the call's tag in the upper 48 bits, the splits arrived in the lower 16.
-  // Whatever the workspace held before, a word with another tag counts as none arrived, and
-  // the last split leaves (tag, 0) behind, so graph replays of one call start from zero too.
-  unsigned long long* ws_count = nullptr;
-  unsigned long long tag = 0;  // per host call, low 16 bits zero (decode_dispatch.cu)
+  // [batch, h_k, row_chunks] arrival counters of the split merge (split_kv_merge.cuh:
+  // arrive_split), zeroed in the stream before each launch.
+  unsigned int* ws_count = nullptr;
 };
-
-// The split merge's arrival words: count bits, the rest is the call's tag.
-inline constexpr unsigned long long kSplitCountMask = 0xffffull;
 
 template <int kHeadDim, typename Element>
 void run_decode(const FwdParams& p, const DecodeArgs& a);
