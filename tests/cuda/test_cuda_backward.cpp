@@ -54,11 +54,7 @@ void check_dense(DenseCase& c) {
   const RefProblem p = c.problem();
   const ForwardResults fwd = forward_results(c);
   run_cuda_backward(c);
-  const BackwardResults got = backward_results(c);
-  EXPECT_TRUE(fully_written("dq", got.dq));
-  EXPECT_TRUE(fully_written("dk", got.dk));
-  EXPECT_TRUE(fully_written("dv", got.dv));
-  expect_backward_matches(p, c.dtype, fwd, got);
+  expect_backward_written_and_matching(c, p, c.dtype, fwd);
 }
 
 Shape shape_of(int b, int s_q, int s_k, int h_q, int h_k, int d) { return {b, s_q, s_k, h_q, h_k, d}; }
@@ -269,11 +265,7 @@ TEST(CudaBackward, VarlenWithEmptySequencesAndSequsedK) {
       const RefProblem p = c.problem();
       const ForwardResults fwd = forward_results(c);
       run_cuda_varlen_backward(c);
-      const BackwardResults got = backward_results(c);
-      EXPECT_TRUE(fully_written("dq", got.dq));
-      EXPECT_TRUE(fully_written("dk", got.dk));
-      EXPECT_TRUE(fully_written("dv", got.dv));
-      expect_backward_matches(p, dtype, fwd, got);
+      expect_backward_written_and_matching(c, p, dtype, fwd);
       for (double x : c.dkv_unused_rows()) ASSERT_EQ(x, 0.0) << "dk/dv beyond seqused_k";
     }
   }

@@ -179,6 +179,26 @@ BackwardResults backward_results(const VarlenCase& c) {
 
 ForwardResults forward_results(const KVCacheCase& c) { return {c.out.to_double(), c.lse.to_double(), {}}; }
 
+namespace {
+BackwardResults expect_written_and_matching(BackwardResults got, const RefProblem& p, DType dtype,
+                                            const ForwardResults& forward, bool dq_written) {
+  if (dq_written) EXPECT_TRUE(fully_written("dq", got.dq));
+  EXPECT_TRUE(fully_written("dk", got.dk));
+  EXPECT_TRUE(fully_written("dv", got.dv));
+  expect_backward_matches(p, dtype, forward, got);
+  return got;
+}
+}  // namespace
+
+BackwardResults expect_backward_written_and_matching(const DenseCase& c, const RefProblem& p, DType dtype,
+                                                     const ForwardResults& forward, bool dq_written) {
+  return expect_written_and_matching(backward_results(c), p, dtype, forward, dq_written);
+}
+BackwardResults expect_backward_written_and_matching(const VarlenCase& c, const RefProblem& p, DType dtype,
+                                                     const ForwardResults& forward, bool dq_written) {
+  return expect_written_and_matching(backward_results(c), p, dtype, forward, dq_written);
+}
+
 void expect_gradients_match_central_differences(DenseCase& c) {
   auto loss = [&] {
     c.run_forward();

@@ -68,6 +68,14 @@ ForwardResults forward_results(const VarlenCase& c);
 BackwardResults backward_results(const VarlenCase& c);
 ForwardResults forward_results(const KVCacheCase& c);
 
+// The gradients of c's backward (run already): dk and dv fully written (and dq when
+// `dq_written`: varlen packs with padding or seqused_q rows leave those dq rows to other
+// checks), then against the oracle (expect_backward_matches). Returns them for more checks.
+BackwardResults expect_backward_written_and_matching(const DenseCase& c, const RefProblem& p, DType dtype,
+                                                     const ForwardResults& forward, bool dq_written = true);
+BackwardResults expect_backward_written_and_matching(const VarlenCase& c, const RefProblem& p, DType dtype,
+                                                     const ForwardResults& forward, bool dq_written = true);
+
 // dq, dk, dv of c's backward (run here, after c's forward) against central differences
 // (step 1e-5) of the loss sum(out * dout) of c's forward, each within 1e-6 * max(1, max
 // |FD|) and not all zero. For small fp64 cases on the CPU backend (thousands of forwards).
