@@ -6,7 +6,7 @@
 # the benchmark's forward and backward standard grid (bf16, bench/suite.py: flashattn
 # against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
 # short table last. Logs and CSVs go to $OUT (default ./out), bundled into logs.tgz at the end.
-#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,python,upstream
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,sparse,python,upstream
 #                                 (TESTS_FILTER=<gtest filter>: the tests step runs only those)
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
@@ -31,6 +31,7 @@ need=()
 [[ $STEPS == *main* ]] && need+=("$B/bench/flashattn_main")
 [[ $STEPS == *memory* ]] && need+=("$B/bench/flashattn_cuda_bwd_bench")
 [[ $STEPS == *decode* ]] && need+=("$B/bench/flashattn_cuda_decode_bench")
+[[ $STEPS == *sparse* ]] && need+=("$B/bench/flashattn_cuda_fwd_bench")
 missing=0
 for x in "${need[@]}"; do [ -x "$x" ] || missing=1; done
 if [ $missing = 1 ]; then
@@ -111,6 +112,15 @@ if [ -n "$dirs" ]; then
   timeout 400 bash scripts/bench.sh --grids standard --only "$dirs" --dtypes bf16 \
     --impls flashattn,fa4,sdpa_cudnn,sdpa_flash --no-plot --out "$OUT/bench" >"$OUT/bench.txt" 2>&1
   add "benchmark ($dirs): rc=$? ($OUT/bench/report.md)"
+fi
+if [[ $STEPS == *sparse* ]]; then
+  # Block-sparse forward (issue 22): time against the unmasked call at 10 / 50 / 100 %
+  # density, 16k tokens, hdim 64 / 128 / 256 (the backend called directly: kernels and the
+  # kinds table's build, no host check).
+  for d in 64 128 256; do
+    timeout 30 "$B/bench/flashattn_cuda_fwd_bench" --sparse $d 16384
+  done >"$OUT/sparse.txt" 2>&1
+  add "block-sparse fwd / unmasked (d density:ratio): $(awk '$4 != "0.00" {printf "%s %s:%s  ", $2, $4, $7}' "$OUT/sparse.txt")"
 fi
 if [[ $STEPS == *memory* ]]; then
   timeout 60 "$B/bench/flashattn_cuda_bwd_bench" --memory >"$OUT/memory.txt" 2>&1
