@@ -180,7 +180,8 @@ DecodePlan plan_decode(const FwdParams& p) {
     const std::size_t words = std::size_t(p.batch) * std::size_t(p.h_k) * std::size_t(plan.row_chunks);
     plan.o_bytes = round_up(partial_rows * std::size_t(p.d) * sizeof(float));
     plan.lse_bytes = round_up(partial_rows * sizeof(float));
-    plan.workspace_bytes = plan.o_bytes + plan.lse_bytes + round_up(words * sizeof(unsigned int));
+    plan.counter_bytes = words * sizeof(unsigned int);
+    plan.workspace_bytes = plan.o_bytes + plan.lse_bytes + round_up(plan.counter_bytes);
   }
   return plan;
 }
@@ -205,9 +206,7 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
     a.ws_count = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
     // The arrival counters start at zero whatever the workspace held (compute-sanitizer
     // initcheck: the tagged words they replace read the caller's uninitialised memory).
-    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0,
-                                         std::size_t(p.batch) * p.h_k * plan.row_chunks * sizeof(unsigned int),
-                                         static_cast<cudaStream_t>(p.stream)));
+    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0, plan.counter_bytes, static_cast<cudaStream_t>(p.stream)));
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;

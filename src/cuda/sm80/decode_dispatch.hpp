@@ -13,7 +13,8 @@ struct DecodePlan {
   int row_chunks = 1;
   std::size_t o_bytes = 0;          // partial O, at workspace offset 0
   std::size_t lse_bytes = 0;        // partial lse, after it
-  std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival words; 0 without splits
+  std::size_t counter_bytes = 0;    // the split merge's arrival counters, after it
+  std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival counters; 0 without splits
 };
 
 // A pure function of p's shapes and bounds (never device memory).

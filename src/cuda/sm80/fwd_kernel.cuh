@@ -297,14 +297,6 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   auto key_tile = [&](int it, auto mode_tag) {
     constexpr FwdMode kMode = decltype(mode_tag)::value;
     constexpr bool kGeneral = kMode == FwdMode::kGeneral;
-    // Visit x's tile: the plain order, or the listed tiles of a block-sparse mask.
-    auto tile_at = [&](Cursor& c, int x) {
-      if constexpr (sparse) {
-        return tile_of(c, x);
-      } else {
-        return tile_end - 1 - x;
-      }
-    };
     // Interior tiles (every one below the last) take the per-thread full-tile copy plan.
     auto issue = [&](int stage, int tile, int parts) {
       if constexpr (kGeneral) {
@@ -319,7 +311,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       if constexpr (Tr::kStaggered) {
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_tiles) issue(0, tile_at(load_cursor, it + 1), kLoadK);
+        if (it + 1 < n_tiles) issue(0, tile_of(load_cursor, it + 1), kLoadK);
         cp_async_commit();
       }
     };
@@ -331,16 +323,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
         cp_async_wait<0>();
       }
       __syncthreads();  // K_it is visible to all; every warp is done with V_{it-1}
-      if (it > 0) issue(0, tile_at(v_cursor, it), kLoadV);
+      if (it > 0) issue(0, tile_of(v_cursor, it), kLoadV);
       cp_async_commit();
     } else {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
       const int ahead = it + kStages - 1;
-      if (ahead < n_tiles) issue(ahead % kStages, tile_at(load_cursor, ahead), kLoadKV);
+      if (ahead < n_tiles) issue(ahead % kStages, tile_of(load_cursor, ahead), kLoadKV);
       cp_async_commit();
     }
-    const int tile = tile_at(compute_cursor, it);
+    const int tile = tile_of(compute_cursor, it);
     const int n0 = tile * kBlockN;
     // A warp whose rows see none of this tile's keys (its rows above the causal diagonal,
     // or past the queries' end) skips the tile: its softmax state and O are what a tile of
