@@ -6,7 +6,8 @@
 #     kernel of the pass (bench/profile_peer.py), one non-causal launch each per head dim
 #     (16k tokens), side by side by scripts/profile_report.py: time, instructions,
 #     shared-memory wavefronts, L2 atomics, stalls; then the instructions that hold the most
-#     stall samples in ours.
+#     stall samples in ours. PEER=fa4 profiles FlashAttention-4's kernel instead (installed as
+#     ../shared/peers/README.md says, PYTHONPATH set); CAUSAL=1 profiles causal calls.
 #       fwd: our fwd_kernel vs flash_fwd, seqlen $SEQ (default 512), head dims "256 128";
 #            $OUT/fwd_profile.txt and $OUT/fprof.tar.xz
 #       bwd: our bwd_main vs flash_bwd_dq_dk_dv, seqlen $SEQ (default 16384), head dims "64 256";
@@ -30,7 +31,7 @@ usage() {
 case ${1:-} in fwd | bwd | decode) PASS=$1; shift ;; esac
 case ${PASS:-} in
   fwd) dims="256 128" seq=512 kernel=fwd_kernel one=- peer=flash_fwd sub=fprof ;;
-  bwd) dims="64 256" seq=16384 kernel=bwd_main one=--one peer=dq_dk_dv sub=prof ;;
+  bwd) dims="64 256" seq=16384 kernel='^(bwd_main_kernel|bwd_kernel)$' one=--one peer=dq_dk_dv sub=prof ;;
   decode) seq=32768 ;;
   *) usage "the first argument (or PASS) must be fwd, bwd or decode, not '${PASS:-${1:-}}'" ;;
 esac
@@ -54,16 +55,28 @@ if [ "$PASS" = decode ]; then
   exit 0
 fi
 
+case ${PEER:=fa2} in
+  fa2) peer_args=() ;;
+  fa4) peer_args=(--peer fa4)  # FA4's sm90 kernels: FlashAttention{Forward,Backward}Sm90
+       [ "$PASS" = fwd ] && peer=ForwardSm90 || peer=BackwardSm90 ;;
+  *) usage "PEER must be fa2 or fa4, not '$PEER'" ;;
+esac
+causal=${CAUSAL:-0}
+[ "$causal" = 1 ] && peer_args+=(--causal)
 DIMS=${*:-${DIMS:-$dims}}  # head dims: the arguments after the pass, else $DIMS, else the default
 mkdir -p "$OUT/$sub"
 P="$OUT/$sub"
 for d in $DIMS; do
   timeout 180 ncu --set full --import-source no --section SourceCounters --kernel-name regex:$kernel \
-    --launch-skip 2 --launch-count 1 -f -o "$P/ours_d$d" "$B/bench/flashattn_cuda_${PASS}_bench" $one "$d" 0 "$S" \
+    --launch-skip 2 --launch-count 1 -f -o "$P/ours_d$d" "$B/bench/flashattn_cuda_${PASS}_bench" $one "$d" "$causal" "$S" \
     >"$P/ours_d$d.log" 2>&1 || tail -5 "$P/ours_d$d.log"
   timeout 180 ncu --set full --import-source no --section SourceCounters --profile-from-start off \
     --kernel-name regex:$peer --launch-count 1 -f -o "$P/peer_d$d" \
-    python3 bench/profile_peer.py "$PASS" "$d" "$S" >"$P/peer_d$d.log" 2>&1 || tail -5 "$P/peer_d$d.log"
+    python3 bench/profile_peer.py "${peer_args[@]}" "$PASS" "$d" "$S" >"$P/peer_d$d.log" 2>&1 || tail -5 "$P/peer_d$d.log"
+  if [ ! -f "$P/peer_d$d.ncu-rep" ]; then  # no kernel matched the name: the call's kernels, named in the log
+    timeout 120 ncu --profile-from-start off --launch-count 4 python3 bench/profile_peer.py "${peer_args[@]}" \
+      "$PASS" "$d" "$S" 2>&1 | grep -E '^  [A-Za-z_].*\(' | head -8
+  fi
   for w in ours peer; do
     [ -f "$P/${w}_d$d.ncu-rep" ] || continue
     ncu -i "$P/${w}_d$d.ncu-rep" --page details --csv >"$P/${w}_d${d}_details.csv" 2>/dev/null
