@@ -53,7 +53,7 @@ using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 __host__ __device__ inline bool fwd_tile_major(const FwdParams& p) { return !p.mask.unbounded(); }
 
 // kSparse: the instantiation for block-sparse masks (p.block_kinds), apart so that the
-// others keep their registers (with the cursors in every kernel ptxas spilled 100 B more at
+// others keep their registers (with the block-sparse code in every kernel ptxas spilled 100 B more at
 // d = 128 and up to 228 B at d = 256, sm_90).
 template <int kHeadDim, typename Element, int kKind, bool kSparse = false>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads, 1)
