@@ -50,13 +50,14 @@ enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheFo
 // Enqueues the check of p's index tensors on p.stream; false when it could not (no record
 // memory: the kernels' clamps still apply).
 bool check_indices_on_device(const FwdParams& p, IndexCall call);
-// Block-sparse masks on CUDA: the bytes of the kinds table (FwdParams::block_kinds) that
-// build_block_kinds writes (0 without p.bs_lists), and the build: one small kernel on
-// p.stream writes the table from p.bs_lists into `table`, checking the lists as the host
-// does (counts in [0, N], indices in [0, N), no block listed twice in a row) and recording
-// the first bad entry as the index checks do (it is then skipped).
+// Block-sparse masks on CUDA: the bytes of the kinds table (FwdParams::block_kinds) and
+// its rows' lists (block_list, block_list_len) that build_block_kinds writes (0 without
+// p.bs_lists), and the build: one small kernel on p.stream writes them from p.bs_lists at
+// `table`, checking the lists as the host does (counts in [0, N], indices in [0, N), no
+// block listed twice in a row) and recording the first bad entry as the index checks do
+// (it is then skipped); p's block_kinds, block_list and block_list_len then point there.
 std::size_t block_kinds_bytes(const FwdParams& p);
-void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call);
+void build_block_kinds(FwdParams& p, std::uint8_t* table, IndexCall call);
 // Raises, as InvalidArgument naming the tensor, entry, expected range and value, the bad
 // index a device check recorded on `device` (-1: every device) and clears it. Does not
 // synchronise: it sees the checks that have run by now.

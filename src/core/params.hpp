@@ -112,6 +112,12 @@ struct FwdParams {
   // packed rows q_start(b) + i, k_start(b) + j) when doc_ids_q is non-null, and
   // prefix_keys[b] when non-null.
   const std::uint8_t* block_kinds = nullptr;
+  // CUDA, with block_kinds: each table row's listed key blocks, highest first, at the row's
+  // table offset (block_list[b * bs_batch_stride + h * bs_head_stride + m * bs_blocks_k + x],
+  // x < block_list_len[that offset / bs_blocks_k]): the kernels' visit order without a walk
+  // of the row.
+  const std::int32_t* block_list = nullptr;
+  const std::int32_t* block_list_len = nullptr;
   // The lists on the device (CUDA): [0] mask_block_cnt / _idx (partial), [1] full_block_cnt
   // / _idx (cnt null: none). Entry (b, h, m) of a list at b * cnt_b + h * cnt_h + m (0
   // strides where it broadcasts), its e-th index at b * idx_b + h * idx_h + m * idx_m + e.

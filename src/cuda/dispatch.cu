@@ -120,7 +120,6 @@ void forward(const FwdParams& in) {
     }
     auto* table = static_cast<std::uint8_t*>(p.workspace) + block_kinds_offset(p);
     build_block_kinds(p, table, p.is_varlen() ? IndexCall::kVarlenForward : IndexCall::kForward);
-    p.block_kinds = table;
   }
   // Decoding (a few query rows against a long cache) is memory-bound: the decode kernel
   // (split-KV, fp8, draft trees) serves it on every family.

@@ -25,7 +25,7 @@ void append_kv(const AppendParams&) { not_built(); }
 bool copy_to_host_for_validation(void*, const void*, std::size_t, void*) { return false; }
 bool check_indices_on_device(const FwdParams&, IndexCall) { return false; }
 std::size_t block_kinds_bytes(const FwdParams&) { return 0; }
-void build_block_kinds(const FwdParams&, std::uint8_t*, IndexCall) {}
+void build_block_kinds(FwdParams&, std::uint8_t*, IndexCall) {}
 void raise_index_error(int) {}
 void prepare_index_checks(int, void*) {}
 bool device_index_checks_only() { return false; }

@@ -224,6 +224,8 @@ struct BlockKindsArgs {
   int heads, m_blocks, n_blocks;
   long long rows;
   unsigned char* table;
+  int* list;      // [rows][n_blocks]: the row's listed blocks, highest first
+  int* list_len;  // [rows]
 };
 
 __global__ void block_kinds_kernel(const __grid_constant__ BlockKindsArgs a) {
@@ -260,6 +262,11 @@ __global__ void block_kinds_kernel(const __grid_constant__ BlockKindsArgs a) {
       }
     }
   }
+  int* list = a.list + r * n_blocks;
+  int len = 0;
+  for (int n = n_blocks - 1; n >= 0; --n)
+    if (row[n] != semantics::kBlockSkip) list[len++] = n;
+  a.list_len[r] = len;
 }
 
 }  // namespace
@@ -319,14 +326,20 @@ bool check_indices_on_device(const FwdParams& p, IndexCall call) {
   return true;
 }
 
+namespace {
+std::size_t round256(std::size_t bytes) { return (bytes + 255) & ~std::size_t(255); }
+std::size_t block_kinds_rows(const FwdParams& p) {
+  return std::size_t(p.bs_table_batch) * std::size_t(p.bs_table_heads) * std::size_t(p.bs_blocks_q);
+}
+}  // namespace
+
 std::size_t block_kinds_bytes(const FwdParams& p) {
   if (p.bs_lists[0].cnt == nullptr) return 0;
-  const std::size_t bytes = std::size_t(p.bs_table_batch) * std::size_t(p.bs_table_heads) *
-                            std::size_t(p.bs_blocks_q) * std::size_t(p.bs_blocks_k);
-  return (bytes + 255) & ~std::size_t(255);
+  const std::size_t entries = block_kinds_rows(p) * std::size_t(p.bs_blocks_k);
+  return round256(entries) + round256(entries * sizeof(int)) + round256(block_kinds_rows(p) * sizeof(int));
 }
 
-void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call) {
+void build_block_kinds(FwdParams& p, std::uint8_t* table, IndexCall call) {
   BlockKindsArgs a{};
   a.chk.call = static_cast<int>(call);
   if (IndexErrorRecord* host = record_of(p.device_index, false)) {
@@ -344,6 +357,12 @@ void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call) 
   a.n_blocks = p.bs_blocks_k;
   a.rows = static_cast<long long>(p.bs_table_batch) * p.bs_table_heads * p.bs_blocks_q;
   a.table = table;
+  const std::size_t entries = block_kinds_rows(p) * std::size_t(p.bs_blocks_k);
+  a.list = reinterpret_cast<int*>(table + round256(entries));
+  a.list_len = reinterpret_cast<int*>(table + round256(entries) + round256(entries * sizeof(int)));
+  p.block_kinds = table;
+  p.block_list = a.list;
+  p.block_list_len = a.list_len;
   if (a.rows == 0 || a.n_blocks == 0) return;
   constexpr int kThreads = 128;
   const long long blocks = (a.rows + kThreads - 1) / kThreads;

@@ -53,7 +53,7 @@ using FwdModeTag = std::integral_constant<FwdMode, kMode>;
 __host__ __device__ inline bool fwd_tile_major(const FwdParams& p) { return !p.mask.unbounded(); }
 
 // kSparse: the instantiation for block-sparse masks (p.block_kinds), apart so that the
-// others keep their registers (with the cursors in every kernel ptxas spilled 100 B more at
+// others keep their registers (with the block-sparse code in every kernel ptxas spilled 100 B more at
 // d = 128 and up to 228 B at d = 256, sm_90).
 template <int kHeadDim, typename Element, int kKind, bool kSparse = false>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads, 1)
@@ -94,20 +94,32 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   int tile_begin = 0, tile_end = 0;  // key tiles [tile_begin, tile_end) seen by some row
   // Block-sparse: this query tile lies in one row of mask blocks and each key tile in one
   // block (the mask's blocks are multiples of the tiles, checked at launch): the key tiles
-  // visited are those of listed blocks, in descending order, through a cursor per stream
-  // of tile requests (the loads ahead, the staggered K and V, the products), each moving
-  // down past unlisted blocks. Keys of unlisted blocks are never loaded.
+  // visited are those of the row's listed blocks (p.block_list, highest first), each
+  // block's tiles from its last, below s_k. Keys of unlisted blocks are never loaded.
   constexpr bool sparse = kSparse;
-  const std::uint8_t* const bs_row =
-      !sparse ? nullptr
-              : p.block_kinds + std::int64_t(b) * p.bs_batch_stride + std::int64_t(h) * p.bs_head_stride +
+  const std::int64_t bs_offset =
+      !sparse ? 0
+              : std::int64_t(b) * p.bs_batch_stride + std::int64_t(h) * p.bs_head_stride +
                     std::int64_t(m0 / p.bs_block_q) * p.bs_blocks_k;
+  const std::uint8_t* const bs_row = sparse ? p.block_kinds + bs_offset : nullptr;
+  const std::int32_t* bs_list = sparse ? p.block_list + bs_offset : nullptr;
   const int tiles_per_block = sparse ? p.bs_block_k / kBlockN : 1;
   auto sparse_kind = [&](int t) { return static_cast<int>(bs_row[t / tiles_per_block]); };
   int n_tiles = 0;
+  int bs_skew = 0;  // tiles of the first visited block past s_k (its visits start there)
   if constexpr (sparse) {
     tile_end = (s_k + kBlockN - 1) / kBlockN;
-    for (int t = 0; t < tile_end; ++t) n_tiles += sparse_kind(t) != semantics::kBlockSkip;
+    int len = p.block_list_len[bs_offset / p.bs_blocks_k];
+    // Listed blocks wholly past s_k (a varlen sequence shorter than the grid's) are not
+    // visited; they come first in the list.
+    while (len > 0 && bs_list[0] * tiles_per_block >= tile_end) {
+      ++bs_list;
+      --len;
+    }
+    if (len > 0) {
+      bs_skew = tiles_per_block - min(tiles_per_block, tile_end - bs_list[0] * tiles_per_block);
+      n_tiles = len * tiles_per_block - bs_skew;
+    }
   } else {
     if (s_k > 0) {
       const semantics::KeyRange keys =
@@ -119,21 +131,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     }
     n_tiles = tile_end - tile_begin;
   }
-  // The key tile of visit x (x counts up from 0 per stream): tile_end - 1 - x, or with a
-  // block-sparse mask the x-th listed tile from the top.
-  struct Cursor {
-    int x, t;
-  };
-  auto tile_of = [&](Cursor& c, int x) {
-    if constexpr (!sparse) return tile_end - 1 - x;
-    while (c.x < x) {
-      --c.t;
-      while (c.t >= 0 && sparse_kind(c.t) == semantics::kBlockSkip) --c.t;
-      ++c.x;
+  // The key tile of visit x: tile_end - 1 - x, or with a block-sparse mask the x-th
+  // listed tile from the top (one load of the list, no walk).
+  auto tile_of = [&](int x) {
+    if constexpr (!sparse) {
+      return tile_end - 1 - x;
+    } else {
+      const int xs = x + bs_skew;
+      return bs_list[xs / tiles_per_block] * tiles_per_block + tiles_per_block - 1 - xs % tiles_per_block;
     }
-    return c.t;
   };
-  Cursor load_cursor{-1, tile_end}, v_cursor{-1, tile_end}, compute_cursor{-1, tile_end};
 
   // ---- global addressing
   const Element* const q_rows = static_cast<const Element*>(p.q) + p.q_offset(b) +
@@ -257,15 +264,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // rather than in the key loop); each later tile's V is issued at the top of its step.
   if (n_tiles > 0) {
     load_tile_strided<QTile, Tr::kThreads>(sQ, q_rows, p.q_row_stride, rows_here, p.d, p.q, tid);
-    load_kv(0, tile_of(load_cursor, 0), Tr::kStaggered ? kLoadK : kLoadKV);
+    load_kv(0, tile_of(0), Tr::kStaggered ? kLoadK : kLoadKV);
     cp_async_commit();
     if constexpr (Tr::kStaggered) {
-      load_kv(0, tile_of(v_cursor, 0), kLoadV);
+      load_kv(0, tile_of(0), kLoadV);
       cp_async_commit();
     }
 #pragma unroll
     for (int s = 1; s < kStages - 1; ++s) {
-      if (s < n_tiles) load_kv(s, tile_of(load_cursor, s), kLoadKV);
+      if (s < n_tiles) load_kv(s, tile_of(s), kLoadKV);
       cp_async_commit();
     }
   }
@@ -311,7 +318,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       if constexpr (Tr::kStaggered) {
         cp_async_wait<0>();
         __syncthreads();
-        if (it + 1 < n_tiles) issue(0, tile_of(load_cursor, it + 1), kLoadK);
+        if (it + 1 < n_tiles) issue(0, tile_of(it + 1), kLoadK);
         cp_async_commit();
       }
     };
@@ -323,16 +330,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
         cp_async_wait<0>();
       }
       __syncthreads();  // K_it is visible to all; every warp is done with V_{it-1}
-      if (it > 0) issue(0, tile_of(v_cursor, it), kLoadV);
+      if (it > 0) issue(0, tile_of(it), kLoadV);
       cp_async_commit();
     } else {
       cp_async_wait<kStages - 2>();
       __syncthreads();  // tile `it` is visible to all; the stage read at it - 1 is free
       const int ahead = it + kStages - 1;
-      if (ahead < n_tiles) issue(ahead % kStages, tile_of(load_cursor, ahead), kLoadKV);
+      if (ahead < n_tiles) issue(ahead % kStages, tile_of(ahead), kLoadKV);
       cp_async_commit();
     }
-    const int tile = tile_of(compute_cursor, it);
+    const int tile = tile_of(it);
     const int n0 = tile * kBlockN;
     // A warp whose rows see none of this tile's keys (its rows above the causal diagonal,
     // or past the queries' end) skips the tile: its softmax state and O are what a tile of
@@ -532,7 +539,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     const bool plain_partial =
         p.doc_ids_q == nullptr && (p.prefix_keys == nullptr || p.prefix_keys[std::int64_t(b) * p.prefix_batch_stride] == 0);
     for (int it = 0; it < n_tiles; ++it) {
-      const int tile = tile_of(compute_cursor, it);
+      const int tile = tile_of(it);
       const int n0 = tile * kBlockN;
       if (sparse_kind(tile) == semantics::kBlockFull && n0 + kBlockN <= s_k) {
         key_tile(it, FwdModeTag<FwdMode::kPlainInterior>{});
