@@ -212,6 +212,7 @@ const char* call_name(int call) {
     case 0: return "varlen_forward";
     case 1: return "varlen_backward";
     case 3: return "forward";
+    case 4: return "backward";
     default: return "kvcache_forward";
   }
 }
@@ -319,12 +320,7 @@ bool check_indices_on_device(const FwdParams& p, IndexCall call) {
   return true;
 }
 
-std::size_t block_kinds_bytes(const FwdParams& p) {
-  if (p.bs_lists[0].cnt == nullptr) return 0;
-  const std::size_t bytes = std::size_t(p.bs_table_batch) * std::size_t(p.bs_table_heads) *
-                            std::size_t(p.bs_blocks_q) * std::size_t(p.bs_blocks_k);
-  return (bytes + 255) & ~std::size_t(255);
-}
+std::size_t block_kinds_bytes(const FwdParams& p) { return (p.bs_table_bytes() + 255) & ~std::size_t(255); }
 
 void build_block_kinds(const FwdParams& p, std::uint8_t* table, IndexCall call) {
   BlockKindsArgs a{};
