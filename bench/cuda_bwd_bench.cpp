@@ -10,6 +10,13 @@
 //   ... --deterministic                 (last argument) the same in deterministic mode
 //   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
 //                                       the device memory the calls add beyond their tensors
+//   flashattn_cuda_bwd_bench --sparse D S   block-sparse masks of 128 x 128 blocks (random
+//                                       lists per head and query block, half of the listed
+//                                       blocks full; the forward bench's generator) at
+//                                       densities 10 / 50 / 100 %, against the same call
+//                                       without a mask: one line each, "sparse-bwd d s density
+//                                       visited ms ratio", all on the sm80 family (which runs
+//                                       block-sparse masks; density 0.00: no mask)
 // BENCH_SINK=1 (grid and --one): a learnable sink of -1000 per head and its gradient on
 // every call (the sink's code paths and the d sink kernel run; the sink's share of the
 // softmax is 0, so the check holds): the cost of a sink against the same grid without one.
@@ -279,6 +286,92 @@ void run_memory() {
               tensors + double(high) / gib, double(s) * s * h * 2 / gib);
 }
 
+// --sparse: the backward's time against the density of a block mask (non-causal, bf16,
+// 16k tokens, model dim 2048), on the sm80 family for every density, the dense call too.
+void run_sparse(int d, int s) {
+  constexpr int kBlock = 128;
+  const int b = 16384 / s, h = 2048 / d, blocks = (s + kBlock - 1) / kBlock;
+  const flashattn::Device dev = flashattn::Device::cuda(0);
+  Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
+  double dense_ms = 0;
+  for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
+    std::vector<int> cnt[2], idx[2];
+    std::uint32_t state = 12345u;
+    long long listed = 0;
+    for (int l = 0; l < 2; ++l) {
+      cnt[l].assign(std::size_t(h) * blocks, 0);
+      idx[l].assign(std::size_t(h) * blocks * blocks, 0);
+    }
+    for (int r = 0; r < h * blocks; ++r)
+      for (int n = 0; n < blocks; ++n) {
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        if (double(state % 100000u) / 100000.0 >= density) continue;
+        const int l = (state >> 20) & 1;  // half partial, half full
+        idx[l][std::size_t(r) * blocks + cnt[l][r]++] = n;
+        ++listed;
+      }
+    flashattn::Options opts;
+    opts.kernel_family = flashattn::KernelFamily::kSm80;
+    std::vector<void*> lists;
+    if (density > 0) {
+      Tensor t[4];
+      for (int l = 0; l < 2; ++l) {
+        void* c = device_alloc(cnt[l].size() * sizeof(int));
+        void* x = device_alloc(idx[l].size() * sizeof(int));
+        lists.push_back(c);
+        lists.push_back(x);
+        CHECK_CUDA(cudaMemcpy(c, cnt[l].data(), cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(x, idx[l].data(), idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        t[2 * l] = Tensor::contiguous(c, DType::kInt32, {1, h, blocks}, dev);
+        t[2 * l + 1] = Tensor::contiguous(x, DType::kInt32, {1, h, blocks, blocks}, dev);
+      }
+      flashattn::BlockSparseTensors& bs = opts.block_sparse;
+      bs.block_size_q = bs.block_size_k = kBlock;
+      bs.mask_block_cnt = t[0];
+      bs.mask_block_idx = t[1];
+      bs.full_block_cnt = t[2];
+      bs.full_block_idx = t[3];
+    }
+    const std::size_t ws_bytes = flashattn::backward_workspace_size(sets[0].q, sets[0].k, sets[0].v, opts);
+    void* ws = ws_bytes ? device_alloc(ws_bytes) : nullptr;
+    try {
+      for (Problem& p : sets) flashattn::forward(p.q, p.k, p.v, p.out, p.lse, opts);
+      auto call = [&](Problem& p) {
+        flashattn::backward(p.dout, p.q, p.k, p.v, p.out, p.lse, p.dq, p.dk, p.dv, opts,
+                            flashattn::Workspace{ws, ws_bytes});
+      };
+      for (int w = 0; w < 3; ++w) call(sets[w & 1]);
+      cudaEvent_t start, stop;
+      CHECK_CUDA(cudaEventCreate(&start));
+      CHECK_CUDA(cudaEventCreate(&stop));
+      std::vector<double> ms;
+      for (int r = 0; r < 15; ++r) {
+        CHECK_CUDA(cudaEventRecord(start));
+        call(sets[r & 1]);
+        CHECK_CUDA(cudaEventRecord(stop));
+        CHECK_CUDA(cudaEventSynchronize(stop));
+        float t = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+        ms.push_back(t);
+      }
+      CHECK_CUDA(cudaGetLastError());
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      const double t = median(ms);
+      if (density == 0) dense_ms = t;
+      const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
+      std::printf("sparse-bwd %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, t, t / dense_ms);
+      std::fflush(stdout);
+    } catch (const flashattn::Error& e) {
+      std::printf("# sparse-bwd d %d s %d density %.2f: failed (%s)\n", d, s, density, e.what());
+    }
+    if (ws) cudaFree(ws);
+    for (void* x : lists) cudaFree(x);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -288,6 +381,8 @@ int main(int argc, char** argv) {
   }
   if (argc > 1 && std::strcmp(argv[1], "--memory") == 0) {
     run_memory();
+  } else if (argc == 4 && std::strcmp(argv[1], "--sparse") == 0) {
+    run_sparse(std::atoi(argv[2]), std::atoi(argv[3]));
   } else if (argc == 5 && std::strcmp(argv[1], "--one") == 0) {
     run_grid({std::atoi(argv[2])}, {std::atoi(argv[3])}, {std::atoi(argv[4])});
   } else {

@@ -20,7 +20,7 @@ block_sparse_tensors (FlashAttention-4's keyword, flash_attn_func, flash_attn_qk
 flash_attn_kvpacked_func and flash_attn_varlen_func): a block-sparse mask, flashattn.block_sparse.BlockSparseTensorsTorch
 or any object with FA4's fields mask_block_cnt, mask_block_idx, full_block_cnt,
 full_block_idx, block_size (and optionally q_doc_ids, k_doc_ids, prefix_keys); the rule is in
-flashattn/block_sparse.py. CPU backend; the forward also on CUDA (blocks holding whole tiles: 128 x 128, the default, serves every head dim; the CUDA backward: UnsupportedError).
+flashattn/block_sparse.py. CPU backend and CUDA, forward and backward (CUDA: blocks holding whole tiles: 128 x 128, the default, serves every head dim; other sizes raise UnsupportedError).
 """
 
 from typing import Optional, Tuple, Union

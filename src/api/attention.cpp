@@ -135,8 +135,7 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
   std::vector<std::uint8_t> block_kinds;
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
-                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p,
-                                 /*cuda_supported=*/false);
+                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
   detail::api::fill_sink_grad(c, opts, q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
@@ -166,8 +165,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
   const Target target = check_dense_options(c, opts, dims, q, k, v, p);
   std::vector<std::uint8_t> block_kinds;
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
-                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p,
-                                 /*cuda_supported=*/false);
+                                 {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
   set_dense_inputs(dims, q, k, v, p);
   return detail::api::backward_workspace_size(target, p);
 }

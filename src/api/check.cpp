@@ -556,7 +556,7 @@ bool host_int32(const Tensor& t, void* stream, std::vector<std::int32_t>& buf, T
 
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
                        const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
-                       FwdParams& p, bool cuda_supported) {
+                       FwdParams& p) {
   const BlockSparseTensors& bs = opts.block_sparse;
   const int batch = dims.batch, h_q = dims.h_q, s_q = dims.s_q, s_k = dims.s_k;
   const std::string sq = dims.varlen ? "max_seqlen_q" : "s_q";
@@ -571,12 +571,6 @@ void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend
                  "a defined tensor");
     }
     return;
-  }
-  if (!cpu_backend && !cuda_supported) {
-    check.unsupported("opts.block_sparse",
-                      "undefined lists (the CUDA backend runs block-sparse masks in the forward; "
-                      "the backward runs on the CPU backend)",
-                      "a block-sparse mask with tensors on " + to_string(device));
   }
   if (bs.block_size_q < 1) {
     check.fail("opts.block_sparse.block_size_q", ">= 1", std::to_string(bs.block_size_q));

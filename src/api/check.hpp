@@ -94,18 +94,17 @@ void fill_probs(const Check& check, const Options& opts, bool cpu_backend, Devic
 // dims (varlen: s_q, s_k are max_seqlen_q / _k, and the doc ids are packed [total_q],
 // [total_k]): shapes, dtypes, devices, counts, indices (range, duplicates), doc ids and
 // prefix lengths, and builds the block-kind table into `kinds` (kept alive by the caller)
-// and the block-sparse fields of p. CUDA tensors get Unsupported. No-op when undefined.
+// and the block-sparse fields of p. No-op when undefined.
 struct BlockSparseDims {
   int batch = 0, h_q = 0, s_q = 0, s_k = 0;
   bool varlen = false;
   std::int64_t total_q = 0, total_k = 0;  // varlen only
 };
 // CUDA (cpu_backend false): the lists' device pointers go to p.bs_lists (the device builds
-// the table; kinds is filled only for the content checks of an eager call); a call whose
-// CUDA path has no block-sparse kernels (cuda_supported false: the backward) is Unsupported.
+// the table; kinds is filled only for the content checks of an eager call).
 void fill_block_sparse(const Check& check, const Options& opts, bool cpu_backend, Device device,
                        const BlockSparseDims& dims, std::vector<std::uint8_t>& kinds,
-                       FwdParams& p, bool cuda_supported = true);
+                       FwdParams& p);
 // Entry points without block sparsity (KV cache): Unsupported when it is given.
 void decline_block_sparse(const Check& check, const Options& opts, std::string_view why);
 

@@ -46,7 +46,7 @@ bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, 
 // would, and records the first bad value per device in mapped host memory. The kernels
 // clamp the values meanwhile (params.hpp). Not checked there: KV-cache append targets
 // written twice (the host's check_append_targets).
-enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2, kForward = 3 };
+enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2, kForward = 3, kBackward = 4 };
 // Enqueues the check of p's index tensors on p.stream; false when it could not (no record
 // memory: the kernels' clamps still apply).
 bool check_indices_on_device(const FwdParams& p, IndexCall call);

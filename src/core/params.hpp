@@ -128,6 +128,12 @@ struct FwdParams {
   };
   BlockList bs_lists[2];
   int bs_table_batch = 0, bs_table_heads = 0;  // the table's extents (1 where it broadcasts)
+  // Bytes of the table the device builds from bs_lists (0 without them), unaligned.
+  std::size_t bs_table_bytes() const {
+    if (bs_lists[0].cnt == nullptr) return 0;
+    return std::size_t(bs_table_batch) * std::size_t(bs_table_heads) * std::size_t(bs_blocks_q) *
+           std::size_t(bs_blocks_k);
+  }
   int bs_block_q = 0, bs_block_k = 0;    // block sizes
   int bs_blocks_q = 0, bs_blocks_k = 0;  // blocks per sequence: ceil(s / block)
   std::int64_t bs_batch_stride = 0, bs_head_stride = 0;

@@ -1,18 +1,21 @@
-// CUDA tensors with a block-sparse mask (Options::block_sparse): the forward runs it (the
-// sm80 family; the sm90 family declines and runs sm80), the kinds table built on the device
-// from the lists. Against the fp64 oracle, which receives the dense element mask read from
-// the lists by support/block_mask.hpp, with outputs poisoned: random masks (shuffled lists,
-// garbage past each count), full and partial blocks, causal / window, GQA, broadcast lists,
-// odd lengths, document ids and prefix keys, varlen; keys of unlisted blocks are never read
-// (NaN there changes no bit); bad lists give errors naming them; block sizes that split a
-// tile, and the backward, are Unsupported naming opts.block_sparse, before anything is
-// written.
+// CUDA tensors with a block-sparse mask (Options::block_sparse): the forward and the
+// backward run it (the sm80 family; the sm90 family declines and runs sm80), the kinds
+// table built on the device from the lists (in the backward's workspace for the backward).
+// Against the fp64 oracle, which receives the dense element mask read from the lists by
+// support/block_mask.hpp, with outputs poisoned: random masks (shuffled lists, garbage past
+// each count), full and partial blocks, causal / window, GQA, broadcast lists, odd lengths,
+// document ids and prefix keys, varlen, deterministic mode (bit-identical reruns, several
+// tiles per block); keys of unlisted blocks and queries of query blocks that list nothing
+// are never read (NaN there changes no bit of out, lse, dq, dk, dv); bad lists give errors
+// naming them; block sizes that split a tile are Unsupported naming opts.block_sparse,
+// before anything is written.
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -68,6 +71,37 @@ void run_dense(DenseCase& c, const HostBlockMask& m, KernelFamily family) {
   lse.download(c.lse);
 }
 
+// The device backward of c's out / lse (as they are) with the block mask.
+void run_dense_backward(DenseCase& c, const HostBlockMask& m, KernelFamily family) {
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+  DeviceMask dm;
+  Options o = c.call_options();
+  o.kernel_family = family;
+  dm.apply(m, o);
+  ASSERT_NO_THROW(flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(),
+                                      dk.view(), dv.view(), o));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+}
+
+// The device forward, then the device backward of its out / lse, against the oracle (the
+// naive backward reads the same out / lse); every gradient written.
+void check_forward_backward(DenseCase& c, const HostBlockMask& m, KernelFamily family) {
+  run_dense(c, m, family);
+  const RefProblem p = problem_with(c, m);
+  const ForwardResults fwd = forward_results(c);
+  expect_forward_matches(p, c.dtype, fwd);
+  run_dense_backward(c, m, family);
+  const BackwardResults got = backward_results(c);
+  EXPECT_TRUE(fully_written("dq", got.dq));
+  EXPECT_TRUE(fully_written("dk", got.dk));
+  EXPECT_TRUE(fully_written("dv", got.dv));
+  expect_backward_matches(p, c.dtype, fwd, got);
+}
+
 struct Config {
   const char* name;
   int batch, s_q, s_k, h_q, h_k, d;
@@ -106,7 +140,28 @@ TEST_P(CudaBlockSparse, ForwardMatchesOracle) {
   }
 }
 
-// Block sizes are multiples of every CUDA forward tile (128 x 128 is FlashAttention-4's
+// The backward of the same configurations (the CUDA forward's out / lse): dq, dk, dv
+// against the oracle. The sm90 family declines block-sparse calls and runs sm80.
+TEST_P(CudaBlockSparse, BackwardMatchesOracle) {
+  FA_REQUIRE_GPU();
+  const Config& f = GetParam();
+  if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim not in this build";
+  FA_SEEDED_RNG(rng);
+  for (KernelFamily family : gpu_families()) {
+    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+      DenseCase c = DenseCase::random(rng, Shape{f.batch, f.s_q, f.s_k, f.h_q, f.h_k, f.d}, dtype);
+      c.opts.causal = f.causal;
+      c.opts.window_left = f.left;
+      const HostBlockMask m = random_mask(rng, f.batch, f.h_q, f.s_q, f.s_k, f.bq, f.bk, f.per_batch,
+                                          f.per_head, f.density, f.with_full);
+      SCOPED_TRACE(std::string(family_str(family)) + " " + c.shape.str() + " " + dtype_name(dtype) + " " +
+                   describe(c.call_options()));
+      check_forward_backward(c, m, family);
+    }
+  }
+}
+
+// Block sizes are multiples of every CUDA forward and backward tile (128 x 128 is FlashAttention-4's
 // default; 256 x 128 spans two query tiles of 128 rows).
 INSTANTIATE_TEST_SUITE_P(
     Cuda, CudaBlockSparse,
@@ -122,16 +177,19 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::string(info.param.name); });
 
 // Document ids in packed rows and prefix keys (prefix-LM / sink tokens) with causal
-// partial blocks, softcap, and a random mask.
+// partial blocks, GQA and a random mask, forward and backward: with softcap (the kernels'
+// general copies) and without (the plain copies' masked path), at d 64 and 128 (the
+// backward's 128- and 64-row query tiles).
 TEST(CudaBlockSparseRule, DocIdsAndPrefixMatchOracle) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  const int batch = 2, s = 333, h_q = 4, h_k = 2, d = 64;
+  const int batch = 2, s = 333, h_q = 4, h_k = 2;
+  for (const auto& [d, softcap] : {std::pair{64, 5.0f}, std::pair{64, 0.0f}, std::pair{128, 0.0f}}) {
   for (KernelFamily family : gpu_families()) {
     for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
       DenseCase c = DenseCase::random(rng, Shape{batch, s, s, h_q, h_k, d}, dtype);
       c.opts.causal = true;
-      c.opts.softcap = 5.0f;
+      c.opts.softcap = softcap;
       HostBlockMask m = random_mask(rng, batch, h_q, s, s, 128, 128, true, true, 0.8, true);
       m.docs_q.resize(std::size_t(batch) * s);
       for (int b = 0; b < batch; ++b) {
@@ -144,45 +202,94 @@ TEST(CudaBlockSparseRule, DocIdsAndPrefixMatchOracle) {
       m.docs_k = m.docs_q;
       m.prefix = {uniform_int(rng, 0, s), uniform_int(rng, 0, 40)};
       m.build_tensors(batch, s, s);
-      SCOPED_TRACE(std::string(family_str(family)) + " " + dtype_name(dtype));
-      run_dense(c, m, family);
-      const RefProblem p = problem_with(c, m);
-      expect_forward_matches(p, dtype, forward_results(c));
+      SCOPED_TRACE(std::string(family_str(family)) + " " + dtype_name(dtype) + " d " + std::to_string(d) +
+                   " softcap " + std::to_string(softcap));
+      check_forward_backward(c, m, family);
     }
+  }
   }
 }
 
-// Keys of blocks that no query tile lists are never loaded: NaN in them leaves out / lse
-// bit-identical.
+// Keys of blocks that no query tile lists are never loaded, nor the queries (q, dout) of a
+// query block that lists nothing: NaN in them leaves out / lse and, in deterministic mode,
+// dq / dk / dv bit-identical; the unlisted keys' dk / dv and those queries' dq are 0.
 TEST(CudaBlockSparseRule, UnlistedKeysAreNeverRead) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
-  DenseCase c = DenseCase::random(rng, Shape{1, 256, 512, 2, 2, 64}, DType::kBFloat16);
-  HostBlockMask m = random_mask(rng, 1, 2, 256, 512, 128, 128, false, false, 0.0, true);
-  // Query blocks 0 and 1 both list key blocks 1 (partial) and 3 (full); 0 and 2 unlisted.
-  m.mask_cnt = {1, 1};
-  m.mask_idx = {1, 0, 0, 0, 1, 0, 0, 0};
-  m.full_cnt = {1, 1};
-  m.full_idx = {3, 0, 0, 0, 3, 0, 0, 0};
-  m.build_tensors(1, 256, 512);
-  run_dense(c, m, KernelFamily::kAuto);
-  const HostTensor out = c.out, lse = c.lse;
-  expect_forward_matches(problem_with(c, m), c.dtype, forward_results(c));
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const std::int64_t width = std::int64_t(c.shape.h_k) * c.shape.d;
-  for (int j : {0, 127, 128 * 2, 128 * 2 + 77}) {
-    for (std::int64_t e = 0; e < width; ++e) {
-      c.k.set(j * width + e, nan);
-      c.v.set(j * width + e, nan);
+  for (int d : built_head_dims({64, 128, 256})) {
+    SCOPED_TRACE("d " + std::to_string(d));
+    const int s_q = 384, s_k = 512;
+    DenseCase c = DenseCase::random(rng, Shape{1, s_q, s_k, 2, 2, d}, DType::kBFloat16);
+    c.opts.deterministic = true;
+    HostBlockMask m = random_mask(rng, 1, 2, s_q, s_k, 128, 128, false, false, 0.0, true);
+    // Query blocks 0 and 1 both list key blocks 1 (partial) and 3 (full); key blocks 0 and 2
+    // unlisted; query block 2 lists nothing.
+    m.mask_cnt = {1, 1, 0};
+    m.mask_idx = {1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0};
+    m.full_cnt = {1, 1, 0};
+    m.full_idx = {3, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0};
+    m.build_tensors(1, s_q, s_k);
+    check_forward_backward(c, m, KernelFamily::kAuto);
+    const HostTensor out = c.out, lse = c.lse, dq = c.dq, dk = c.dk, dv = c.dv;
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    const std::int64_t width = std::int64_t(c.shape.h_k) * c.shape.d;
+    const std::vector<int> keys = {0, 127, 128 * 2, 128 * 2 + 77};
+    for (int j : keys) {
+      for (std::int64_t e = 0; e < width; ++e) {
+        c.k.set(j * width + e, nan);
+        c.v.set(j * width + e, nan);
+      }
+    }
+    const std::int64_t q_width = std::int64_t(c.shape.h_q) * c.shape.d;
+    const std::vector<int> rows = {256, 300, s_q - 1};
+    for (int i : rows) {
+      for (std::int64_t e = 0; e < q_width; ++e) {
+        c.q.set(i * q_width + e, nan);
+        c.dout.set(i * q_width + e, nan);
+      }
+    }
+    run_dense(c, m, KernelFamily::kAuto);
+    EXPECT_TRUE(c.out.bitwise_equal(out)) << "out changed with NaN in unlisted keys / queries";
+    EXPECT_TRUE(c.lse.bitwise_equal(lse)) << "lse changed with NaN in unlisted keys / queries";
+    run_dense_backward(c, m, KernelFamily::kAuto);
+    EXPECT_TRUE(c.dq.bitwise_equal(dq)) << "dq changed with NaN in unlisted keys / queries";
+    EXPECT_TRUE(c.dk.bitwise_equal(dk)) << "dk changed with NaN in unlisted keys / queries";
+    EXPECT_TRUE(c.dv.bitwise_equal(dv)) << "dv changed with NaN in unlisted keys / queries";
+    for (int j : keys)
+      for (std::int64_t e = 0; e < width; ++e) {
+        ASSERT_EQ(c.dk.get(j * width + e), 0.0) << "dk of unlisted key " << j;
+        ASSERT_EQ(c.dv.get(j * width + e), 0.0) << "dv of unlisted key " << j;
+      }
+    for (int i : rows)
+      for (std::int64_t e = 0; e < q_width; ++e) ASSERT_EQ(c.dq.get(i * q_width + e), 0.0) << "dq of row " << i;
+  }
+}
+
+// Deterministic mode: dq added in key-tile order behind per-query-tile counters, which with
+// a block mask count the listed key tiles (blocks of 256 x 256: several query and key tiles
+// per block at every head dim); reruns bit-identical, and against the oracle.
+TEST(CudaBlockSparseRule, DeterministicBackwardIsReproducible) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  for (int d : built_head_dims({64, 128, 256})) {
+    for (bool causal : {false, true}) {
+      DenseCase c = DenseCase::random(rng, Shape{2, 600, 777, 4, 2, d}, DType::kBFloat16);
+      c.opts.causal = causal;
+      c.opts.deterministic = true;
+      const HostBlockMask m = random_mask(rng, 2, 4, 600, 777, 256, 256, true, true, 0.6, true);
+      SCOPED_TRACE("d " + std::to_string(d) + " causal " + std::to_string(causal));
+      check_forward_backward(c, m, KernelFamily::kAuto);
+      const HostTensor dq = c.dq, dk = c.dk, dv = c.dv;
+      run_dense_backward(c, m, KernelFamily::kAuto);
+      EXPECT_TRUE(c.dq.bitwise_equal(dq)) << "dq differs between deterministic runs";
+      EXPECT_TRUE(c.dk.bitwise_equal(dk)) << "dk differs between deterministic runs";
+      EXPECT_TRUE(c.dv.bitwise_equal(dv)) << "dv differs between deterministic runs";
     }
   }
-  run_dense(c, m, KernelFamily::kAuto);
-  EXPECT_TRUE(c.out.bitwise_equal(out)) << "out changed with NaN in unlisted keys";
-  EXPECT_TRUE(c.lse.bitwise_equal(lse)) << "lse changed with NaN in unlisted keys";
 }
 
 // Varlen: positions within each sequence on the grid of max_seqlen_q x max_seqlen_k, packed
-// doc ids.
+// doc ids and prefix keys; forward, then the backward of its out / lse.
 TEST(CudaBlockSparseRule, VarlenMatchesOracle) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
@@ -197,6 +304,7 @@ TEST(CudaBlockSparseRule, VarlenMatchesOracle) {
     m.docs_k.resize(std::size_t(c.k.shape()[0]));
     for (std::size_t i = 0; i < m.docs_q.size(); ++i) m.docs_q[i] = int(i / 97);
     for (std::size_t j = 0; j < m.docs_k.size(); ++j) m.docs_k[j] = int(j / 89);
+    m.prefix = {0, 37, 200, 5};
     m.build_tensors(c.batch(), max_q, max_k);
     SCOPED_TRACE(family_str(family));
     c.poison_forward();
@@ -214,7 +322,22 @@ TEST(CudaBlockSparseRule, VarlenMatchesOracle) {
     for (int b = 0; b < c.batch(); ++b)
       p.seqs[std::size_t(b)].element_mask =
           m.element_mask(b, 4, c.len_q(b), c.len_k(b), p.mask, c.cu_q[b], c.cu_k[b]);
-    expect_forward_matches(p, c.dtype, forward_results(c));
+    const ForwardResults fwd = forward_results(c);
+    expect_forward_matches(p, c.dtype, fwd);
+
+    c.poison_backward();
+    DeviceCopy dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+    ASSERT_NO_THROW(flashattn::varlen_backward(d.args, dout.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                                               dv.view(), o));
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    dq.download(c.dq);
+    dk.download(c.dk);
+    dv.download(c.dv);
+    const BackwardResults got = backward_results(c);
+    EXPECT_TRUE(fully_written("dq", got.dq));
+    EXPECT_TRUE(fully_written("dk", got.dk));
+    EXPECT_TRUE(fully_written("dv", got.dv));
+    expect_backward_matches(p, c.dtype, fwd, got);
   }
 }
 
@@ -224,8 +347,9 @@ HostTensor int32_tensor(std::vector<std::int64_t> shape, const std::vector<int>&
   return t;
 }
 
-// Bad lists are InvalidArgument naming them; block sizes that split a tile and the backward
-// are Unsupported naming opts.block_sparse; out keeps its poison.
+// Bad lists are InvalidArgument naming them (the backward's device-built table too); block
+// sizes that split a tile are Unsupported naming opts.block_sparse, in the forward and the
+// backward; out, dq, dk, dv keep their poison.
 TEST(CudaBlockSparseRule, ErrorsNameTheArgument) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
@@ -264,22 +388,46 @@ TEST(CudaBlockSparseRule, ErrorsNameTheArgument) {
     EXPECT_EQ(e.argument(), "opts.block_sparse") << e.what();
     EXPECT_NE(std::string(e.what()).find("a multiple of"), std::string::npos) << e.what();
   }
-  // The backward: Unsupported.
-  try {
-    DeviceCopy dcnt(int32_tensor({1, 1, 2}, {1, 1})), didx(int32_tensor({1, 1, 2, 2}, {0, 0, 0, 0}));
+  auto backward_with = [&](const HostTensor& cnt, const HostTensor& idx, int bq, int bk, KernelFamily family) {
+    DeviceCopy dcnt(cnt), didx(idx);
     Options o;
+    o.kernel_family = family;
     o.block_sparse.mask_block_cnt = dcnt.view();
     o.block_sparse.mask_block_idx = didx.view();
+    o.block_sparse.block_size_q = bq;
+    o.block_sparse.block_size_k = bk;
     flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
                         dv.view(), o);
-    FAIL() << "no error for the backward";
-  } catch (const Unsupported& e) {
-    EXPECT_EQ(e.argument(), "opts.block_sparse") << e.what();
+  };
+  for (KernelFamily family : gpu_families()) {
+    SCOPED_TRACE(family_str(family));
+    // The backward: bad lists name them; 32 x 32 blocks split its tiles (every head dim's
+    // tile has at least 64 rows and 64 keys).
+    try {
+      backward_with(int32_tensor({1, 1, 2}, {1, 1}), int32_tensor({1, 1, 2, 2}, {0, 0, 2, 0}), 128, 128, family);
+      FAIL() << "no error for an index out of range in the backward";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("opts.block_sparse.mask_block_idx"), std::string::npos) << e.what();
+    }
+    try {
+      std::vector<int> cnt(5, 1), idx(25, 0);
+      backward_with(int32_tensor({1, 1, 5}, cnt), int32_tensor({1, 1, 5, 5}, idx), 32, 32, family);
+      FAIL() << "no error for 32 x 32 blocks in the backward";
+    } catch (const Unsupported& e) {
+      EXPECT_EQ(e.argument(), "opts.block_sparse") << e.what();
+      EXPECT_NE(std::string(e.what()).find("a multiple of"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("block sizes 32 x 32"), std::string::npos) << e.what();
+    }
   }
   FA_CUDA_OK(cudaDeviceSynchronize());
   HostTensor got = c.out;
   out.download(got);
   EXPECT_EQ(got.count_nan(), got.numel()) << "out was written";
+  for (auto [t, dev, name] : {std::tuple{&c.dq, &dq, "dq"}, std::tuple{&c.dk, &dk, "dk"}, std::tuple{&c.dv, &dv, "dv"}}) {
+    HostTensor g = *t;
+    dev->download(g);
+    EXPECT_EQ(g.count_nan(), g.numel()) << name << " was written";
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/backend.hpp"
 #include "core/params.hpp"
 
 namespace flashattn::detail::cuda {
@@ -26,6 +27,8 @@ inline constexpr int kBwdBlockM = 64;
 //   dpsum    [h_q, rows_total]         fp32, D = rowsum(dO * O)
 //   dq_sem   [batch, h_q, m_blocks]    uint32, deterministic mode only: how many key tiles
 //                                      have added their dQ contribution to a query tile
+//   kinds    a block-sparse mask's kinds table (FwdParams::block_kinds) and its rows' lists, built on the
+//            device from the lists (bs_lists) before the main kernel; none without a mask
 // rows_total = batch * seqlen_q (dense) or batch * max_seqlen_q (varlen: an upper bound of
 // total_q that the host knows without reading cu_seqlens); row of (b, i) is
 // cu_seqlens_q[b] + i (varlen) or b * seqlen_q + i (dense). m_blocks = ceil(seqlen_q /
@@ -56,9 +59,11 @@ __host__ __device__ inline int dq_accum_index(int r, int c) {
 
 struct BwdWorkspaceLayout {
   std::size_t dq_accum_bytes = 0, dpsum_bytes = 0, sem_bytes = 0;
+  std::size_t kinds_bytes = 0;  // a block-sparse mask's kinds table
   std::int64_t rows_total = 0;
   int m_blocks = 0;
-  std::size_t total() const { return dq_accum_bytes + dpsum_bytes + sem_bytes; }
+  std::size_t kinds_offset() const { return dq_accum_bytes + dpsum_bytes + sem_bytes; }
+  std::size_t total() const { return kinds_offset() + kinds_bytes; }
 };
 
 inline std::size_t bwd_align256(std::size_t x) { return (x + 255) & ~std::size_t(255); }
@@ -73,6 +78,7 @@ inline BwdWorkspaceLayout bwd_workspace_layout(const BwdParams& p) {
   l.sem_bytes = p.deterministic
                     ? bwd_align256(std::size_t(p.batch) * p.h_q * l.m_blocks * sizeof(unsigned))
                     : 0;
+  l.kinds_bytes = block_kinds_bytes(p);  // the kinds table and its rows' lists (runtime.cu)
   return l;
 }
 

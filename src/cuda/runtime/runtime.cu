@@ -212,6 +212,7 @@ const char* call_name(int call) {
     case 0: return "varlen_forward";
     case 1: return "varlen_backward";
     case 3: return "forward";
+    case 4: return "backward";
     default: return "kvcache_forward";
   }
 }
@@ -333,9 +334,10 @@ std::size_t block_kinds_rows(const FwdParams& p) {
 }
 }  // namespace
 
+// The kinds (one byte per block), then each row's listed key blocks (int) and their count.
 std::size_t block_kinds_bytes(const FwdParams& p) {
-  if (p.bs_lists[0].cnt == nullptr) return 0;
-  const std::size_t entries = block_kinds_rows(p) * std::size_t(p.bs_blocks_k);
+  const std::size_t entries = p.bs_table_bytes();
+  if (entries == 0) return 0;
   return round256(entries) + round256(entries * sizeof(int)) + round256(block_kinds_rows(p) * sizeof(int));
 }
 

@@ -218,10 +218,25 @@ void backward(const BwdParams& p, BwdMainKernel main) {
   if (layout.sem_bytes > 0) {
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(ws.dq_sem, 0, layout.sem_bytes, stream));
   }
-  if (p.dtype == DType::kBFloat16) {
-    run_bwd<__nv_bfloat16>(p, ws, stream, main);
-  } else {
-    run_bwd<__half>(p, ws, stream, main);
+  // A block-sparse mask: its kinds table, built on the device from the lists (the sm90
+  // family declines these calls, so `main` is null here).
+  BwdParams q = p;
+  if (layout.kinds_bytes > 0) {
+    auto* table = base + layout.kinds_offset();
+    build_block_kinds(q, table, q.is_varlen() ? IndexCall::kVarlenBackward : IndexCall::kBackward);
+    q.block_kinds = table;
+  }
+  try {
+    if (q.dtype == DType::kBFloat16) {
+      run_bwd<__nv_bfloat16>(q, ws, stream, main);
+    } else {
+      run_bwd<__half>(q, ws, stream, main);
+    }
+  } catch (...) {
+    // A launch that declines (block sizes that split the tile, shared memory) after the
+    // workspace was taken: give it back (dq, dk, dv are not written yet).
+    if (owned) free_async(scratch, p.stream);
+    throw;
   }
   if (owned) free_async(scratch, p.stream);
 }

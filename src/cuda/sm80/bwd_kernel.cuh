@@ -75,7 +75,13 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
   return v;
 }
 
-template <typename Element, int kHeadDim, int kSmemLimit>
+// kSparse: the instantiation for block-sparse masks (p.block_kinds), apart so that the
+// others keep their registers (with the sparse code in every kernel ptxas spilled 92 / 108 B
+// at d = 64 against 4 / 4, sm_90). The key tile lies in one column of mask blocks and each
+// query tile in one row (the blocks hold whole tiles, checked at launch); the (query head,
+// query tile) pairs of unlisted blocks are skipped (their Q, dO, lse and D never loaded),
+// and a key tile that no pair lists loads nothing (dK = dV = 0).
+template <typename Element, int kHeadDim, int kSmemLimit, bool kSparse = false>
 __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWorkspace& ws) {
   using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
   using TileQ = typename Cfg::TileQ;
@@ -101,9 +107,12 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   if (n0 >= len_k) return;
   const int diag_off = s_k - s_q;  // query i's diagonal key is i + diag_off
 
-  // Query tiles [m_begin, m_end) holding a row that sees a key of this tile.
+  // Query tiles [m_begin, m_end) holding a row that sees a key of this tile (block-sparse:
+  // every query tile, the listed ones taken below; a full block ignores the window).
   int m_begin = 0, m_end = 0;
-  if (n0 < s_k && s_q > 0) {
+  if (kSparse) {
+    if (n0 < s_k && s_q > 0) m_end = (s_q + kBlockM - 1) / kBlockM;
+  } else if (n0 < s_k && s_q > 0) {
     const int n1 = min(n0 + kBlockN, s_k);
     int row_lo = p.mask.right >= 0 ? n0 - p.mask.right - diag_off : 0;
     int row_hi = p.mask.left >= 0 ? n1 + p.mask.left - diag_off : s_q;
@@ -115,7 +124,47 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     }
   }
   const int num_m = m_end - m_begin;
-  const int n_iter = num_m * p.h_ratio;
+  int n_iter = num_m * p.h_ratio;
+  const int h_begin = kv_head * p.h_ratio;
+  // Block-sparse: the kinds of this key tile's column of blocks, one byte per (query head,
+  // query block); a query tile's block is tile / q_tiles_per_block.
+  const std::uint8_t* const bs_col =
+      kSparse ? p.block_kinds + std::int64_t(b) * p.bs_batch_stride + n0 / p.bs_block_k : nullptr;
+  const int q_tiles_per_block = kSparse ? p.bs_block_q / kBlockM : 1;
+  auto pair_kind = [&](int head, int tile) {
+    return static_cast<int>(
+        bs_col[std::int64_t(head) * p.bs_head_stride + std::int64_t(tile / q_tiles_per_block) * p.bs_blocks_k]);
+  };
+  // The pair after (hh, mm), tile-major per head, past the unlisted ones (block-sparse).
+  auto advance = [&](int& hh, int& mm) {
+    do {
+      if (++mm >= m_end) {
+        mm = m_begin;
+        ++hh;
+      }
+    } while (kSparse && hh < h_begin + p.h_ratio && pair_kind(hh, mm) == semantics::kBlockSkip);
+  };
+  int h_first = h_begin, m_first = m_begin;
+  if (kSparse && num_m > 0) {
+    n_iter = 0;
+    for (int hh = h_begin; hh < h_begin + p.h_ratio; ++hh)
+      for (int mm = m_begin; mm < m_end; ++mm) n_iter += pair_kind(hh, mm) != semantics::kBlockSkip;
+    if (pair_kind(h_first, m_first) == semantics::kBlockSkip) advance(h_first, m_first);
+  }
+  // Block-sparse element rule of partial blocks: prefix keys (negative read as 0) and the
+  // document ids' bases of this sequence.
+  int prefix = 0;
+  std::int64_t doc_q0 = 0, doc_k0 = 0;
+  const bool docs = kSparse && p.doc_ids_q != nullptr;
+  if constexpr (kSparse) {
+    if (p.prefix_keys != nullptr) prefix = max(0, p.prefix_keys[std::int64_t(b) * p.prefix_batch_stride]);
+    if (docs) {
+      doc_q0 = p.cu_seqlens_q ? p.q_start(b) : std::int64_t(b) * p.doc_q_batch_stride;
+      doc_k0 = p.cu_seqlens_k ? p.k_start(b) : std::int64_t(b) * p.doc_k_batch_stride;
+    }
+  }
+  // Partial blocks take the plain rule (no per-element extras) without prefix and doc ids.
+  const bool plain_partial = prefix == 0 && !docs;
 
   const std::uint32_t s_k_tile = smem_u32(smem);
   const std::uint32_t s_v_tile = s_k_tile + TileK::kBytes;
@@ -169,7 +218,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     load_tile_async<TileK, kNThreads>(
         s_v_tile, static_cast<const Element*>(p.v) + p.v_offset(b, n0, kv_head), p.v_row_stride,
         rows_k, p.d_v, tid);
-    load_q_do(kv_head * p.h_ratio, m_begin, 0);
+    load_q_do(h_first, m_first, 0);
   }
   cp_async_commit();
 
@@ -195,12 +244,19 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   const int g8 = lane >> 2, t4 = lane & 3;
 
   // (query head, query tile) of this pair and of the next, walked tile-major per head.
-  int h = kv_head * p.h_ratio, m_block = m_begin;
+  int h = h_first, m_block = m_first;
   for (int it = 0; it < n_iter; ++it) {
     const int stage = Cfg::kStages == 2 ? (it & 1) : 0;
-    const bool next_tile_same_head = m_block + 1 < m_end;
-    const int h_next = next_tile_same_head ? h : h + 1;
-    const int m_block_next = next_tile_same_head ? m_block + 1 : m_begin;
+    int h_next, m_block_next;
+    if constexpr (kSparse) {
+      h_next = h;
+      m_block_next = m_block;
+      advance(h_next, m_block_next);
+    } else {
+      const bool next_tile_same_head = m_block + 1 < m_end;
+      h_next = next_tile_same_head ? h : h + 1;
+      m_block_next = next_tile_same_head ? m_block + 1 : m_begin;
+    }
     const int m0 = m_block * kBlockM;
     const std::uint32_t s_q_cur = s_q_tile0 + stage * Cfg::kSmemQdOStage;
     const std::uint32_t s_do_cur = s_q_cur + TileQ::kBytes;
@@ -218,6 +274,43 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         smem + (s_q_cur - s_k_tile) + 2 * TileQ::kBytes);
     const float* const s_dsum = s_lse + kBlockM;
 
+    // Block-sparse: the pair's block is full (no rule but the ends of the sequence: window
+    // off, `windowed` false) or partial (the call's rule, prefix keys, doc ids). Doc ids
+    // are tested once per pair here, one bit per element of the warp's S / dP fragments
+    // (bit (mt * kNTs + nt) * 4 + e), before the accumulators are live: read in the
+    // element loop they spilled ~100 B more (ptxas sm_90, d = 64).
+    bool windowed = true;
+    std::uint64_t doc_bits = ~std::uint64_t(0);
+    if constexpr (kSparse) {
+      static_assert(kMTs * kNTs * 4 <= 64, "one bit per fragment element");
+      windowed = pair_kind(h, m_block) != semantics::kBlockFull;
+      if (windowed && docs) {
+        int doc_row[kMTs][2];
+#pragma unroll
+        for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8 + hf * 8;
+            doc_row[mt][hf] = i < s_q ? p.doc_ids_q[doc_q0 + i] : 0;  // rows past s_q: masked
+          }
+        doc_bits = 0;
+#pragma unroll
+        for (int nt = 0; nt < kNTs; ++nt)
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int j = n0 + wn_s * Cfg::kWarpNsdp + nt * 8 + 2 * t4 + e1;
+            if (j >= s_k) continue;  // keys past s_k: masked
+            const int doc_key = p.doc_ids_k[doc_k0 + j];
+#pragma unroll
+            for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+              for (int hf = 0; hf < 2; ++hf) {
+                doc_bits |= std::uint64_t(doc_row[mt][hf] == doc_key) << ((mt * kNTs + nt) * 4 + hf * 2 + e1);
+              }
+          }
+      }
+    }
+
     float acc_s[kMTs][kNTs][4];
     float acc_dp[kMTs][kNTs][4];
     zero_acc(acc_s);
@@ -227,10 +320,14 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK, Cfg::kPrefetch>(
         acc_dp, s_do_cur, wm_s * Cfg::kWarpMsdp, s_v_tile, wn_s * Cfg::kWarpNsdp, lane);
 
-    // Element mask only when some (i, j) of the tile is invisible.
+    // Element mask only when some (i, j) of the tile is invisible (block-sparse: a partial
+    // block with prefix keys or doc ids always).
     bool full = m0 + kBlockM <= s_q && n0 + kBlockN <= s_k;
-    if (right >= 0) full = full && n0 + kBlockN - 1 <= m0 + diag_off + right;
-    if (left >= 0) full = full && n0 >= m0 + kBlockM - 1 + diag_off - left;
+    if (windowed) {
+      if (right >= 0) full = full && n0 + kBlockN - 1 <= m0 + diag_off + right;
+      if (left >= 0) full = full && n0 >= m0 + kBlockM - 1 + diag_off - left;
+      if (kSparse && !plain_partial) full = false;
+    }
     const float slope = p.alibi_slope(b, h);
     const bool plain = !has_softcap && slope == 0.0f;
     const std::uint32_t bh = p.dropout_bh(b, h);
@@ -259,12 +356,20 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         // select instead of the branchy window test (the masked copy was twice the
         // interior one's instructions, sm_90 SASS).
         int vis_lo[2] = {0, 0}, vis_hi[2] = {0, 0};
+        // Block-sparse partial blocks: the prefix keys [0, pre_hi].
+        [[maybe_unused]] int pre_hi[2] = {-1, -1};
         if (kMasked) {
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             const int i = m0 + wm_s * Cfg::kWarpMsdp + mt * 16 + g8 + hf * 8;
-            vis_lo[hf] = left >= 0 ? i + diag_off - left : 0;
-            vis_hi[hf] = i >= s_q ? -1 : (right >= 0 ? min(s_k - 1, i + diag_off + right) : s_k - 1);
+            if constexpr (kSparse) {
+              vis_lo[hf] = windowed && left >= 0 ? i + diag_off - left : 0;
+              vis_hi[hf] = i >= s_q ? -1 : (windowed && right >= 0 ? min(s_k - 1, i + diag_off + right) : s_k - 1);
+              if (windowed) pre_hi[hf] = i >= s_q ? -1 : min(prefix, s_k) - 1;
+            } else {
+              vis_lo[hf] = left >= 0 ? i + diag_off - left : 0;
+              vis_hi[hf] = i >= s_q ? -1 : (right >= 0 ? min(s_k - 1, i + diag_off + right) : s_k - 1);
+            }
           }
         }
 #pragma unroll
@@ -298,7 +403,11 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
               // gets P = 0 and dS = 0 * (0 - 0) by selects, not 0 * (dP - D): a NaN dO row
               // (dP, D) or a NaN value row (dP) must not reach dQ / dK across the mask, nor
               // the keys past s_k (docs/semantics.md, non-finite values).
-              const bool visible = (j >= vis_lo[hf]) & (j <= vis_hi[hf]);
+              bool visible = (j >= vis_lo[hf]) & (j <= vis_hi[hf]);
+              if constexpr (kSparse) {
+                // Partial blocks: prefix keys, equal doc ids (full blocks: pre_hi -1, all bits).
+                visible = (visible | (j <= pre_hi[hf])) & (((doc_bits >> ((mt * kNTs + nt) * 4 + e)) & 1u) != 0);
+              }
               prob = visible ? prob : 0.0f;
               dp = visible ? dp : 0.0f;
               row_d = visible ? row_d : 0.0f;
@@ -410,9 +519,24 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         // counter of the first one orders them all.
         sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
               m_block * Cfg::kWorkspaceTilesPerM;
-        const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
-        const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
         if (tid == 0) {
+          unsigned target;
+          if constexpr (kSparse) {
+            // Block-sparse: the key tiles that visit (h, m) are those of its listed blocks
+            // (all below s_k ahead of this one), so this one is preceded by the tiles of
+            // the listed blocks left of its block and those of its block left of it.
+            const std::uint8_t* const row = bs_col - n0 / p.bs_block_k +
+                                            std::int64_t(h) * p.bs_head_stride +
+                                            std::int64_t(m_block / q_tiles_per_block) * p.bs_blocks_k;
+            const int tiles_per_block = p.bs_block_k / kBlockN;
+            const int nb = n0 / p.bs_block_k;
+            int listed = 0;
+            for (int x = 0; x < nb; ++x) listed += row[x] != semantics::kBlockSkip;
+            target = static_cast<unsigned>(listed * tiles_per_block + n_block % tiles_per_block);
+          } else {
+            const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
+            target = static_cast<unsigned>(n_block - first_key / kBlockN);
+          }
           while (ld_acquire_gpu(sem) != target) __nanosleep(32);
         }
         __syncthreads();
@@ -493,7 +617,7 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
 // The kernel; a variant sized for sm90's shared memory traps if it ever ran below sm90
 // (the host only launches it on devices that grant its shared memory), so its sm80
 // compilation is empty.
-template <typename Element, int kHeadDim, int kSmemLimit>
+template <typename Element, int kHeadDim, int kSmemLimit, bool kSparse = false>
 __global__ void __launch_bounds__(BwdTileConfig<kHeadDim, kSmemLimit>::kNThreads, 1)
     bwd_main_kernel(const __grid_constant__ BwdParams p, const BwdWorkspace ws) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -502,14 +626,25 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim, kSmemLimit>::kNThreads
   } else
 #endif
   {
-    bwd_main_block<Element, kHeadDim, kSmemLimit>(p, ws);
+    bwd_main_block<Element, kHeadDim, kSmemLimit, kSparse>(p, ws);
   }
 }
 
 template <typename Element, int kHeadDim, int kSmemLimit>
 void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
-  auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit>;
+  auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, false>;
+  if (p.block_kinds != nullptr) {
+    // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
+    if (p.bs_block_q % Cfg::kBlockM != 0 || p.bs_block_k % Cfg::kBlockN != 0) {
+      throw Unsupported("backward", "opts.block_sparse",
+                        "block_size_q a multiple of " + std::to_string(Cfg::kBlockM) +
+                            " and block_size_k a multiple of " + std::to_string(Cfg::kBlockN) +
+                            " (the CUDA backward's tile at head dim " + std::to_string(kHeadDim) + ")",
+                        "block sizes " + std::to_string(p.bs_block_q) + " x " + std::to_string(p.bs_block_k));
+    }
+    kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, true>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Cfg::kSmemBytes);
   if (err != cudaSuccess) {

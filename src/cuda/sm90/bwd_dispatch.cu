@@ -19,6 +19,7 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
   const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : BwdHdim128::kSmemBytes;
   if (p.smem_limit > 0 && p.smem_limit < smem) return "shared memory limit below the sm90 tiles";
   if (p.dropout_p > 0.0f) return "dropout";
+  if (p.bs_lists[0].cnt != nullptr) return "block-sparse mask";
   if (p.is_varlen() && (p.total_q <= 0 || p.total_k <= 0)) return "varlen without packed totals";
   if (p.is_varlen() != (p.cu_seqlens_k != nullptr)) return "mixed varlen layout";
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return "no queries or keys";
