@@ -46,6 +46,33 @@ __device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr
   return desc;
 }
 
+// The same descriptor as its low word (start address / 16, leading byte offset / 16) over
+// a constant high word. Shared addresses stay below 2^18, so the start field (14 bits) of
+// addr + off is the base's plus off / 16 with no carry: a k-step's descriptor is one
+// 32-bit add to a base computed once. Built from a warp-uniform address (warp_uniform below), it
+// stays in uniform registers; from a per-thread one, every wgmma paid a mask, a shift, a
+// move of the high word and two register-to-uniform moves (ncu: 0.27 G R2UR of the
+// backward's 2.9 G instructions at hdim 128).
+__device__ __forceinline__ std::uint32_t smem_desc_lo(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
+  return ((smem_addr & 0x3FFFF) >> 4) | (((lbo_bytes >> 4) & 0x3FFF) << 16);
+}
+__device__ __forceinline__ std::uint64_t smem_desc_from_lo(std::uint32_t lo) {
+  return (std::uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;  // sbo 1024, 128-byte swizzle
+}
+// A value the compiler may treat as warp-uniform (e.g. the warpgroup index, which it cannot
+// prove uniform from threadIdx): descriptors derived from it live in uniform registers.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
+// stmatrix: four 8 x 8 16-bit matrices from the m16n8 accumulator fragments (register i:
+// lane l's two elements of row l / 4, columns 2 (l % 4), +1 of matrix i) to shared memory;
+// lanes 8 i .. 8 i + 7 give the addresses of matrix i's rows.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t addr, std::uint32_t r0, std::uint32_t r1, std::uint32_t r2,
+                                            std::uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 template <int N>
 struct Wgmma;  // m64nNk16, fp32 accumulators float d[N / 2]
 

@@ -374,7 +374,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int cw = wg - 1;  // keys 64 cw .. 64 cw + 63 of the tile
+  const int cw = warp_uniform(wg - 1);  // keys 64 cw .. 64 cw + 63 of the tile
   const int warp_in = warp % 4;
   const int key_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
   // The dQ block of this warpgroup: query rows 64 mb.., columns 64 cb..
@@ -398,7 +398,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
     float s[kSN], dp[kSN], dq[32];
     std::uint32_t pa[kMK][4], da[kMK][4];
     const std::uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
-    const std::uint32_t kw_addr0 = k_addr + cw * 64 * 128, vw_addr0 = v_addr + cw * 64 * 128;
+    // Descriptor low words (smem_desc_lo): uniform, one add per k-step.
+    const std::uint32_t kw_lo0 = smem_desc_lo(k_addr + cw * 64 * 128, 0);
+    const std::uint32_t vw_lo0 = smem_desc_lo(v_addr + cw * 64 * 128, 0);
+    const std::uint32_t kq_lo0 = smem_desc_lo(k_addr + cb * kBlockN * 128, kBlockN * 128);
     const float scale_log2 = args.scale_log2;
     mbar_wait(full_kv, 0);
     int h = g * p.h_ratio, m_block = m_begin;
@@ -410,27 +413,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       const std::uint32_t do_addr = smem_addr(sdO) + stage * Cfg::kQBytes;
       unsigned char* const ds_buf = sdS + (it & 1) * Cfg::kDsBytes;
       mbar_wait(&full[stage], phase);
-      // The warpgroup's K and V rows, opaque to the compiler: hoisted out of the loop, the
-      // descriptors of every k-step were kept in registers and spilled.
-      std::uint32_t kw_addr = kw_addr0, vw_addr = vw_addr0;
-      asm volatile("" : "+r"(kw_addr), "+r"(vw_addr));
+      // The warpgroup's K and V descriptors, opaque to the compiler: hoisted out of the
+      // loop, the descriptors of every k-step were kept in registers and spilled.
+      std::uint32_t kw_lo = kw_lo0, vw_lo = vw_lo0, kq_lo = kq_lo0;
+      asm volatile("" : "+r"(kw_lo), "+r"(vw_lo), "+r"(kq_lo));
+      const std::uint32_t q_lo = smem_desc_lo(q_addr, 0), do_lo = smem_desc_lo(do_addr, 0);
+      const std::uint32_t qt_lo = smem_desc_lo(q_addr, kBlockM * 128), dot_lo = smem_desc_lo(do_addr, kBlockM * 128);
 
       // S^T = K_w Q^T and dP^T = V_w dO^T: both operands K-major, 16 columns per k-step.
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const std::uint32_t off = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-        const std::uint32_t offq = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
-        Wgmma<kBlockM>::template ss<Element, 0>(s, smem_desc_sw128(kw_addr + off, 0),
-                                                smem_desc_sw128(q_addr + offq, 0), ks > 0 ? 1 : 0);
+        const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+        const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+        Wgmma<kBlockM>::template ss<Element, 0>(s, smem_desc_from_lo(kw_lo + off), smem_desc_from_lo(q_lo + offq),
+                                                ks > 0 ? 1 : 0);
       }
       wgmma_commit();
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const std::uint32_t off = (ks / 4) * kBlockN * 128 + (ks % 4) * 32;
-        const std::uint32_t offq = (ks / 4) * kBlockM * 128 + (ks % 4) * 32;
-        Wgmma<kBlockM>::template ss<Element, 0>(dp, smem_desc_sw128(vw_addr + off, 0),
-                                                smem_desc_sw128(do_addr + offq, 0), ks > 0 ? 1 : 0);
+        const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+        const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+        Wgmma<kBlockM>::template ss<Element, 0>(dp, smem_desc_from_lo(vw_lo + off), smem_desc_from_lo(do_lo + offq),
+                                                ks > 0 ? 1 : 0);
       }
       wgmma_commit();
 
@@ -453,8 +458,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kMK; ++kk) {
-          Wgmma<kHeadDim>::template rs<Element, 1>(dv, pa[kk],
-                                                   smem_desc_sw128(do_addr + kk * 16 * 128, kBlockM * 128), 1);
+          Wgmma<kHeadDim>::template rs<Element, 1>(dv, pa[kk], smem_desc_from_lo(dot_lo + kk * 16 * 128 / 16), 1);
         }
         wgmma_commit();
       };
@@ -500,12 +504,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
             const int r = 4 * c + 2 * half;
             dp[r] = s[r] * (dp[r] - dd.x);
             dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
-            if (masked) {
-              const int i = m0 + 8 * c + 2 * (lane % 4);
-              dp[r] = i >= vis_lo[half] && i <= vis_hi[half] ? dp[r] : 0.0f;
-              dp[r + 1] = i + 1 >= vis_lo[half] && i + 1 <= vis_hi[half] ? dp[r + 1] : 0.0f;
-            }
           }
+        }
+        // One branch around the whole masked pass (inside the loop above, ptxas branched
+        // around each column group: 8 branches per pair on unmasked tiles).
+        if (masked) {
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+                dp[4 * c + 2 * half + e] = visible ? dp[4 * c + 2 * half + e] : 0.0f;
+              }
         }
       } else {
         // Softcap / ALiBi (semantics::score): P^T and dS^T in one pass once both products
@@ -552,35 +565,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
       }
       // dS^T to shared memory: 64-query column blocks of [kBlockN keys x 128 bytes], the
-      // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). Registers (c, half) hold
-      // the pair of columns 8 c + 2 (lane % 4) of row key_in_tile + 8 half: as 8-column
-      // chunks, the eight rows of a warp's store hit eight different chunks.
-      // (The row's swizzle term is made opaque here: hoisted out of the loop, the sixteen
-      // store addresses were spilled.)
-      std::uint32_t swz = 16u * (lane / 4 % 8);
-      asm volatile("" : "+r"(swz));
-      unsigned char* const ds_row = ds_buf + key_in_tile * 128 + 4 * (lane % 4);
+      // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). da[kk] holds the four 8 x 8
+      // matrices of the warp's 16 key rows x queries 16 kk .. 16 kk + 15 in stmatrix order
+      // (rows +0 / +8, columns +0 / +8): lane l gives the row l % 8 (+ 8 for odd l / 8) of
+      // matrix l / 8, whose 8 columns are chunk 2 (kk % 4) + l / 16 of its row, swizzled:
+      // (2 (kk % 4) + h) ^ r = 2 (kk % 4) ^ (h ^ r) with h = l / 16, r = l % 8.
+      // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
+      // kept per k-step and spilled.)
+      std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
+      std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
+      asm volatile("" : "+r"(ds_lane), "+r"(ds_t));
+      ds_lane += (it & 1) * Cfg::kDsBytes;
 #pragma unroll
-      for (int c = 0; c < kBlockM / 8; ++c)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<std::uint32_t*>(ds_row + (c / 8) * kBlockN * 128 + half * 8 * 128 +
-                                            ((16u * (c % 8)) ^ swz)) =
-              half == 0 ? da[c / 2][(c % 2) * 2] : da[c / 2][(c % 2) * 2 + 1];
-        }
+      for (int kk = 0; kk < kMK; ++kk) {
+        stmatrix_x4(ds_lane + (kk / 4) * kBlockN * 128 + ((32u * (kk % 4)) ^ ds_t), da[kk][0], da[kk][1], da[kk][2],
+                    da[kk][3]);
+      }
       fence_proxy_async_smem();
       // Both halves of dS^T are in shared memory.
       named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
       // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
       // MN-major, B = K's column block cb read MN-major; 16 keys per k-step. Issued before
       // dK, so its reductions below overlap dK's product.
-      const std::uint32_t ds_addr = smem_addr(ds_buf) + mb * kBlockN * 128;
-      const std::uint32_t kq_addr = k_addr + cb * kBlockN * 128;
+      const std::uint32_t ds_lo = smem_desc_lo(smem_addr(ds_buf) + mb * kBlockN * 128, 0);
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_sw128(ds_addr + ks * 16 * 128, 0),
-                                              smem_desc_sw128(kq_addr + ks * 16 * 128, kBlockN * 128), ks > 0 ? 1 : 0);
+        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_from_lo(ds_lo + ks * 16 * 128 / 16),
+                                              smem_desc_from_lo(kq_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
       }
       wgmma_commit();
       if constexpr (!kEarlyDv) issue_dv();
@@ -588,8 +600,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kMK; ++kk) {
-        Wgmma<kHeadDim>::template rs<Element, 1>(dk, da[kk], smem_desc_sw128(q_addr + kk * 16 * 128, kBlockM * 128),
-                                                 1);
+        Wgmma<kHeadDim>::template rs<Element, 1>(dk, da[kk], smem_desc_from_lo(qt_lo + kk * 16 * 128 / 16), 1);
       }
       wgmma_commit();
       // Pending: [dV,] dQ[, dV], dK.
