@@ -35,6 +35,7 @@
 #include "flashattn/attention.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn/half.hpp"
+#include "block_lists.hpp"
 
 namespace {
 
@@ -178,6 +179,30 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The backward of one cell: 3 warm-up calls, then the median of 15 timed by CUDA events,
+// alternating the two input sets (the last timed call runs on sets[0]).
+template <class Call>
+double time_backward(Call&& call, Problem (&sets)[2]) {
+  for (int w = 0; w < 3; ++w) call(sets[w & 1]);
+  cudaEvent_t start, stop;
+  CHECK_CUDA(cudaEventCreate(&start));
+  CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<double> ms;
+  for (int r = 0; r < 15; ++r) {
+    CHECK_CUDA(cudaEventRecord(start));
+    call(sets[r & 1]);
+    CHECK_CUDA(cudaEventRecord(stop));
+    CHECK_CUDA(cudaEventSynchronize(stop));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  CHECK_CUDA(cudaGetLastError());
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return median(ms);
+}
+
 // --deterministic: the grid in deterministic mode (dQ added in key-tile order).
 bool g_deterministic = false;
 
@@ -221,30 +246,13 @@ void run_grid(const std::vector<int>& dims, const std::vector<int>& causals,
           flashattn::backward(p.dout, p.q, p.k, p.v, p.out, p.lse, p.dq, p.dk, p.dv, opts,
                               flashattn::Workspace{ws, ws_bytes});
         };
-        for (int w = 0; w < 3; ++w) call(sets[w & 1]);
-        cudaEvent_t start, stop;
-        CHECK_CUDA(cudaEventCreate(&start));
-        CHECK_CUDA(cudaEventCreate(&stop));
-        std::vector<double> ms;
-        for (int r = 0; r < 15; ++r) {
-          CHECK_CUDA(cudaEventRecord(start));
-          call(sets[r & 1]);
-          CHECK_CUDA(cudaEventRecord(stop));
-          CHECK_CUDA(cudaEventSynchronize(stop));
-          float t = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-          ms.push_back(t);
-        }
-        CHECK_CUDA(cudaGetLastError());
-        const double t = median(ms);
+        const double t = time_backward(call, sets);
         const double flops = 2.5 * 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         // The last timed call ran on sets[0] (r = 14); relative error FAIL above 2e-2.
         const double err = check_cell(sets[0], causal != 0);
         std::printf("bwd %d %d %d %.4f %.1f relerr %.2e %s\n", d, causal, s, t,
                     flops / (t * 1e-3) / 1e12, err, err < 2e-2 ? "ok" : "FAIL");
         std::fflush(stdout);
-        cudaEventDestroy(start);
-        cudaEventDestroy(stop);
         if (ws) cudaFree(ws);
         if (sink_mem) cudaFree(sink_mem);
       }
@@ -295,23 +303,10 @@ void run_sparse(int d, int s) {
   Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
   double dense_ms = 0;
   for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
-    std::vector<int> cnt[2], idx[2];
-    std::uint32_t state = 12345u;
-    long long listed = 0;
-    for (int l = 0; l < 2; ++l) {
-      cnt[l].assign(std::size_t(h) * blocks, 0);
-      idx[l].assign(std::size_t(h) * blocks * blocks, 0);
-    }
-    for (int r = 0; r < h * blocks; ++r)
-      for (int n = 0; n < blocks; ++n) {
-        state ^= state << 13;
-        state ^= state >> 17;
-        state ^= state << 5;
-        if (double(state % 100000u) / 100000.0 >= density) continue;
-        const int l = (state >> 20) & 1;  // half partial, half full
-        idx[l][std::size_t(r) * blocks + cnt[l][r]++] = n;
-        ++listed;
-      }
+    const RandomBlockLists lists_host = random_block_lists(h * blocks, blocks, density);
+    const std::vector<int>(&cnt)[2] = lists_host.cnt;
+    const std::vector<int>(&idx)[2] = lists_host.idx;
+    const long long listed = lists_host.listed;
     flashattn::Options opts;
     opts.kernel_family = flashattn::KernelFamily::kSm80;
     std::vector<void*> lists;
@@ -342,24 +337,7 @@ void run_sparse(int d, int s) {
         flashattn::backward(p.dout, p.q, p.k, p.v, p.out, p.lse, p.dq, p.dk, p.dv, opts,
                             flashattn::Workspace{ws, ws_bytes});
       };
-      for (int w = 0; w < 3; ++w) call(sets[w & 1]);
-      cudaEvent_t start, stop;
-      CHECK_CUDA(cudaEventCreate(&start));
-      CHECK_CUDA(cudaEventCreate(&stop));
-      std::vector<double> ms;
-      for (int r = 0; r < 15; ++r) {
-        CHECK_CUDA(cudaEventRecord(start));
-        call(sets[r & 1]);
-        CHECK_CUDA(cudaEventRecord(stop));
-        CHECK_CUDA(cudaEventSynchronize(stop));
-        float t = 0;
-        CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-        ms.push_back(t);
-      }
-      CHECK_CUDA(cudaGetLastError());
-      cudaEventDestroy(start);
-      cudaEventDestroy(stop);
-      const double t = median(ms);
+      const double t = time_backward(call, sets);
       if (density == 0) dense_ms = t;
       const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
       std::printf("sparse-bwd %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, t, t / dense_ms);

@@ -28,6 +28,7 @@
 
 #include "core/backend.hpp"
 #include "core/params.hpp"
+#include "block_lists.hpp"
 
 namespace {
 
@@ -158,23 +159,10 @@ int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent
   const int b = kTokens / s, h = kModelDim / d, blocks = (s + kBlock - 1) / kBlock;
   double dense_ms = 0;
   for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
-    std::vector<int> cnt[2], idx[2];
-    std::uint32_t state = 12345u;
-    long long listed = 0;
-    for (int l = 0; l < 2; ++l) {
-      cnt[l].assign(std::size_t(h) * blocks, 0);
-      idx[l].assign(std::size_t(h) * blocks * blocks, 0);
-    }
-    for (int r = 0; r < h * blocks; ++r)
-      for (int n = 0; n < blocks; ++n) {
-        state ^= state << 13;
-        state ^= state >> 17;
-        state ^= state << 5;
-        if (double(state % 100000u) / 100000.0 >= density) continue;
-        const int l = (state >> 20) & 1;  // half partial, half full
-        idx[l][std::size_t(r) * blocks + cnt[l][r]++] = n;
-        ++listed;
-      }
+    const RandomBlockLists lists_host = random_block_lists(h * blocks, blocks, density);
+    const std::vector<int>(&cnt)[2] = lists_host.cnt;
+    const std::vector<int>(&idx)[2] = lists_host.idx;
+    const long long listed = lists_host.listed;
     int* dev[4] = {};
     void* ws = nullptr;
     flashattn::detail::FwdParams p = grid_params(sets[0], b, h, d, s, false);
