@@ -444,6 +444,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
       const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
       const float* const lse_s = sLse + stage * kBlockM + 2 * (lane % 4);
       const float* const dsum_s = sDsum + stage * kBlockM + 2 * (lane % 4);
+      // Masked tiles: elements whose query does not see the key become 0 by a select.
+      auto zero_invisible = [&](float (&x)[kSN]) {
+#pragma unroll
+        for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+              const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+              x[4 * c + 2 * half + e] = visible ? x[4 * c + 2 * half + e] : 0.0f;
+            }
+      };
       auto pack_p = [&] {
 #pragma unroll
         for (int kk = 0; kk < kMK; ++kk) {
@@ -480,18 +493,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
             s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
           }
         }
-        if (masked) {
-#pragma unroll
-          for (int c = 0; c < kBlockM / 8; ++c)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
-                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
-                s[4 * c + 2 * half + e] = visible ? s[4 * c + 2 * half + e] : 0.0f;
-              }
-        }
+        if (masked) zero_invisible(s);
         float2 dd_r[kBlockM / 8];
 #pragma unroll
         for (int c = 0; c < kBlockM / 8; ++c) dd_r[c] = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
@@ -517,18 +519,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
         // One branch around the whole masked pass (inside the loop above, ptxas branched
         // around each column group: 8 branches per pair on unmasked tiles).
-        if (masked) {
-#pragma unroll
-          for (int c = 0; c < kBlockM / 8; ++c)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
-                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
-                dp[4 * c + 2 * half + e] = visible ? dp[4 * c + 2 * half + e] : 0.0f;
-              }
-        }
+        if (masked) zero_invisible(dp);
       } else {
         // Softcap / ALiBi (semantics::score): P^T and dS^T in one pass once both products
         // are done, so the softcap's derivative needs no registers of its own.
