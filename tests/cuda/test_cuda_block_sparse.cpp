@@ -116,11 +116,10 @@ void PrintTo(const Config& f, std::ostream* os) { *os << f.name; }
 
 class CudaBlockSparse : public ::testing::TestWithParam<Config> {};
 
-TEST_P(CudaBlockSparse, ForwardMatchesOracle) {
-  FA_REQUIRE_GPU();
-  const Config& f = GetParam();
-  if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim not in this build";
-  FA_SEEDED_RNG(rng);
+// For each GPU family and 16-bit dtype: a fresh random case of configuration f and its
+// random block mask, traced, handed to body(case, mask, family).
+template <class Body>
+void for_each_case(Rng& rng, const Config& f, Body&& body) {
   for (KernelFamily family : gpu_families()) {
     for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
       DenseCase c = DenseCase::random(rng, Shape{f.batch, f.s_q, f.s_k, f.h_q, f.h_k, f.d}, dtype);
@@ -130,14 +129,24 @@ TEST_P(CudaBlockSparse, ForwardMatchesOracle) {
                                           f.per_head, f.density, f.with_full);
       SCOPED_TRACE(std::string(family_str(family)) + " " + c.shape.str() + " " + dtype_name(dtype) + " " +
                    describe(c.call_options()));
-      run_dense(c, m, family);
-      const RefProblem p = problem_with(c, m);
-      const ForwardResults fwd = forward_results(c);
-      EXPECT_TRUE(fully_written("out", fwd.out));
-      EXPECT_TRUE(fully_written("lse", fwd.lse));
-      expect_forward_matches(p, dtype, fwd);
+      body(c, m, family);
     }
   }
+}
+
+TEST_P(CudaBlockSparse, ForwardMatchesOracle) {
+  FA_REQUIRE_GPU();
+  const Config& f = GetParam();
+  if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim not in this build";
+  FA_SEEDED_RNG(rng);
+  for_each_case(rng, f, [&](DenseCase& c, const HostBlockMask& m, KernelFamily family) {
+    run_dense(c, m, family);
+    const RefProblem p = problem_with(c, m);
+    const ForwardResults fwd = forward_results(c);
+    EXPECT_TRUE(fully_written("out", fwd.out));
+    EXPECT_TRUE(fully_written("lse", fwd.lse));
+    expect_forward_matches(p, c.dtype, fwd);
+  });
 }
 
 // The backward of the same configurations (the CUDA forward's out / lse): dq, dk, dv
@@ -147,18 +156,9 @@ TEST_P(CudaBlockSparse, BackwardMatchesOracle) {
   const Config& f = GetParam();
   if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim not in this build";
   FA_SEEDED_RNG(rng);
-  for (KernelFamily family : gpu_families()) {
-    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
-      DenseCase c = DenseCase::random(rng, Shape{f.batch, f.s_q, f.s_k, f.h_q, f.h_k, f.d}, dtype);
-      c.opts.causal = f.causal;
-      c.opts.window_left = f.left;
-      const HostBlockMask m = random_mask(rng, f.batch, f.h_q, f.s_q, f.s_k, f.bq, f.bk, f.per_batch,
-                                          f.per_head, f.density, f.with_full);
-      SCOPED_TRACE(std::string(family_str(family)) + " " + c.shape.str() + " " + dtype_name(dtype) + " " +
-                   describe(c.call_options()));
-      check_forward_backward(c, m, family);
-    }
-  }
+  for_each_case(rng, f, [&](DenseCase& c, const HostBlockMask& m, KernelFamily family) {
+    check_forward_backward(c, m, family);
+  });
 }
 
 // Block sizes are multiples of every CUDA forward and backward tile (128 x 128 is FlashAttention-4's
