@@ -303,22 +303,19 @@ void run_sparse(int d, int s) {
   Problem sets[2] = {Problem(b, s, h, d, 11), Problem(b, s, h, d, 23)};
   double dense_ms = 0;
   for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
-    const RandomBlockLists lists_host = random_block_lists(h * blocks, blocks, density);
-    const std::vector<int>(&cnt)[2] = lists_host.cnt;
-    const std::vector<int>(&idx)[2] = lists_host.idx;
-    const long long listed = lists_host.listed;
+    const RandomBlockLists bl = random_block_lists(h * blocks, blocks, density);
     flashattn::Options opts;
     opts.kernel_family = flashattn::KernelFamily::kSm80;
     std::vector<void*> lists;
     if (density > 0) {
       Tensor t[4];
       for (int l = 0; l < 2; ++l) {
-        void* c = device_alloc(cnt[l].size() * sizeof(int));
-        void* x = device_alloc(idx[l].size() * sizeof(int));
+        void* c = device_alloc(bl.cnt[l].size() * sizeof(int));
+        void* x = device_alloc(bl.idx[l].size() * sizeof(int));
         lists.push_back(c);
         lists.push_back(x);
-        CHECK_CUDA(cudaMemcpy(c, cnt[l].data(), cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
-        CHECK_CUDA(cudaMemcpy(x, idx[l].data(), idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(c, bl.cnt[l].data(), bl.cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(x, bl.idx[l].data(), bl.idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
         t[2 * l] = Tensor::contiguous(c, DType::kInt32, {1, h, blocks}, dev);
         t[2 * l + 1] = Tensor::contiguous(x, DType::kInt32, {1, h, blocks, blocks}, dev);
       }
@@ -339,7 +336,7 @@ void run_sparse(int d, int s) {
       };
       const double t = time_backward(call, sets);
       if (density == 0) dense_ms = t;
-      const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
+      const double visited = density > 0 ? double(bl.listed) / (double(h) * blocks * blocks) : 1.0;
       std::printf("sparse-bwd %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, t, t / dense_ms);
       std::fflush(stdout);
     } catch (const flashattn::Error& e) {

@@ -159,19 +159,16 @@ int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent
   const int b = kTokens / s, h = kModelDim / d, blocks = (s + kBlock - 1) / kBlock;
   double dense_ms = 0;
   for (double density : {0.0, 0.1, 0.5, 1.0}) {  // 0: no mask (the dense call)
-    const RandomBlockLists lists_host = random_block_lists(h * blocks, blocks, density);
-    const std::vector<int>(&cnt)[2] = lists_host.cnt;
-    const std::vector<int>(&idx)[2] = lists_host.idx;
-    const long long listed = lists_host.listed;
+    const RandomBlockLists bl = random_block_lists(h * blocks, blocks, density);
     int* dev[4] = {};
     void* ws = nullptr;
     flashattn::detail::FwdParams p = grid_params(sets[0], b, h, d, s, false);
     if (density > 0) {
       for (int l = 0; l < 2; ++l) {
-        BENCH_CHECK(cudaMalloc(&dev[2 * l], cnt[l].size() * sizeof(int)));
-        BENCH_CHECK(cudaMalloc(&dev[2 * l + 1], idx[l].size() * sizeof(int)));
-        BENCH_CHECK(cudaMemcpy(dev[2 * l], cnt[l].data(), cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
-        BENCH_CHECK(cudaMemcpy(dev[2 * l + 1], idx[l].data(), idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        BENCH_CHECK(cudaMalloc(&dev[2 * l], bl.cnt[l].size() * sizeof(int)));
+        BENCH_CHECK(cudaMalloc(&dev[2 * l + 1], bl.idx[l].size() * sizeof(int)));
+        BENCH_CHECK(cudaMemcpy(dev[2 * l], bl.cnt[l].data(), bl.cnt[l].size() * sizeof(int), cudaMemcpyHostToDevice));
+        BENCH_CHECK(cudaMemcpy(dev[2 * l + 1], bl.idx[l].data(), bl.idx[l].size() * sizeof(int), cudaMemcpyHostToDevice));
       }
     }
     std::vector<float> ms;
@@ -201,7 +198,7 @@ int sparse_sweep(const Buffers* sets, int d, int s, cudaEvent_t start, cudaEvent
     }
     const double median = median_of(ms);
     if (density == 0) dense_ms = median;
-    const double visited = density > 0 ? double(listed) / (double(h) * blocks * blocks) : 1.0;
+    const double visited = density > 0 ? double(bl.listed) / (double(h) * blocks * blocks) : 1.0;
     std::printf("sparse %d %d %.2f %.3f %.4f %.3f\n", d, s, density, visited, median, median / dense_ms);
     for (int* x : dev) cudaFree(x);
     cudaFree(ws);
