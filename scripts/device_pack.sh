@@ -2,8 +2,10 @@
 # Builds the GPU machine's binaries here and packs them for the device tool's `carry`, so that
 # a device call spends no minutes compiling: preset h200 (sm_90a, every head dim; ~7 minutes
 # from scratch on 2 cores, seconds after a kernel edit), then the chosen executables of
-# build/h200, zstd-compressed (~12 MB each: every executable links every kernel; the carry
-# limit is 64 MiB with the tree), into .carry/bin.tar.zst with zstd itself beside it.
+# build/h200 in one zstd stream with a 512 MiB window (--long=29): every executable links
+# every kernel, so the window finds the copies (~18 MB for one, ~19 MB for the tests and
+# three benches, 2026-12-05; the carry limit is 64 MiB with the tree), into
+# .carry/bin.tar.zst with zstd itself beside it.
 #   bash scripts/device_pack.sh [target ...]       default: flashattn_cuda_tests flashattn_cuda_bwd_bench
 #   EXTRA_DIR=dir bash scripts/device_pack.sh ...  also packs dir (e.g. a baseline build's bench)
 # On the device, with `carry: [".carry"]`: scripts/gpu.sh unpacks it when its binaries are missing.
@@ -25,6 +27,6 @@ for t in "${targets[@]}"; do
   paths+=("$p")
 done
 rm -f .carry/bin.tar.zst
-tar cf - "${paths[@]}" ${EXTRA_DIR:+"$EXTRA_DIR"} | .carry/tools/zstd -T0 -12 -q -o .carry/bin.tar.zst
+tar cf - "${paths[@]}" ${EXTRA_DIR:+"$EXTRA_DIR"} | .carry/tools/zstd -T0 -12 --long=29 -q -o .carry/bin.tar.zst
 du -h .carry/bin.tar.zst
 echo "carry .carry in the device call; scripts/gpu.sh unpacks it"

@@ -24,7 +24,7 @@ add() { summary+=("$1"); }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 # Binaries packed here by scripts/device_pack.sh and carried (.carry/bin.tar.zst).
 if [ -f .carry/bin.tar.zst ] && [ ! -x "$T" ]; then
-  LD_LIBRARY_PATH=.carry/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} .carry/tools/zstd -dc .carry/bin.tar.zst | tar xf -
+  LD_LIBRARY_PATH=.carry/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} .carry/tools/zstd -dc --long=29 .carry/bin.tar.zst | tar xf -
 fi
 need=()
 [[ $STEPS == *tests* || $STEPS == *sanitize* || $STEPS == *sass* ]] && need+=("$T")
