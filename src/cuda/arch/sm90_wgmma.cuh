@@ -37,16 +37,7 @@ __device__ __forceinline__ void fence_operand(std::uint32_t& x) { asm volatile("
 //   K-major (Q, K: the reduction dimension contiguous): lbo unused, sbo = 1024.
 //   MN-major (V as B of P V: the output dimension contiguous): lbo = bytes between
 //   64-column blocks, sbo = 1024 (8 reduction rows).
-__device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
-  std::uint64_t desc = 0;
-  desc |= std::uint64_t((smem_addr & 0x3FFFF) >> 4);
-  desc |= std::uint64_t((lbo_bytes >> 4) & 0x3FFF) << 16;
-  desc |= std::uint64_t(1024 >> 4) << 32;
-  desc |= std::uint64_t(1) << 62;  // 128-byte swizzle
-  return desc;
-}
-
-// The same descriptor as its low word (start address / 16, leading byte offset / 16) over
+// It is built from its low word (start address / 16, leading byte offset / 16) over
 // a constant high word. Shared addresses stay below 2^18, so the start field (14 bits) of
 // addr + off is the base's plus off / 16 with no carry: a k-step's descriptor is one
 // 32-bit add to a base computed once. Built from a warp-uniform address (warp_uniform below), it
@@ -59,6 +50,10 @@ __device__ __forceinline__ std::uint32_t smem_desc_lo(std::uint32_t smem_addr, s
 __device__ __forceinline__ std::uint64_t smem_desc_from_lo(std::uint32_t lo) {
   return (std::uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;  // sbo 1024, 128-byte swizzle
 }
+__device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
+  return smem_desc_from_lo(smem_desc_lo(smem_addr, lbo_bytes));
+}
+
 // A value the compiler may treat as warp-uniform (e.g. the warpgroup index, which it cannot
 // prove uniform from threadIdx): descriptors derived from it live in uniform registers.
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
