@@ -273,7 +273,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int cw = wg - 1;                 // consumer warpgroup: rows 64 cw .. 64 cw + 63
+  const int cw = warp_uniform(wg - 1);  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp_in = (tid - 128 * wg) / 32;
   const int row_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
   const float to_log2 = args.to_log2;
@@ -283,7 +283,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   float s[kSN];
   std::uint32_t pa[kPK][4];
 
-  const std::uint32_t q_addr = smem_addr(sQ) + cw * 64 * 128;
+  // Descriptor low words (smem_desc_lo), uniform: one add per k-step (the backward's ncu:
+  // built per thread, each wgmma paid ~10 instructions of address arithmetic and moves).
+  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ) + cw * 64 * 128, 0);
   const std::uint32_t k_addr = smem_addr(sK);
   const std::uint32_t v_addr = smem_addr(sV);
   // Ping-pong: consumer cw issues its GEMMs after barrier 1 + cw, then hands the turn on.
@@ -300,20 +302,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     if (lane == 0) mbar_arrive(bar);
   };
   auto issue_qk = [&](int stage) {
-    const std::uint32_t kb = k_addr + stage * Cfg::kKVBytes;
+    // Q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
+    std::uint32_t q_lo = q_lo0;
+    asm volatile("" : "+r"(q_lo));
+    const std::uint32_t kb_lo = smem_desc_lo(k_addr + stage * Cfg::kKVBytes, 0);
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       const std::uint32_t off = (ks % 4) * 32;  // 16 columns within the 128-byte row
-      const std::uint64_t da = smem_desc_sw128(q_addr + (ks / 4) * kBlockM * 128 + off, 0);
-      const std::uint64_t db = smem_desc_sw128(kb + (ks / 4) * kBlockN * 128 + off, 0);
+      const std::uint64_t da = smem_desc_from_lo(q_lo + ((ks / 4) * kBlockM * 128 + off) / 16);
+      const std::uint64_t db = smem_desc_from_lo(kb_lo + ((ks / 4) * kBlockN * 128 + off) / 16);
       Wgmma<kBlockN>::template ss<Element, 0>(s, da, db, ks > 0 ? 1 : 0);
     }
   };
   auto issue_pv = [&](int stage) {
-    const std::uint32_t vb = v_addr + stage * Cfg::kKVBytes;
+    const std::uint32_t vb_lo = smem_desc_lo(v_addr + stage * Cfg::kKVBytes, kBlockN * 128);
 #pragma unroll
     for (int kk = 0; kk < kPK; ++kk) {
-      const std::uint64_t db = smem_desc_sw128(vb + kk * 16 * 128, kBlockN * 128);
+      const std::uint64_t db = smem_desc_from_lo(vb_lo + kk * 16 * 128 / 16);
       Wgmma<kHeadDim>::template rs<Element, 1>(o, pa[kk], db, 1);
     }
   };
