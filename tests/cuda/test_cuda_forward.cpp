@@ -435,7 +435,9 @@ TEST(CudaRuntime, ValidationCopyIsSkippedUnderCapture) {
   FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int* dev = nullptr;
   FA_CUDA_OK(cudaMalloc(&dev, sizeof(int)));
-  FA_CUDA_OK(cudaMemset(dev, 0x11, sizeof(int)));
+  // On s itself: a non-blocking stream does not wait for the legacy stream's memset (under
+  // load the copy below read the allocation before it: 0 for 0x11111111).
+  FA_CUDA_OK(cudaMemsetAsync(dev, 0x11, sizeof(int), s));
   int host = 0;
   EXPECT_TRUE(detail::cuda::copy_to_host_for_validation(&host, dev, sizeof(int), s));
   EXPECT_EQ(host, 0x11111111);
