@@ -12,6 +12,9 @@
 // listed blocks full) at densities 10 / 50 / 100 %, against the same call without a mask:
 // one line each, "sparse d s density visited ms ratio" (all on the sm80 family, which runs
 // block-sparse masks; density 0.00 is the call without a mask).
+// BENCH_FP8=1: e4m3 q, k, v (random codes of magnitude 2^-6 .. 1.875, descales omitted = 1),
+// bf16 out, on the sm90 fp8 forward; the time includes its V^T copy (fp8_vt.cu); checked
+// against fp64 over the decoded values.
 // BENCH_SINK=1: every call has a learnable sink of -1000 per head (the sink's code path
 // runs; its term exp(-1000 - m) is 0, so the check against the naive result still holds):
 // the cost of a sink against the same grid without one.
@@ -57,13 +60,40 @@ std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed) {
   return x;
 }
 
+// e4m3 codes: random sign, exponent field 1..7, mantissa 0..7 (|x| in [2^-6, 1.875]).
+std::vector<std::uint8_t> random_e4m3(std::size_t n, std::uint32_t seed) {
+  std::vector<std::uint8_t> x(n);
+  std::uint32_t state = seed | 1u;
+  for (std::size_t i = 0; i < n; ++i) {
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    const std::uint32_t r = state >> 8;
+    x[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | ((1u + (r >> 1) % 7u) << 3) | ((r >> 4) & 7u));
+  }
+  return x;
+}
+
+float e4m3_to_float(std::uint8_t x) {
+  const int e = (x >> 3) & 15, m = x & 7;
+  const float mag = e == 0 ? std::ldexp(float(m) / 8.0f, -6) : std::ldexp(1.0f + float(m) / 8.0f, e - 7);
+  return (x & 0x80) ? -mag : mag;
+}
+
 struct Buffers {
   void* q = nullptr;
   void* k = nullptr;
   void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  void* q8 = nullptr;  // BENCH_FP8: e4m3 q, k, v and the workspace (V^T)
+  void* k8 = nullptr;
+  void* v8 = nullptr;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
 };
+
+bool fp8_mode() { return std::getenv("BENCH_FP8") != nullptr; }
 
 float bf16_to_float(std::uint16_t x) {
   const std::uint32_t u = std::uint32_t(x) << 16;
@@ -79,15 +109,24 @@ double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, fl
   double worst = 0.0, ref_max = 0.0;
   for (int which = 0; which < 2; ++which) {
     const int bb = which ? b - 1 : 0, hh = which ? h - 1 : 0;
-    auto fetch = [&](const void* base) {  // [s, d] of (bb, hh) from [b, s, h, d]
-      std::vector<std::uint16_t> x(std::size_t(s) * d);
-      const char* src = static_cast<const char*>(base) +
-                        2 * ((std::size_t(bb) * s * h + hh) * d);
-      BENCH_CHECK(cudaMemcpy2D(x.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s,
-                               cudaMemcpyDeviceToHost));
+    auto fetch = [&](const void* base) {  // [s, d] of (bb, hh) from [b, s, h, d], as floats
+      std::vector<float> x(std::size_t(s) * d);
+      if (fp8_mode() && base != in.out) {
+        std::vector<std::uint8_t> raw(x.size());
+        const char* src = static_cast<const char*>(base) + ((std::size_t(bb) * s * h + hh) * d);
+        BENCH_CHECK(cudaMemcpy2D(raw.data(), d, src, std::size_t(h) * d, d, s, cudaMemcpyDeviceToHost));
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] = e4m3_to_float(raw[i]);
+        return x;
+      }
+      std::vector<std::uint16_t> raw(x.size());
+      const char* src = static_cast<const char*>(base) + 2 * ((std::size_t(bb) * s * h + hh) * d);
+      BENCH_CHECK(cudaMemcpy2D(raw.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s, cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(raw[i]);
       return x;
     };
-    const auto q = fetch(in.q), k = fetch(in.k), v = fetch(in.v), o = fetch(in.out);
+    const bool f8 = fp8_mode();
+    const auto q = fetch(f8 ? in.q8 : in.q), k = fetch(f8 ? in.k8 : in.k), v = fetch(f8 ? in.v8 : in.v),
+               o = fetch(in.out);
     for (int i : {0, 1, s / 3, s / 2 + 7, s - 2, s - 1}) {
       const int end = causal ? i + 1 : s;
       std::vector<double> sc(end);
@@ -95,7 +134,7 @@ double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, fl
       for (int j = 0; j < end; ++j) {
         double acc = 0;
         for (int c = 0; c < d; ++c)
-          acc += double(bf16_to_float(q[std::size_t(i) * d + c])) * bf16_to_float(k[std::size_t(j) * d + c]);
+          acc += double(q[std::size_t(i) * d + c]) * k[std::size_t(j) * d + c];
         sc[j] = acc * scale;
         mx = std::max(mx, sc[j]);
       }
@@ -103,9 +142,9 @@ double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, fl
       for (int j = 0; j < end; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
       for (int c = 0; c < d; ++c) {
         double ref = 0;
-        for (int j = 0; j < end; ++j) ref += sc[j] * bf16_to_float(v[std::size_t(j) * d + c]);
+        for (int j = 0; j < end; ++j) ref += sc[j] * v[std::size_t(j) * d + c];
         ref /= sum;
-        const double e = std::fabs(ref - bf16_to_float(o[std::size_t(i) * d + c]));
+        const double e = std::fabs(ref - o[std::size_t(i) * d + c]);
         if (!(e <= worst)) worst = e;  // NaN propagates
         ref_max = std::max(ref_max, std::fabs(ref));
       }
@@ -135,6 +174,16 @@ flashattn::detail::FwdParams grid_params(const Buffers& in, int b, int h, int d,
   p.v = in.v;
   p.out = in.out;
   p.lse = in.lse;
+  if (fp8_mode()) {
+    p.q_dtype = p.kv_dtype = flashattn::DType::kFloat8E4M3;
+    p.q = in.q8;
+    p.k = in.k8;
+    p.v = in.v8;
+    p.scale_block_stride = h;
+    p.scale_by_sequence = true;
+    p.workspace = in.ws;
+    p.workspace_bytes = in.ws_bytes;
+  }
   return p;
 }
 
@@ -219,6 +268,13 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaMalloc(&s.v, elems * 2));
     BENCH_CHECK(cudaMalloc(&s.out, elems * 2));
     BENCH_CHECK(cudaMalloc(&s.lse, sizeof(float) * kTokens * 64));
+    if (fp8_mode()) {
+      BENCH_CHECK(cudaMalloc(&s.q8, elems));
+      BENCH_CHECK(cudaMalloc(&s.k8, elems));
+      BENCH_CHECK(cudaMalloc(&s.v8, elems));
+      s.ws_bytes = elems + (std::size_t(1) << 20);  // V^T of 16k tokens (padded keys) and the rest
+      BENCH_CHECK(cudaMalloc(&s.ws, s.ws_bytes));
+    }
   }
   {
     std::uint32_t seed = 1;
@@ -227,6 +283,14 @@ int main(int argc, char** argv) {
         const std::vector<std::uint16_t> host = random_bf16(elems, seed++ * 7919u);
         BENCH_CHECK(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice));
       }
+    if (fp8_mode()) {
+      for (Buffers& s : sets)
+        for (void* p : {s.q8, s.k8, s.v8}) {
+          const std::vector<std::uint8_t> host = random_e4m3(elems, seed++ * 7919u);
+          BENCH_CHECK(cudaMemcpy(p, host.data(), elems, cudaMemcpyHostToDevice));
+        }
+      std::printf("# BENCH_FP8: e4m3 q, k, v, bf16 out (sm90 fp8 forward, V^T copy included)\n");
+    }
   }
   float* sink = nullptr;  // BENCH_SINK: [64] logits of -1000 (heads <= 2048 / 64 = 32)
   if (std::getenv("BENCH_SINK") != nullptr) {

@@ -40,11 +40,13 @@ CUtensorMap make_tensor_map_4d(const void* base, DType dtype, const std::uint64_
   CUtensorMap map{};
   const cuuint64_t g_dims[4] = {dims[0], dims[1], dims[2], dims[3]};
   const cuuint64_t g_strides[3] = {byte_strides[0], byte_strides[1], byte_strides[2]};
-  const cuuint32_t box[4] = {64u, box_rows, 1u, 1u};
+  const bool bytes = dtype == DType::kFloat8E4M3;  // fp8: 128 one-byte columns per box row
+  const cuuint32_t box[4] = {bytes ? 128u : 64u, box_rows, 1u, 1u};
   const cuuint32_t elem_strides[4] = {1u, 1u, 1u, 1u};
   const CUresult r = fn(&map,
-                        dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                        bytes                        ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                        : dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                    : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                         4, const_cast<void*>(base), g_dims, g_strides, box, elem_strides,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                         CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
