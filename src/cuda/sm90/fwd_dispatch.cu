@@ -31,8 +31,6 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
     if (p.cache_seqlens != nullptr) return "float8_e4m3 q through the KV-cache path";
     if (p.d != p.d_v) return "float8_e4m3 with d_v != d";
     if (p.d <= 64 || p.d > 256 || p.d % 16 != 0) return "float8_e4m3 head dim (sm90: 80 to 256, a multiple of 16)";
-  } else if (p.q_dtype != p.dtype) {
-    return "q dtype";
   }
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0 || p.d_v > 256 || p.d_v % 8 != 0) return "head dim";
