@@ -51,6 +51,11 @@ __device__ __forceinline__ std::uint32_t smem_desc_lo(std::uint32_t smem_addr, s
 __device__ __forceinline__ std::uint64_t smem_desc_from_lo(std::uint32_t lo) {
   return (std::uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;  // sbo 1024, 128-byte swizzle
 }
+// The same for rows of 64 bytes with the 64-byte swizzle (8-row groups 512 bytes apart, tile
+// base 512-aligned; K-major only here: the fp8 forward's V^T).
+__device__ __forceinline__ std::uint64_t smem_desc_sw64_from_lo(std::uint32_t lo) {
+  return (std::uint64_t((512 >> 4) | (2u << 30)) << 32) | lo;  // sbo 512, 64-byte swizzle
+}
 __device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
   return smem_desc_from_lo(smem_desc_lo(smem_addr, lbo_bytes));
 }

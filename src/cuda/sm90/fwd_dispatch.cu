@@ -85,12 +85,12 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
                                     tma_stride(k_batches, p.k_batch_stride, es)},
                                    box_k);
   if constexpr (es == 1) {
-    // V^T in the workspace (fp8_vt.cu): {keys, d_v, h_k, batch}, kHeadDim rows of 128 keys a box.
+    // V^T in the workspace (fp8_vt.cu): {keys, d_v, h_k, batch}, kHeadDim rows of 64 keys a box.
     const std::uint64_t keys = std::uint64_t(fp8_vt_keys(p));
     const std::uint64_t vt_dims[4] = {keys, std::uint64_t(p.d_v), std::uint64_t(p.h_k), std::uint64_t(p.batch)};
     args.tmap_v = make_tensor_map_4d(fp8_vt, in, vt_dims,
                                      {keys, keys * std::uint64_t(p.d_v), keys * std::uint64_t(p.d_v) * p.h_k},
-                                     Cfg::kHeadDim);
+                                     Cfg::kHeadDim, 64);
     return launch_fwd<Cfg, Element, Out>(args);
   }
   // v has its own head dim (d_v != d: DeepSeek-V3's (192, 128)); the tile's columns past it

@@ -44,12 +44,12 @@
 namespace flashattn::detail::cuda::sm90 {
 
 // The compile-time shape of one forward kernel. kElemBytes 2: fp16 / bf16 q, k, v; 1: e4m3,
-// whose V tiles are the transposed copy [head dim][keys] (fp8_vt.cuh: 8-bit wgmma reads B
-// K-major only).
+// whose V tiles are the transposed copy [head dim][keys] (fp8_vt.cu: 8-bit wgmma reads B
+// K-major only), in blocks of 64 keys (64-byte rows, the 64-byte swizzle).
 template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, int kElemBytes_ = 2>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;  // bucket: 64, 128 or 256
-  static constexpr int kBlockN = kBlockN_;    // keys per tile (multiple of 16; fp8: of 128)
+  static constexpr int kBlockN = kBlockN_;    // keys per tile (multiple of 16; fp8: of 64)
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kStages = kStages_;
   static constexpr int kElemBytes = kElemBytes_;
@@ -71,8 +71,8 @@ struct FwdConfig {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
-  static_assert(kElemBytes == 2 || (kElemBytes == 1 && kHeadDim % 128 == 0 && kBlockN % 128 == 0),
-                "fp8 tiles: whole 128-byte rows of Q / K (head dim) and of V^T (keys)");
+  static_assert(kElemBytes == 2 || (kElemBytes == 1 && kHeadDim % 128 == 0 && kBlockN % 64 == 0),
+                "fp8 tiles: whole 128-byte rows of Q / K (head dim), 64-byte rows of V^T (keys)");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
@@ -265,13 +265,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           if (leader) issue_tile(&args.tmap_k, k_dst, n, &full_k[stage]);
           mbar_wait(&empty_v[stage], phase ^ 1);
           if constexpr (kFp8) {
-            // V^T's tile: kHeadDim rows of 128 keys per column block; keys past a sequence's
-            // end are zero there (fp8_vt.cuh).
+            // V^T's tile: kHeadDim rows of 64 keys per block; keys past a sequence's end are
+            // zero there (fp8_vt.cu).
             if (leader) {
               mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
 #pragma unroll
-              for (int c = 0; c < kBlockN / 128; ++c) {
-                tma_load_4d(v_dst + c * kHeadDim * 128, &args.tmap_v, n * kBlockN + c * 128, 0, g, w.b, &full_v[stage]);
+              for (int c = 0; c < kBlockN / 64; ++c) {
+                tma_load_4d(v_dst + c * kHeadDim * 64, &args.tmap_v, n * kBlockN + c * 64, 0, g, w.b, &full_v[stage]);
               }
             }
             continue;
@@ -345,11 +345,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     }
   };
   auto issue_pv = [&](int stage) {
-    if constexpr (kFp8) {  // V^T K-major: 32 keys (bytes) per k-step, 128 per column block
+    if constexpr (kFp8) {  // V^T K-major: 32 keys (bytes) per k-step, 64 per block
       const std::uint32_t vb_lo = smem_desc_lo(v_addr + stage * Cfg::kKVBytes, 0);
 #pragma unroll
       for (int kk = 0; kk < kPK; ++kk) {
-        const std::uint64_t db = smem_desc_from_lo(vb_lo + ((kk / 4) * kHeadDim * 128 + (kk % 4) * 32) / 16);
+        const std::uint64_t db = smem_desc_sw64_from_lo(vb_lo + ((kk / 2) * kHeadDim * 64 + (kk % 2) * 32) / 16);
         Wgmma<kHeadDim>::template rs<Element, 0>(o, pa[kk], db, 1);
       }
     } else {
