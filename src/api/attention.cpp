@@ -105,7 +105,9 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv},
+                {"opts.q_descale", opts.q_descale}, {"opts.k_descale", opts.k_descale},
+                {"opts.v_descale", opts.v_descale}});
 
   set_dense_inputs(dims, q, k, v, p);
   detail::api::set_qv(opts.qv, p);

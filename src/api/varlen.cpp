@@ -213,7 +213,9 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
                 {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv},
+                {"opts.q_descale", opts.q_descale}, {"opts.k_descale", opts.k_descale},
+                {"opts.v_descale", opts.v_descale}});
 
   set_varlen_inputs(args, dims, p);
   detail::api::set_qv(opts.qv, p);

@@ -312,6 +312,19 @@ TEST_F(ErrorsDense, Fp8NeedsA16BitOut) {
   EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'out'", "bfloat16 or float16", "got float8_e4m3");
 }
 
+TEST_F(ErrorsDense, Fp8OutputsMustNotOverlapADescale) {
+  // The CUDA fp8 kernel reads the descales while it writes out and lse: an output over a
+  // descale is an InvalidArgument naming both (on every backend, as kvcache_forward's).
+  const fa::DType f8 = fa::DType::kFloat8E4M3;
+  q = pool_.tensor(f8, {b, s_q, h_q, d});
+  k = pool_.tensor(f8, {b, s_k, h_k, d});
+  v = pool_.tensor(f8, {b, s_k, h_k, d});
+  out = pool_.tensor(fa::DType::kBFloat16, {b, s_q, h_q, d}, nan);
+  expect_accepted([&] { fwd(); });
+  opts.v_descale = fa::Tensor::contiguous(lse.data, f32, {b, h_k});  // lse's first 4 floats
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'lse': expected memory disjoint from input 'opts.v_descale'");
+}
+
 TEST_F(ErrorsDense, IntegerInputs) {
   const fa::DType i32 = fa::DType::kInt32;
   q = pool_.tensor(i32, {b, s_q, h_q, d});
