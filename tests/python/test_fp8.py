@@ -604,12 +604,9 @@ needs_sm90 = pytest.mark.skipif(not _SM90, reason="the CUDA fp8 forward runs on 
                                 f"; this GPU is {torch.cuda.get_device_capability()}"))
 
 # The arithmetic margin of the bound (tests/support/fp8_bound.hpp has the derivation): the
-# fp8 tensor-core sums keep about 14 bits per k-step of 32 products.
-_MMA_EPS, _MMA_K, _MMA_EXTRA = 2.0 ** -13, 32, 8
-
-
-def _mma_eps(n):
-    return ((n + _MMA_K - 1) // _MMA_K + _MMA_EXTRA) * _MMA_EPS
+# fp8 tensor-core sums keep about 14 bits per k-step of 32 products; margin steps for Q K^T
+# (the fp32 scaling) and P V (partial key tiles).
+_MMA_EPS, _MMA_K, _QK_EXTRA, _PV_EXTRA = 2.0 ** -13, 32, 1, 8
 
 
 def fp8_bound(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, out_dtype=torch.bfloat16):
@@ -648,12 +645,13 @@ def fp8_bound(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, out_dt
     p_max = p.amax(dim=-1)  # 1 / l
     row_max = lse + torch.log(p_max)
     few = 2.0 ** -20
-    norms = q.norm(dim=-1).T[:, :, None] * kk.norm(dim=-1).T[:, None, :]  # [h, i, j]
-    dj = (_mma_eps(d) + few) * scale * norms + few * (s.abs() + row_max.abs()[..., None])
+    terms = torch.einsum("ihd,jhd->hij", q.abs(), kk.abs())  # sum_c |q_c k_jc|
+    eps_qk = ((d + _MMA_K - 1) // _MMA_K + _QK_EXTRA) * _MMA_EPS
+    dj = (eps_qk + few) * scale * terms + few * (s.abs() + row_max.abs()[..., None])
     delta = torch.where(vis, dj, torch.zeros_like(dj)).amax(dim=-1)  # [h, i]
     n = vis.sum(dim=-1).double()
     grow, moved = torch.exp(2 * delta), torch.expm1(2 * delta)
-    sums = ((n + _MMA_K - 1) // _MMA_K + _MMA_EXTRA) * _MMA_EPS + (n + 8) * 2.0 ** -24
+    sums = ((n + _MMA_K - 1) // _MMA_K + _PV_EXTRA) * _MMA_EPS + (n + 8) * 2.0 ** -24
     to_ihd = lambda x: x.T[:, :, None]  # noqa: E731  [h, i] -> [i, h, 1]
     quant = 2.0 ** -4 * mag + 2.0 ** -10 * to_ihd(p_max) * abs_v
     pre = to_ihd(grow) * quant + to_ihd(moved) * mag + to_ihd(sums * grow) * (mag + quant)

@@ -14,9 +14,10 @@ namespace {
 
 std::size_t sz(std::int64_t v) { return static_cast<std::size_t>(v); }
 
-// Steps of kFp8MmaK products in a dot product of n terms, with the margin of the header.
-double mma_eps(std::int64_t n) {
-  return double((n + kFp8MmaK - 1) / kFp8MmaK + kFp8MmaExtraSteps) * kFp8MmaAccumEps;
+// The accumulation error of a dot product of n terms, relative to its sum of |terms|:
+// kFp8MmaAccumEps per k-step of kFp8MmaK products, `extra` steps of margin.
+double mma_eps(std::int64_t n, int extra) {
+  return double((n + kFp8MmaK - 1) / kFp8MmaK + extra) * kFp8MmaAccumEps;
 }
 
 }  // namespace
@@ -34,24 +35,17 @@ Fp8PBound fp8_p_quantized_bound(const RefProblem& p, const std::vector<RefOutput
   const double out_floor = bf16 ? std::ldexp(1.0, -134) : std::ldexp(1.0, -25);
   const double f32 = std::ldexp(1.0, -24), few_f32 = std::ldexp(1.0, -20);
   const int d = p.d, dv = p.dv(), ratio = p.h_q / p.h_k;
-  const double eps_qk = mma_eps(d);
+  const double eps_qk = mma_eps(d, kFp8MmaQKExtraSteps);
   const double inf = std::numeric_limits<double>::infinity();
 
   Fp8PBound bound;
-  std::vector<double> k_norm, abs_v;
+  std::vector<double> abs_v;
   for (std::size_t b = 0; b < p.seqs.size(); ++b) {
     const RefSeq& s = p.seqs[b];
     const RefOutput& r = ref[b];
     if (r.out_mag.size() != r.out.size() || r.probs.size() != sz(std::int64_t(p.h_q) * s.s_q * s.s_k)) {
       throw std::invalid_argument("fp8_p_quantized_bound: ref must be reference_forward's (probs, out_mag)");
     }
-    k_norm.assign(sz(std::int64_t(s.s_k) * p.h_k), 0.0);
-    for (std::int64_t j = 0; j < s.s_k; ++j)
-      for (int g = 0; g < p.h_k; ++g) {
-        double n2 = 0;
-        for (int c = 0; c < d; ++c) n2 += s.k[sz((j * p.h_k + g) * d + c)] * s.k[sz((j * p.h_k + g) * d + c)];
-        k_norm[sz(j * p.h_k + g)] = std::sqrt(n2);
-      }
     const std::size_t out_base = bound.out.size();
     bound.out.resize(out_base + r.out.size(), 0.0);
     for (int h = 0; h < p.h_q; ++h) {
@@ -64,9 +58,7 @@ Fp8PBound fp8_p_quantized_bound(const RefProblem& p, const std::vector<RefOutput
           continue;
         }
         const double* P = &r.probs[sz((h * std::int64_t(s.s_q) + i) * s.s_k)];
-        double q2 = 0;
-        for (int c = 0; c < d; ++c) q2 += s.q[sz((i * p.h_q + h) * d + c)] * s.q[sz((i * p.h_q + h) * d + c)];
-        const double q_norm = std::sqrt(q2);
+        const double* qi = &s.q[sz((i * p.h_q + h) * d)];
         double p_max = sink == -inf ? 0.0 : std::exp(sink - lse);
         std::int64_t visible = 0;
         for (std::int64_t j = 0; j < s.s_k; ++j) {
@@ -81,14 +73,17 @@ Fp8PBound fp8_p_quantized_bound(const RefProblem& p, const std::vector<RefOutput
         for (std::int64_t j = 0; j < s.s_k; ++j) {
           if (!(P[j] > 0)) continue;
           const double score = lse + std::log(P[j]);
-          const double dj = (eps_qk + few_f32) * p.scale * q_norm * k_norm[sz(j * p.h_k + g)] +
+          const double* kj = &s.k[sz((j * p.h_k + g) * d)];
+          double terms = 0;  // sum_c |q_c k_jc|
+          for (int c = 0; c < d; ++c) terms += std::fabs(qi[c] * kj[c]);
+          const double dj = (eps_qk + few_f32) * p.scale * terms +
                             few_f32 * (std::fabs(score) + std::fabs(row_max));
           delta = std::max(delta, dj);
           const double* vj = &s.v[sz((j * p.h_k + g) * dv)];
           for (int c = 0; c < dv; ++c) abs_v[sz(c)] += std::fabs(vj[c]);
         }
         const double grow = std::exp(2 * delta), moved = std::expm1(2 * delta);
-        const double sums = mma_eps(visible) + double(visible + 8) * f32;
+        const double sums = mma_eps(visible, kFp8MmaPVExtraSteps) + double(visible + 8) * f32;
         for (int c = 0; c < dv; ++c) {
           const std::size_t at = sz((i * p.h_q + h) * dv + c);
           const double mag = r.out_mag[at];                        // sum_j P_j |v_j|

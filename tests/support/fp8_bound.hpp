@@ -23,24 +23,25 @@
 // products of e4m3 values are exact; their sums run on the fp8 tensor cores, whose
 // accumulation Hopper does with about 14 significant bits at each k-step of 32 products
 // (DeepSeek-V3 report, section 3.3.2: "limited to retaining around 14 bits"), not the 24 of
-// fp32. We take kFp8MmaAccumEps = 2^-13 relative to the sum of |products| per k-step, so a
-// dot product over n terms is off by at most (ceil(n / 32) + kFp8MmaExtraSteps) 2^-13
-// sum |terms| (the extra steps: the partial tiles at a mask's edges, the fp32 scaling by the
-// descales and the softmax scale). For the score s_j = scale q . k_j (then softcap, whose
-// derivative is <= 1, and ALiBi, added in fp32): |s'_j - s_j| <= delta_j with
-//   delta_j = (eps_qk + 2^-20) scale |q| |k_j| + 2^-20 (|s_j| + |M|),
-//   eps_qk = (ceil(d / 32) + kFp8MmaExtraSteps) 2^-13,
-// (|q| |k_j| >= sum_c |q_c k_jc| by Cauchy-Schwarz; the 2^-20 terms cover a few fp32
-// roundings of the score, the bias, the max subtraction and exp2, ~2^-22 each). Scores off
-// by at most delta = max_j delta_j move every p_j / l by a factor within e^(+-2 delta), so
-// the out terms above grow by e^(2 delta) and the fp32-exact result moves by at most
-// (e^(2 delta) - 1) sum_j P_j |v_j|. The P V sum, over the n visible keys, adds
-// (ceil(n / 32) + kFp8MmaExtraSteps) 2^-13 of its sum of |terms|, and the fp32 row sum and
-// division (n + 8) 2^-24 of it. lse = m_ref + log(l') is off by at most
+// fp32. We take kFp8MmaAccumEps = 2^-13 of the sum of |products| per k-step. For the score
+// s_j = scale q . k_j (then softcap, whose derivative is <= 1, and ALiBi, added in fp32):
+// |s'_j - s_j| <= delta_j with
+//   delta_j = (eps_qk + 2^-20) scale sum_c |q_c k_jc| + 2^-20 (|s_j| + |M|),
+//   eps_qk = (ceil(d / 32) + 1) 2^-13
+// (one step of margin for the fp32 scaling by the descales and the softmax scale; the
+// 2^-20 terms cover a few fp32 roundings of the score, the bias, the max subtraction and
+// exp2, ~2^-22 each). Scores off by at most delta = max_j delta_j move every p_j / l by a
+// factor within e^(+-2 delta), so the out terms above grow by e^(2 delta) and the
+// fp32-exact result moves by at most (e^(2 delta) - 1) sum_j P_j |v_j|. The P V sum over
+// the n visible keys adds (ceil(n / 32) + 8) 2^-13 of its sum of |terms| (8 steps of
+// margin: the partial key tiles at a mask's edges, whose masked keys still take
+// accumulation steps), and the fp32 row sum and division (n + 8) 2^-24 of it. lse =
+// m_ref + log(l') is off by at most
 //   delta + (n + 8) 2^-24 + 2^-21 (|lse| + |M| + 1)
 // (the row sum in fp32, the log2 / ln 2 conversions). With plain fp32 accumulation the
-// arithmetic terms are ~2^-16 of the main one; with 14-bit accumulation they reach about a
-// tenth of it for N(0, 1) data at d = 256 and a thousand keys.
+// arithmetic terms would be ~2^-16 of the main one; with 14-bit accumulation, for N(0, 1)
+// inputs at the default scale, the score term is about 0.15 (d = 128) to 0.4 (d = 256) of
+// it and the P V term about 0.07 at a thousand keys.
 //
 // Rows that see no key (ref lse -inf) must give out exactly 0 and lse -inf; a row that sees
 // only a sink gives out 0 (bound 0) and lse = the sink. Dropout must be off (the fp8 kernel
@@ -62,7 +63,8 @@ namespace flashattn::test {
 
 inline constexpr double kFp8MmaAccumEps = 1.0 / 8192.0;  // 2^-13 per k-step of 32 products
 inline constexpr int kFp8MmaK = 32;
-inline constexpr int kFp8MmaExtraSteps = 8;
+inline constexpr int kFp8MmaQKExtraSteps = 1;  // margin steps of Q K^T (over d)
+inline constexpr int kFp8MmaPVExtraSteps = 8;  // margin steps of P V (over the keys)
 
 struct Fp8PBound {
   std::vector<double> out;  // per element, concat_out order
