@@ -31,6 +31,7 @@
 
 #include "core/backend.hpp"
 #include "core/params.hpp"
+#include "cuda/sm90/fwd.hpp"
 #include "block_lists.hpp"
 
 namespace {
@@ -345,6 +346,21 @@ int main(int argc, char** argv) {
           if (r >= kWarmup) ms.push_back(t);
         }
         const double median = median_of(ms);
+#if FLASHATTN_WITH_SM90
+        if (fp8_mode()) {  // the V^T copy alone (fp8_vt.cu), part of the time above
+          std::vector<float> vt_ms;
+          for (int r = 0; r < 10; ++r) {
+            BENCH_CHECK(cudaEventRecord(start));
+            flashattn::detail::cuda::sm90::transpose_v_fp8(p, p.workspace);
+            BENCH_CHECK(cudaEventRecord(stop));
+            BENCH_CHECK(cudaEventSynchronize(stop));
+            float t = 0;
+            BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+            vt_ms.push_back(t);
+          }
+          std::printf("# fp8 V^T copy %d %d %d: %.4f ms\n", d, causal, s, median_of(vt_ms));
+        }
+#endif
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (median * 1e-3) / 1e12;
         // Checked on the last call's inputs (check_cell): relative error FAIL above 2e-2

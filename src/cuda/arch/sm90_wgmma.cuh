@@ -1,6 +1,10 @@
 // Thin wrappers over Hopper's warpgroup matrix multiply-accumulate (wgmma, sm_90a), which
 // CCCL's cuda::ptx does not cover: m64nNk16 with fp32 accumulators and fp16 / bf16
-// operands, A from shared memory (ss) or from registers (rs), B from shared memory.
+// operands, or m64nNk32 with e4m3 operands (Element __nv_fp8_e4m3: both K-major, no
+// transposes), A from shared memory (ss) or from registers (rs), B from shared memory.
+// The 8-bit register A (64 x 32) holds, per warp's 16 rows, columns 4 (l % 4) .. + 3 of
+// rows l / 4 (register 0) and l / 4 + 8 (register 1), and those columns + 16 (registers 2,
+// 3), first column in the low byte.
 //
 // The accumulator of one warpgroup is 64 x N fp32: thread t (warp w = t / 32, lane l)
 // holds d[4 * c + e] at row 16 w + l / 4 + 8 (e / 2), column 8 c + 2 (l % 4) + e % 2, the

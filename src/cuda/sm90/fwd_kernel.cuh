@@ -20,6 +20,10 @@
 //   Epilogue: O / l stored from the accumulators (column pairs), lse once per row; Q's
 //   buffer is released after the tile's last S GEMM, so the next Q is in flight by then.
 //
+// fp8 (e4m3) q, k, v (FwdConfig's kElemBytes 1): the same program on 8-bit wgmma; V is read
+// from its transposed copy (fp8_vt.cu), P is rounded to e4m3 in registers (at most 2^8 by
+// the lazy rescale, within e4m3's range), out is 16-bit.
+//
 // Key tiles are visited from the last visible one down, so the tiles that cross the end
 // of the keys or the causal diagonal come first; a tile needs element masking only when
 // TileMask::tile_needs_mask says so (a warp-uniform branch).
