@@ -165,7 +165,13 @@ INSTANTIATE_TEST_SUITE_P(
         DenseFp8{"alibi_sink_d256", 1, 77, 300, 4, 2, 256, false, -1, -1, 0.f, 1, true, 0, kBf16},
         DenseFp8{"omit_q_descale_d128", 2, 77, 300, 4, 2, 128, false, -1, -1, 0.f, 0, false, 'q', kBf16},
         DenseFp8{"omit_k_descale_causal_d256", 2, 77, 300, 4, 2, 256, true, -1, -1, 0.f, 0, false, 'k', kBf16},
-        DenseFp8{"omit_v_descale_sink_d128", 2, 300, 77, 2, 1, 128, false, -1, -1, 0.f, 0, true, 'v', kFp16}),
+        DenseFp8{"omit_v_descale_sink_d128", 2, 300, 77, 2, 1, 128, false, -1, -1, 0.f, 0, true, 'v', kFp16},
+        // The other buckets and head dims inside them (columns past d zero-filled by the copies).
+        DenseFp8{"plain_d64", 2, 77, 300, 4, 4, 64, false, -1, -1, 0.f, 0, false, 0, kBf16},
+        DenseFp8{"causal_gqa_d64_fp16", 2, 300, 1000, 8, 2, 64, true, -1, -1, 0.f, 0, false, 0, kFp16},
+        DenseFp8{"window_mqa_d32", 1, 300, 300, 2, 1, 32, false, 64, 16, 0.f, 0, false, 0, kBf16},
+        DenseFp8{"causal_d96", 2, 300, 300, 2, 2, 96, true, -1, -1, 0.f, 0, false, 0, kBf16},
+        DenseFp8{"softcap_sink_d192", 1, 77, 300, 2, 1, 192, false, -1, -1, 10.f, 0, true, 0, kBf16}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // ------------------------------------------------------------------ varlen
@@ -254,7 +260,9 @@ INSTANTIATE_TEST_SUITE_P(
         VarlenFp8{"alibi_empty_seq_omit_v_d256", {77, 0, 300}, {300, 5, 0}, 4, 2, 256, true, -1, -1, 0.f, false, true,
                   false, 'v', kFp16},
         VarlenFp8{"seqused_k_sink_omit_k_d128", {1000, 1}, {1000, 1000}, 4, 4, 128, false, -1, -1, 0.f, true, false,
-                  true, 'k', kBf16}),
+                  true, 'k', kBf16},
+        VarlenFp8{"causal_seqused_k_gqa_d64", {77, 300, 1}, {1000, 300, 77}, 4, 2, 64, true, -1, -1, 0.f, true, false,
+                  false, 0, kBf16}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // ------------------------------------------------------------------ rules on a device

@@ -30,7 +30,7 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
     if (p.kv_dtype != DType::kFloat8E4M3) return "float8_e4m3 q with 16-bit k, v";
     if (p.cache_seqlens != nullptr) return "float8_e4m3 q through the KV-cache path";
     if (p.d != p.d_v) return "float8_e4m3 with d_v != d";
-    if (p.d <= 64 || p.d > 256 || p.d % 16 != 0) return "float8_e4m3 head dim (sm90: 80 to 256, a multiple of 16)";
+    if (p.d > 256 || p.d % 16 != 0) return "float8_e4m3 head dim (sm90: 16 to 256, a multiple of 16)";
   }
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0 || p.d_v > 256 || p.d_v % 8 != 0) return "head dim";
@@ -70,7 +70,7 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
       p.q, in, {std::uint64_t(p.d), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
       {tma_stride(q_rows, p.q_row_stride, es), tma_stride(p.h_q, p.q_head_stride, es),
        tma_stride(q_batches, p.q_batch_stride, es)},
-      Cfg::kBlockM);
+      Cfg::kBlockM, Cfg::kRowBytes);
   // A paged cache is copied in chunks of page_rows rows: the whole tile where a block
   // holds whole tiles, else the largest common divisor of the block and tile heights.
   args.page_rows = 0;
@@ -83,7 +83,7 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
   args.tmap_k = make_tensor_map_4d(p.k, in, k_dims,
                                    {tma_stride(k_rows, p.k_row_stride, es), tma_stride(p.h_k, p.k_head_stride, es),
                                     tma_stride(k_batches, p.k_batch_stride, es)},
-                                   box_k);
+                                   box_k, Cfg::kRowBytes);
   if constexpr (es == 1) {
     // V^T in the workspace (fp8_vt.cu): {keys, d_v, h_k, batch}, kHeadDim rows of 64 keys a box.
     const std::uint64_t keys = std::uint64_t(fp8_vt_keys(p));
@@ -127,6 +127,7 @@ void run_bucket(const FwdParams& p, FwdArgs& args) {
 template <typename Out>
 void run_fp8(const FwdParams& p, FwdArgs& args, void* vt) {
   transpose_v_fp8(p, vt);
+  if (p.d <= 64) return run<FwdFp8Hdim64, __nv_fp8_e4m3, Out>(p, args, vt);
   if (p.d <= 128) return run<FwdFp8Hdim128, __nv_fp8_e4m3, Out>(p, args, vt);
   return run<FwdFp8Hdim256, __nv_fp8_e4m3, Out>(p, args, vt);
 }

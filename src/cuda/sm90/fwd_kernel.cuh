@@ -59,8 +59,11 @@ struct FwdConfig {
   static constexpr int kElemBytes = kElemBytes_;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kColElems = 128 / kElemBytes;              // elements per 128-byte swizzle row
-  static constexpr int kColBlocks = kHeadDim * kElemBytes / 128;  // 128-byte column blocks of Q, K
+  // Q and K in shared memory: rows of 128 bytes (the 128-byte swizzle), or of 64 (the 64-byte
+  // swizzle) where a row of the head dim is 64 bytes (fp8 at hdim 64).
+  static constexpr int kRowBytes = kHeadDim * kElemBytes >= 128 ? 128 : 64;
+  static constexpr int kColElems = kRowBytes / kElemBytes;              // elements per swizzle row
+  static constexpr int kColBlocks = kHeadDim * kElemBytes / kRowBytes;  // column blocks of Q, K
   static constexpr int kKStep = 32 / kElemBytes;                  // the k of one wgmma (32 bytes)
   static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
   static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K (or V) tile
@@ -75,8 +78,8 @@ struct FwdConfig {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
-  static_assert(kElemBytes == 2 || (kElemBytes == 1 && kHeadDim % 128 == 0 && kBlockN % 64 == 0),
-                "fp8 tiles: whole 128-byte rows of Q / K (head dim), 64-byte rows of V^T (keys)");
+  static_assert(kElemBytes == 2 || (kElemBytes == 1 && (kHeadDim == 64 || kHeadDim % 128 == 0) && kBlockN % 64 == 0),
+                "fp8 tiles: whole 64- or 128-byte rows of Q / K (head dim), 64-byte rows of V^T (keys)");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
@@ -229,7 +232,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           mbar_arrive_expect_tx(full_q, Cfg::kQBytes);
 #pragma unroll
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * Cfg::kColElems, q_row, w.h, q_b, full_q);
+            tma_load_4d(sQ + c * kBlockM * Cfg::kRowBytes, &args.tmap_q, c * Cfg::kColElems, q_row, w.h, q_b, full_q);
           }
         }
         // One K or V tile's copies, announced on `bar`: one box per 64 columns, or with a
@@ -240,7 +243,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             mbar_arrive_expect_tx(bar, Cfg::kKVBytes);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(dst + c * kBlockN * 128, map, c * Cfg::kColElems, k_row0 + n * kBlockN, g, k_b, bar);
+              tma_load_4d(dst + c * kBlockN * Cfg::kRowBytes, map, c * Cfg::kColElems, k_row0 + n * kBlockN, g, k_b,
+                          bar);
             }
             return;
           }
@@ -254,8 +258,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(dst + c * kBlockN * 128 + ch * rows * 128, map, c * Cfg::kColElems, j % p.block_size, g,
-                          page, bar);
+              tma_load_4d(dst + c * kBlockN * Cfg::kRowBytes + ch * rows * Cfg::kRowBytes, map, c * Cfg::kColElems,
+                          j % p.block_size, g, page, bar);
             }
           }
         };
@@ -319,7 +323,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
 
   // Descriptor low words (smem_desc_lo), uniform: one add per k-step (the backward's ncu:
   // built per thread, each wgmma paid ~10 instructions of address arithmetic and moves).
-  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ) + cw * 64 * 128, 0);
+  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ) + cw * 64 * Cfg::kRowBytes, 0);
   const std::uint32_t k_addr = smem_addr(sK);
   const std::uint32_t v_addr = smem_addr(sV);
   // Ping-pong: consumer cw issues its GEMMs after barrier 1 + cw, then hands the turn on.
@@ -340,11 +344,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     std::uint32_t q_lo = q_lo0;
     asm volatile("" : "+r"(q_lo));
     const std::uint32_t kb_lo = smem_desc_lo(k_addr + stage * Cfg::kKVBytes, 0);
+    constexpr int kRowSteps = Cfg::kRowBytes / 32;  // k-steps per swizzle row
+    auto desc = [](std::uint32_t lo) {
+      return Cfg::kRowBytes == 128 ? smem_desc_from_lo(lo) : smem_desc_sw64_from_lo(lo);
+    };
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / Cfg::kKStep; ++ks) {
-      const std::uint32_t off = (ks % 4) * 32;  // one k-step's 32 bytes within the 128-byte row
-      const std::uint64_t da = smem_desc_from_lo(q_lo + ((ks / 4) * kBlockM * 128 + off) / 16);
-      const std::uint64_t db = smem_desc_from_lo(kb_lo + ((ks / 4) * kBlockN * 128 + off) / 16);
+      const std::uint32_t off = (ks % kRowSteps) * 32;  // one k-step's 32 bytes within the row
+      const std::uint64_t da = desc(q_lo + ((ks / kRowSteps) * kBlockM * Cfg::kRowBytes + off) / 16);
+      const std::uint64_t db = desc(kb_lo + ((ks / kRowSteps) * kBlockN * Cfg::kRowBytes + off) / 16);
       Wgmma<kBlockN>::template ss<Element, 0>(s, da, db, ks > 0 ? 1 : 0);
     }
   };
