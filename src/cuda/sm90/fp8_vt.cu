@@ -1,8 +1,8 @@
 // The fp8 forward's copy of V transposed: V^T[b][g][c][j'] (one byte each), the layout the
 // 8-bit wgmma reads as the B operand of O += P V (K-major: keys contiguous), with the keys of
 // every 32-key step in the order of the P fragment (fp8_vt_key, fwd_kernel.cuh's to_p).
-// Keys past a sequence's end (to the padded length) are zero, so the kernel needs no tail
-// zeroing: masked probabilities are 0 and meet zero values.
+// Keys past a sequence's end (to a multiple of kFp8VtTile) are zero, so the kernel needs no
+// tail zeroing: masked probabilities are 0 and meet zero values. Layout: fwd.hpp.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -27,10 +27,11 @@ __device__ __forceinline__ int fp8_vt_key(int pos) {
 }
 
 __global__ void __launch_bounds__(kVtThreads) fp8_vt_kernel(const __grid_constant__ FwdParams p,
-                                                             std::uint8_t* __restrict__ vt, int s_pad) {
+                                                             std::uint8_t* __restrict__ vt, std::int64_t rows) {
   __shared__ __align__(16) std::uint8_t tile[kVtKeys][kVtMaxCols + 16];
   const int j0 = blockIdx.x * kVtKeys, g = blockIdx.y, b = blockIdx.z;
   const int s_k = p.seq_len_k(b);
+  if (j0 >= (s_k + kFp8VtTile - 1) / kFp8VtTile * kFp8VtTile) return;  // past the zeros a tile reads
   const int cols = p.d_v;  // a multiple of 16
   const auto* v = static_cast<const std::uint8_t*>(p.v);
   const std::int64_t base = p.cu_seqlens_k != nullptr
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kVtThreads) fp8_vt_kernel(const __grid_constan
     *reinterpret_cast<uint4*>(&tile[r][16 * c]) = x;
   }
   __syncthreads();
-  std::uint8_t* out = vt + (std::int64_t(b) * p.h_k + g) * cols * std::int64_t(s_pad) + j0;
+  std::uint8_t* out = vt + std::int64_t(g) * cols * rows + fp8_vt_row0(p, b) + j0;
   // Task (column, 16-key chunk): four threads write one column's 64 keys (64 bytes).
   for (int idx = threadIdx.x; idx < cols * (kVtKeys / 16); idx += kVtThreads) {
     const int col = idx / (kVtKeys / 16), q = idx % (kVtKeys / 16);
@@ -64,23 +65,24 @@ __global__ void __launch_bounds__(kVtThreads) fp8_vt_kernel(const __grid_constan
       }
       w[k] = word;
     }
-    *reinterpret_cast<uint4*>(out + std::int64_t(col) * s_pad + 16 * q) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(out + std::int64_t(col) * rows + 16 * q) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
 }  // namespace
 
-int fp8_vt_keys(const FwdParams& p) noexcept { return (p.seqlen_k + kFp8VtKeyAlign - 1) / kFp8VtKeyAlign * kFp8VtKeyAlign; }
-
 std::size_t fp8_vt_bytes(const FwdParams& p) noexcept {
   if (p.q_dtype != DType::kFloat8E4M3) return 0;
-  return std::size_t(p.batch) * std::size_t(p.h_k) * std::size_t(p.d_v) * std::size_t(fp8_vt_keys(p));
+  return std::size_t(p.h_k) * std::size_t(p.d_v) * std::size_t(fp8_vt_rows(p));
 }
 
 void transpose_v_fp8(const FwdParams& p, void* vt) {
-  const dim3 grid(unsigned(fp8_vt_keys(p) / kVtKeys), unsigned(p.h_k), unsigned(p.batch));
+  // seqlen_k bounds every sequence's keys (varlen: max_seqlen_k); blocks past a sequence's
+  // padded keys return at once.
+  const int blocks = (p.seqlen_k + kFp8VtTile - 1) / kFp8VtTile * (kFp8VtTile / kVtKeys);
+  const dim3 grid(unsigned(blocks), unsigned(p.h_k), unsigned(p.batch));
   fp8_vt_kernel<<<grid, kVtThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p, static_cast<std::uint8_t*>(vt),
-                                                                             fp8_vt_keys(p));
+                                                                             fp8_vt_rows(p));
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -85,11 +85,12 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
                                     tma_stride(k_batches, p.k_batch_stride, es)},
                                    box_k, Cfg::kRowBytes);
   if constexpr (es == 1) {
-    // V^T in the workspace (fp8_vt.cu): {keys, d_v, h_k, batch}, kHeadDim rows of 64 keys a box.
-    const std::uint64_t keys = std::uint64_t(fp8_vt_keys(p));
-    const std::uint64_t vt_dims[4] = {keys, std::uint64_t(p.d_v), std::uint64_t(p.h_k), std::uint64_t(p.batch)};
+    // V^T in the workspace (fwd.hpp, fp8_vt.cu): {rows, d_v, h_k, 1}, kHeadDim rows of 64 keys a box.
+    static_assert(Cfg::kBlockN <= kFp8VtTile, "a key tile reads past its sequence's zeros");
+    const std::uint64_t rows = std::uint64_t(fp8_vt_rows(p));
+    const std::uint64_t vt_dims[4] = {rows, std::uint64_t(p.d_v), std::uint64_t(p.h_k), 1};
     args.tmap_v = make_tensor_map_4d(fp8_vt, in, vt_dims,
-                                     {keys, keys * std::uint64_t(p.d_v), keys * std::uint64_t(p.d_v) * p.h_k},
+                                     {rows, rows * std::uint64_t(p.d_v), rows * std::uint64_t(p.d_v) * p.h_k},
                                      Cfg::kHeadDim, 64);
     return launch_fwd<Cfg, Element, Out>(args);
   }

@@ -43,6 +43,7 @@
 #include "cuda/arch/sm90_tma.cuh"
 #include "cuda/arch/sm90_wgmma.cuh"
 #include "cuda/collective/mask.cuh"
+#include "cuda/sm90/fwd.hpp"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::cuda::sm90 {
@@ -274,12 +275,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           mbar_wait(&empty_v[stage], phase ^ 1);
           if constexpr (kFp8) {
             // V^T's tile: kHeadDim rows of 64 keys per block; keys past a sequence's end are
-            // zero there (fp8_vt.cu).
+            // zero there (fwd.hpp, fp8_vt.cu).
             if (leader) {
               mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
+              const int vt_row = int(fp8_vt_row0(p, w.b)) + n * kBlockN;
 #pragma unroll
               for (int c = 0; c < kBlockN / 64; ++c) {
-                tma_load_4d(v_dst + c * kHeadDim * 64, &args.tmap_v, n * kBlockN + c * 64, 0, g, w.b, &full_v[stage]);
+                tma_load_4d(v_dst + c * kHeadDim * 64, &args.tmap_v, vt_row + c * 64, 0, g, 0, &full_v[stage]);
               }
             }
             continue;
