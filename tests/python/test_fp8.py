@@ -20,13 +20,12 @@ from flashattn.fp8 import quantize_e4m3  # noqa: E402
 F8 = torch.float8_e4m3fn
 
 
-def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
-    """fp64 attention of one sequence: q [s_q, h_q, d], k [s_k, h_k, d], v [s_k, h_k, d_v]."""
+def masked_scores(q, k, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """Scores [h_q, s_q, s_k] of one sequence (q [s_q, h_q, d], k [s_k, h_k, d]), -inf where
+    masked, and k repeated over the query heads of each group."""
     s_q, h_q, _ = q.shape
     s_k, h_k, _ = k.shape
-    r = h_q // h_k
-    k = k.repeat_interleave(r, dim=1)
-    v = v.repeat_interleave(r, dim=1)
+    k = k.repeat_interleave(h_q // h_k, dim=1)
     s = torch.einsum("ihd,jhd->hij", q, k) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
@@ -40,7 +39,13 @@ def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
         visible &= j >= i - left
     if right >= 0:
         visible &= j <= i + right
-    s = s.masked_fill(~visible, -math.inf)
+    return s.masked_fill(~visible, -math.inf), k
+
+
+def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """fp64 attention of one sequence: q [s_q, h_q, d], k [s_k, h_k, d], v [s_k, h_k, d_v]."""
+    s, _ = masked_scores(q, k, scale, causal, window, softcap)
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("hij,jhd->ihd", p, v), lse
@@ -618,24 +623,9 @@ def fp8_bound(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, out_dt
     e^(2 delta) (fp8 MMA accumulation and fp32 roundings), plus the P V accumulation, the
     row sum and the output rounding (2^-8 bf16, 2^-11 fp16) of |out|. Rows that see no
     key: exact (out 0, lse -inf)."""
-    s_q, h_q, d = q.shape
-    s_k, h_k, _ = k.shape
-    r = h_q // h_k
-    kk, vv = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
-    s = torch.einsum("ihd,jhd->hij", q, kk) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(s_q)[:, None] + s_k - s_q
-    j = torch.arange(s_k)[None, :]
-    left, right = window
-    if causal:
-        right = 0
-    visible = torch.ones(s_q, s_k, dtype=torch.bool)
-    if left >= 0:
-        visible &= j >= i - left
-    if right >= 0:
-        visible &= j <= i + right
-    s = s.masked_fill(~visible, -math.inf)
+    d = q.shape[2]
+    s, kk = masked_scores(q, k, scale, causal, window, softcap)
+    vv = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     lse = torch.logsumexp(s, dim=-1)  # [h, i]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     out = torch.einsum("hij,jhd->ihd", p, vv)
