@@ -29,6 +29,7 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
     // FlashAttention-3's fp8 forward: e4m3 q, k, v, 16-bit out.
     if (p.kv_dtype != DType::kFloat8E4M3) return "float8_e4m3 q with 16-bit k, v";
     if (p.cache_seqlens != nullptr) return "float8_e4m3 q through the KV-cache path";
+    if (p.block_table != nullptr) return "float8_e4m3 with a paged KV cache (block_table)";  // V^T reads rows
     if (p.d != p.d_v) return "float8_e4m3 with d_v != d";
     if (p.d > 256 || p.d % 16 != 0) return "float8_e4m3 head dim (sm90: 16 to 256, a multiple of 16)";
   }
