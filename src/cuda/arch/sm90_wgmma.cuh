@@ -60,9 +60,6 @@ __device__ __forceinline__ std::uint64_t smem_desc_from_lo(std::uint32_t lo) {
 __device__ __forceinline__ std::uint64_t smem_desc_sw64_from_lo(std::uint32_t lo) {
   return (std::uint64_t((512 >> 4) | (2u << 30)) << 32) | lo;  // sbo 512, 64-byte swizzle
 }
-__device__ __forceinline__ std::uint64_t smem_desc_sw128(std::uint32_t smem_addr, std::uint32_t lbo_bytes) {
-  return smem_desc_from_lo(smem_desc_lo(smem_addr, lbo_bytes));
-}
 
 // A value the compiler may treat as warp-uniform (e.g. the warpgroup index, which it cannot
 // prove uniform from threadIdx): descriptors derived from it live in uniform registers.
