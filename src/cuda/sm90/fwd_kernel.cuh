@@ -381,7 +381,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       // + 8) and those + 16 (registers 2, 3) of each 32-key step; the accumulator holds
       // keys 2 (l % 4), + 1 and those + 8, + 16, + 24. Each register takes the thread's own
       // four values of a row, so A's column 4 t + i of the step is key 2 t + (i & 1) +
-      // 8 (i >> 1) (+ 16 in registers 2, 3): fp8_vt.cuh writes V^T's keys in that order.
+      // 8 (i >> 1) (+ 16 in registers 2, 3): fp8_vt.cu writes V^T's keys in that order.
 #pragma unroll
       for (int kk = 0; kk < kPK; ++kk) {
         const float* x = s + 16 * kk;
