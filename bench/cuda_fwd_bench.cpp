@@ -12,6 +12,9 @@
 // listed blocks full) at densities 10 / 50 / 100 %, against the same call without a mask:
 // one line each, "sparse d s density visited ms ratio" (all on the sm80 family, which runs
 // block-sparse masks; density 0.00 is the call without a mask).
+// BENCH_FP8=1: e4m3 q, k, v (random codes of magnitude 2^-6 .. 1.875, descales omitted = 1),
+// bf16 out, on the sm90 fp8 forward; the time includes its V^T copy (fp8_vt.cu); checked
+// against fp64 over the decoded values.
 // BENCH_SINK=1: every call has a learnable sink of -1000 per head (the sink's code path
 // runs; its term exp(-1000 - m) is 0, so the check against the naive result still holds):
 // the cost of a sink against the same grid without one.
@@ -28,6 +31,7 @@
 
 #include "core/backend.hpp"
 #include "core/params.hpp"
+#include "cuda/sm90/fwd.hpp"
 #include "block_lists.hpp"
 
 namespace {
@@ -57,13 +61,40 @@ std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed) {
   return x;
 }
 
+// e4m3 codes: random sign, exponent field 1..7, mantissa 0..7 (|x| in [2^-6, 1.875]).
+std::vector<std::uint8_t> random_e4m3(std::size_t n, std::uint32_t seed) {
+  std::vector<std::uint8_t> x(n);
+  std::uint32_t state = seed | 1u;
+  for (std::size_t i = 0; i < n; ++i) {
+    state ^= state << 13;
+    state ^= state >> 17;
+    state ^= state << 5;
+    const std::uint32_t r = state >> 8;
+    x[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | ((1u + (r >> 1) % 7u) << 3) | ((r >> 4) & 7u));
+  }
+  return x;
+}
+
+float e4m3_to_float(std::uint8_t x) {
+  const int e = (x >> 3) & 15, m = x & 7;
+  const float mag = e == 0 ? std::ldexp(float(m) / 8.0f, -6) : std::ldexp(1.0f + float(m) / 8.0f, e - 7);
+  return (x & 0x80) ? -mag : mag;
+}
+
 struct Buffers {
   void* q = nullptr;
   void* k = nullptr;
   void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  void* q8 = nullptr;  // BENCH_FP8: e4m3 q, k, v and the workspace (V^T)
+  void* k8 = nullptr;
+  void* v8 = nullptr;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
 };
+
+bool fp8_mode() { return std::getenv("BENCH_FP8") != nullptr; }
 
 float bf16_to_float(std::uint16_t x) {
   const std::uint32_t u = std::uint32_t(x) << 16;
@@ -74,50 +105,74 @@ float bf16_to_float(std::uint16_t x) {
 
 // Correctness of one cell: rows of (batch 0, head 0) and (last batch, last head) against an
 // fp64 softmax of the same bf16 inputs; returns max |out - ref| / max |ref| (NaN if any
-// output is NaN).
+// output is NaN). BENCH_FP8: the inputs are the decoded e4m3 values, and it returns the
+// largest ratio of |out - ref| to the fp8 forward's bound for that element: P rounded to
+// e4m3 (relative 2^-4, subnormals 2^-10 absolute, both relative to a reference max >= the
+// row's), scores from fp8 products in fp32 (2^-12 of sum |q_c k_c| per score, generous
+// for the tensor cores' accumulation), out rounded to bf16 (2^-8):
+//   sum_j (2^-4 p_j + 2^-10 + 2 p_j ds_j) |v_j| / l + 2^-8 |ref|.
 double check_cell(const Buffers& in, int b, int h, int d, int s, bool causal, float scale) {
   double worst = 0.0, ref_max = 0.0;
   for (int which = 0; which < 2; ++which) {
     const int bb = which ? b - 1 : 0, hh = which ? h - 1 : 0;
-    auto fetch = [&](const void* base) {  // [s, d] of (bb, hh) from [b, s, h, d]
-      std::vector<std::uint16_t> x(std::size_t(s) * d);
-      const char* src = static_cast<const char*>(base) +
-                        2 * ((std::size_t(bb) * s * h + hh) * d);
-      BENCH_CHECK(cudaMemcpy2D(x.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s,
-                               cudaMemcpyDeviceToHost));
+    auto fetch = [&](const void* base) {  // [s, d] of (bb, hh) from [b, s, h, d], as floats
+      std::vector<float> x(std::size_t(s) * d);
+      if (fp8_mode() && base != in.out) {
+        std::vector<std::uint8_t> raw(x.size());
+        const char* src = static_cast<const char*>(base) + ((std::size_t(bb) * s * h + hh) * d);
+        BENCH_CHECK(cudaMemcpy2D(raw.data(), d, src, std::size_t(h) * d, d, s, cudaMemcpyDeviceToHost));
+        for (std::size_t i = 0; i < x.size(); ++i) x[i] = e4m3_to_float(raw[i]);
+        return x;
+      }
+      std::vector<std::uint16_t> raw(x.size());
+      const char* src = static_cast<const char*>(base) + 2 * ((std::size_t(bb) * s * h + hh) * d);
+      BENCH_CHECK(cudaMemcpy2D(raw.data(), 2 * d, src, 2 * std::size_t(h) * d, 2 * d, s, cudaMemcpyDeviceToHost));
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf16_to_float(raw[i]);
       return x;
     };
-    const auto q = fetch(in.q), k = fetch(in.k), v = fetch(in.v), o = fetch(in.out);
+    const bool f8 = fp8_mode();
+    const auto q = fetch(f8 ? in.q8 : in.q), k = fetch(f8 ? in.k8 : in.k), v = fetch(f8 ? in.v8 : in.v),
+               o = fetch(in.out);
     for (int i : {0, 1, s / 3, s / 2 + 7, s - 2, s - 1}) {
       const int end = causal ? i + 1 : s;
-      std::vector<double> sc(end);
+      std::vector<double> sc(end), ds(end);
       double mx = -1e300;
       for (int j = 0; j < end; ++j) {
-        double acc = 0;
-        for (int c = 0; c < d; ++c)
-          acc += double(bf16_to_float(q[std::size_t(i) * d + c])) * bf16_to_float(k[std::size_t(j) * d + c]);
+        double acc = 0, mag = 0;
+        for (int c = 0; c < d; ++c) {
+          const double t = double(q[std::size_t(i) * d + c]) * k[std::size_t(j) * d + c];
+          acc += t;
+          mag += std::fabs(t);
+        }
         sc[j] = acc * scale;
+        ds[j] = std::ldexp(mag * scale, -12);
         mx = std::max(mx, sc[j]);
       }
       double sum = 0;
       for (int j = 0; j < end; ++j) sum += (sc[j] = std::exp(sc[j] - mx));
       for (int c = 0; c < d; ++c) {
-        double ref = 0;
-        for (int j = 0; j < end; ++j) ref += sc[j] * bf16_to_float(v[std::size_t(j) * d + c]);
+        double ref = 0, bound = 0;
+        for (int j = 0; j < end; ++j) {
+          const double vj = v[std::size_t(j) * d + c];
+          ref += sc[j] * vj;
+          bound += (sc[j] * (0.0625 + 2 * ds[j]) + std::ldexp(1.0, -10)) * std::fabs(vj);
+        }
         ref /= sum;
-        const double e = std::fabs(ref - bf16_to_float(o[std::size_t(i) * d + c]));
-        if (!(e <= worst)) worst = e;  // NaN propagates
+        bound = bound / sum + std::ldexp(std::fabs(ref), -8) + 1e-7;
+        const double e = std::fabs(ref - o[std::size_t(i) * d + c]);
+        const double r = f8 ? e / bound : e;
+        if (!(r <= worst)) worst = r;  // NaN propagates
         ref_max = std::max(ref_max, std::fabs(ref));
       }
     }
   }
-  return worst / std::max(ref_max, 1e-30);
+  return fp8_mode() ? worst : worst / std::max(ref_max, 1e-30);
 }
 
 // The dense [b, s, h, d] bf16 call of the grid on one input set.
 flashattn::detail::FwdParams grid_params(const Buffers& in, int b, int h, int d, int s, bool causal) {
   flashattn::detail::FwdParams p;
-  p.dtype = p.kv_dtype = flashattn::DType::kBFloat16;
+  p.dtype = p.q_dtype = p.kv_dtype = flashattn::DType::kBFloat16;
   p.batch = b;
   p.h_q = p.h_k = h;
   p.d = p.d_v = d;
@@ -135,6 +190,16 @@ flashattn::detail::FwdParams grid_params(const Buffers& in, int b, int h, int d,
   p.v = in.v;
   p.out = in.out;
   p.lse = in.lse;
+  if (fp8_mode()) {
+    p.q_dtype = p.kv_dtype = flashattn::DType::kFloat8E4M3;
+    p.q = in.q8;
+    p.k = in.k8;
+    p.v = in.v8;
+    p.scale_block_stride = h;
+    p.scale_by_sequence = true;
+    p.workspace = in.ws;
+    p.workspace_bytes = in.ws_bytes;
+  }
   return p;
 }
 
@@ -219,6 +284,13 @@ int main(int argc, char** argv) {
     BENCH_CHECK(cudaMalloc(&s.v, elems * 2));
     BENCH_CHECK(cudaMalloc(&s.out, elems * 2));
     BENCH_CHECK(cudaMalloc(&s.lse, sizeof(float) * kTokens * 64));
+    if (fp8_mode()) {
+      BENCH_CHECK(cudaMalloc(&s.q8, elems));
+      BENCH_CHECK(cudaMalloc(&s.k8, elems));
+      BENCH_CHECK(cudaMalloc(&s.v8, elems));
+      s.ws_bytes = elems + (std::size_t(64) << 20);  // V^T: 16k keys + 272 per sequence, per KV head and column
+      BENCH_CHECK(cudaMalloc(&s.ws, s.ws_bytes));
+    }
   }
   {
     std::uint32_t seed = 1;
@@ -227,6 +299,14 @@ int main(int argc, char** argv) {
         const std::vector<std::uint16_t> host = random_bf16(elems, seed++ * 7919u);
         BENCH_CHECK(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice));
       }
+    if (fp8_mode()) {
+      for (Buffers& s : sets)
+        for (void* p : {s.q8, s.k8, s.v8}) {
+          const std::vector<std::uint8_t> host = random_e4m3(elems, seed++ * 7919u);
+          BENCH_CHECK(cudaMemcpy(p, host.data(), elems, cudaMemcpyHostToDevice));
+        }
+      std::printf("# BENCH_FP8: e4m3 q, k, v, bf16 out (sm90 fp8 forward, V^T copy included)\n");
+    }
   }
   float* sink = nullptr;  // BENCH_SINK: [64] logits of -1000 (heads <= 2048 / 64 = 32)
   if (std::getenv("BENCH_SINK") != nullptr) {
@@ -266,14 +346,30 @@ int main(int argc, char** argv) {
           if (r >= kWarmup) ms.push_back(t);
         }
         const double median = median_of(ms);
+#if FLASHATTN_WITH_SM90
+        if (fp8_mode()) {  // the V^T copy alone (fp8_vt.cu), part of the time above
+          std::vector<float> vt_ms;
+          for (int r = 0; r < 10; ++r) {
+            BENCH_CHECK(cudaEventRecord(start));
+            flashattn::detail::cuda::sm90::transpose_v_fp8(p, p.workspace);
+            BENCH_CHECK(cudaEventRecord(stop));
+            BENCH_CHECK(cudaEventSynchronize(stop));
+            float t = 0;
+            BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
+            vt_ms.push_back(t);
+          }
+          std::printf("# fp8 V^T copy %d %d %d: %.4f ms\n", d, causal, s, median_of(vt_ms));
+        }
+#endif
         const double flops = 4.0 * b * h * double(s) * s * d / (causal ? 2.0 : 1.0);
         const double tflops = flops / (median * 1e-3) / 1e12;
         // Checked on the last call's inputs (check_cell): relative error FAIL above 2e-2
-        // (bf16 output rounding alone is ~4e-3).
+        // (bf16 output rounding alone is ~4e-3); fp8: FAIL above its bound (ratio > 1).
         const double err = check_cell(sets[(kWarmup + kRepeats - 1) % kSets], b, h, d, s,
                                       causal != 0, p.scale);
-        std::printf("%5d %6d %6d %5d %5d %9.4f %8.1f  relerr %.2e %s\n", d, causal, s, b, h,
-                    median, tflops, err, err < 2e-2 ? "ok" : "FAIL");
+        const bool f8 = fp8_mode();
+        std::printf("%5d %6d %6d %5d %5d %9.4f %8.1f  %s %.2e %s\n", d, causal, s, b, h, median, tflops,
+                    f8 ? "err/bound" : "relerr", err, err < (f8 ? 1.0 : 2e-2) ? "ok" : "FAIL");
         if (csv) std::fprintf(csv, "%d,%d,%d,%d,%d,%.5f,%.2f\n", d, causal, s, b, h, median, tflops);
       }
     }

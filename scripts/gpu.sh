@@ -6,7 +6,7 @@
 # the benchmark's forward and backward standard grid (bf16, bench/suite.py: flashattn
 # against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
 # short table last. Logs and CSVs go to $OUT (default ./out), bundled into logs.tgz at the end.
-#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,sparse,python,upstream
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,sparse,fp8,python,upstream
 #                                 (TESTS_FILTER=<gtest filter>: the tests step runs only those)
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
@@ -31,7 +31,7 @@ need=()
 [[ $STEPS == *main* ]] && need+=("$B/bench/flashattn_main")
 [[ $STEPS == *memory* ]] && need+=("$B/bench/flashattn_cuda_bwd_bench")
 [[ $STEPS == *decode* ]] && need+=("$B/bench/flashattn_cuda_decode_bench")
-[[ $STEPS == *sparse* ]] && need+=("$B/bench/flashattn_cuda_fwd_bench")
+[[ $STEPS == *sparse* || $STEPS == *fp8* ]] && need+=("$B/bench/flashattn_cuda_fwd_bench")
 missing=0
 for x in "${need[@]}"; do [ -x "$x" ] || missing=1; done
 if [ $missing = 1 ]; then
@@ -123,6 +123,16 @@ if [[ $STEPS == *sparse* ]]; then
     timeout 30 "$B/bench/flashattn_cuda_fwd_bench" --sparse $d 16384
   done >"$OUT/sparse.txt" 2>&1
   add "block-sparse fwd / unmasked (d density:ratio): $(awk '$4 != "0.00" {printf "%s %s:%s  ", $2, $4, $7}' "$OUT/sparse.txt")"
+fi
+if [[ $STEPS == *fp8* ]]; then
+  # The sm90 fp8 forward (issue 21) beside the bf16 forward of the same binary, the standard
+  # grid's lengths: e4m3 q, k, v (BENCH_FP8: the V^T copy included and timed alone), each
+  # cell checked against its fp8 error bound.
+  for d in 64 128 256; do for c in 0 1; do for s in 16384 8192 4096 2048 1024 512; do
+    BENCH_FP8=1 timeout 30 "$B/bench/flashattn_cuda_fwd_bench" - $d $c $s 2>&1 | grep -v -E 'hdim|BENCH_FP8' | sed 's/^/fp8 /'
+    timeout 30 "$B/bench/flashattn_cuda_fwd_bench" - $d $c $s 2>&1 | grep -v -E '^#|hdim' | sed 's/^/bf16 /'
+  done; done; done >"$OUT/fp8.txt" 2>&1
+  add "fp8 fwd (d causal s: fp8 / bf16 TFLOP/s): $(awk '$1 == "fp8" && $2 != "#" {k = $2 " " $3 " " $4; f[k] = $8; ok[k] = $11} $1 == "bf16" {k = $2 " " $3 " " $4; printf "%s: %s/%s%s  ", k, f[k], $8, ok[k] == "ok" ? "" : " " ok[k]}' "$OUT/fp8.txt")"
 fi
 if [[ $STEPS == *memory* ]]; then
   timeout 60 "$B/bench/flashattn_cuda_bwd_bench" --memory >"$OUT/memory.txt" 2>&1

@@ -162,14 +162,19 @@ struct Options {
   // fp8 forward (FlashAttention-3's q_descale, k_descale, v_descale): with q, k, v all of
   // dtype float8_e4m3, the value of an element is float(e4m3) * descale[b, g], g the KV
   // head of the element (for q: the KV head of its query head's group, h / (h_q / h_k)).
-  // Each is fp32 [b, h_k] (varlen: b sequences), on q's device, last dim contiguous;
+  // Each is fp32 [b, h_k] (varlen: b sequences), on q's device, last dim contiguous (CUDA:
+  // the whole [b, h_k] contiguous, stride[0] == h_k, as the kernel reads it on the device);
   // undefined = 1. Must be undefined unless q is float8_e4m3. With fp8 q, k, v, `out` is
   // bfloat16 or float16 (the caller's out tensor picks; FlashAttention-3 defaults to
   // bfloat16) and lse fp32; the CPU backend dequantizes while loading tiles, computes in
   // fp32 and rounds the output once. Forward entry points forward, varlen_forward and
   // kvcache_forward (fp8 q over an fp8 cache: see KVCacheArgs); backward / varlen_backward
-  // (no fp8 backward, as in FlashAttention-3) and CUDA tensors (for now) decline fp8 q with
-  // Unsupported naming q; no qv with fp8 q.
+  // (no fp8 backward, as in FlashAttention-3) decline fp8 q with Unsupported naming q; no qv
+  // with fp8 q. CUDA tensors: forward and varlen_forward run the sm90 (Hopper) fp8 kernel
+  // (docs/fp8.md: it rounds P to e4m3 for the P V product); there dropout_p > 0,
+  // return_probs and block_sparse are Unsupported naming the option, as are GPUs other than
+  // sm90 and head dims the kernel lacks; kvcache_forward with fp8 q runs on the CPU only
+  // (CUDA: Unsupported naming q).
   Tensor q_descale, k_descale, v_descale;
 };
 

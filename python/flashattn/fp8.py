@@ -2,8 +2,8 @@
 per-(sequence, KV head) descales, and an accuracy harness that measures the fp8 forward
 against fp64 attention over the dequantized inputs, next to the bf16 forward's error on
 the same (dequantized) inputs. The harness runs on any device the library runs on: CPU
-tensors now, CUDA tensors once the fp8 kernels exist (python -m flashattn.fp8 --device
-cuda).
+tensors (the CPU backend) and CUDA tensors on an sm90 GPU (the fp8 kernel, which rounds P
+to e4m3 for the P V product; python -m flashattn.fp8 --device cuda).
 """
 
 import argparse

@@ -394,9 +394,12 @@ def _fp8_out_dtype(fn, q, out_dtype):
 def _fp8_attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                    alibi_slopes, return_attn_probs, learnable_sink, block_sparse_tensors,
                    descales, out_dtype):
-    """flash_attn_func with fp8 q, k, v: the library's fp8 forward on the CPU backend, with
-    dropout (seed from torch's default CPU generator, as the 16-bit path), the debug
-    probabilities and block masks computed on the dequantized values."""
+    """flash_attn_func with fp8 q, k, v: the library's fp8 forward on q's device: the CPU
+    backend, with dropout (seed from torch's default CPU generator, as the 16-bit path), the
+    debug probabilities and block masks computed on the dequantized values; or, for CUDA
+    tensors, the sm90 fp8 kernel (no dropout or block mask: UnsupportedError naming the
+    keyword; return_attn_probs gives S_dmask None there, as a 16-bit CUDA call without
+    dropout). The descales reach the library contiguous (ops._descale)."""
     left, right = _checked_window(fn, window_size)
     out_dtype = _fp8_out_dtype(fn, q, out_dtype)
     want_probs = bool(return_attn_probs) and q.device.type == "cpu"
@@ -458,7 +461,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Forward only (no autograd), no qv (UnsupportedError naming qv); dropout (seeded from
     torch's default CPU generator, as the 16-bit path), return_attn_probs (S_dmask as on
     CPU tensors: fp32 probabilities after dropout) and block_sparse_tensors apply to the
-    dequantized values. CPU backend only for now (CUDA tensors: UnsupportedError naming q).
+    dequantized values on CPU tensors. CUDA tensors run the sm90 (Hopper) fp8 kernel (other
+    GPUs: UnsupportedError), without dropout or block_sparse_tensors (UnsupportedError naming
+    them) and with S_dmask None under return_attn_probs.
     """
     fn = "flashattn.flash_attn_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
@@ -521,7 +526,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     [total_q], [total_k]); not with a block_table. fp8 (q, k, v torch.float8_e4m3fn with
     q_descale / k_descale / v_descale fp32 [b, h_k], out_dtype): as flash_attn_func's, with
     seqused_q / seqused_k, block_sparse_tensors, and a block_table (the fp8 blocks are
-    gathered as bytes; descales stay per sequence whatever block holds a key)."""
+    gathered as bytes; descales stay per sequence whatever block holds a key); CUDA tensors
+    as flash_attn_func's (the sm90 fp8 kernel; no dropout or block_sparse_tensors)."""
     fn = "flashattn.flash_attn_varlen_func"
     if _fp8_requested(q, (q_descale, k_descale, v_descale)):
         _fp8_unsupported(fn, q, qv=(qv, None))

@@ -89,11 +89,13 @@ def _prepare(t: Optional[Tensor]) -> Optional[Tensor]:
         return t
     ok = t.stride(-1) == 1
     if ok and t.is_cuda:
-        # A contiguous tensor whose last dimension is a multiple of 8 has every outer
-        # stride a multiple of 8: only the address is left to check.
+        # 16-byte rows: outer strides a multiple of 8 elements (16 for the 1-byte fp8). A
+        # contiguous tensor whose last dimension is such a multiple has every outer stride
+        # one: only the address is left to check.
+        m = 16 if t.element_size() == 1 else 8
         ok = t.data_ptr() % 16 == 0 and (
-            (t.shape[-1] % 8 == 0 and t.is_contiguous())
-            or all(st % 8 == 0 for st, sz in zip(t.stride()[:-1], t.shape[:-1]) if sz > 1)
+            (t.shape[-1] % m == 0 and t.is_contiguous())
+            or all(st % m == 0 for st, sz in zip(t.stride()[:-1], t.shape[:-1]) if sz > 1)
         )
     if ok:
         return t
@@ -394,11 +396,24 @@ def _(q, k, v, alibi_slopes, rng_state, softmax_scale, causal, window_left, wind
 # fp8 q, k, v (torch.float8_e4m3fn) with FlashAttention-3's fp32 [b, h_k] descales
 # (None = 1); out in out_dtype (bfloat16 / float16), lse fp32, probs fp32 (or [0]) as
 # fwd / varlen_fwd's. Forward only: there is no fp8 backward (as in FlashAttention-3), so
-# these ops have no autograd formula. CPU backend only for now (CUDA tensors:
-# UnsupportedError naming q). After out_dtype they take, as fwd / varlen_fwd do,
-# rng_state, dropout_p and return_probs (dropout and the debug probabilities, computed on
-# the dequantized values), then (varlen_fwd_fp8) seqused_q, then the block-sparse mask
-# arguments (mask_block_cnt ... prefix_keys), all optional.
+# these ops have no autograd formula. CPU tensors run on the CPU backend, CUDA tensors on
+# the sm90 (Hopper) fp8 kernel, which takes no dropout, return_probs or block-sparse mask
+# (UnsupportedError naming the option; other GPUs: UnsupportedError). The descales go to
+# the library contiguous (the CUDA kernel reads them as [b, h_k] rows: _descale). After
+# out_dtype they take, as fwd / varlen_fwd do, rng_state, dropout_p and return_probs
+# (dropout and the debug probabilities, computed on the dequantized values), then
+# (varlen_fwd_fp8) seqused_q, then the block-sparse mask arguments (mask_block_cnt ...
+# prefix_keys), all optional.
+
+
+def _descale(t: Optional[Tensor]) -> Optional[Tensor]:
+    """An fp8 descale as the library takes it: _prepare's view, contiguous (a padded,
+    transposed or broadcast [b, h_k] is copied; the library checks dtype float32, the
+    shape and the device, and names the descale)."""
+    t = _prepare(t)
+    if t is None or t.dim() == 0 or t.is_contiguous():
+        return t
+    return t.contiguous()
 
 
 def _fwd_fp8(
@@ -439,8 +454,8 @@ def _fwd_fp8(
                     window_right, softcap, dropout_p, False, learnable_sink, block_sparse=bs)
     _C.forward(_dl(_prepare(q)), _dl(_prepare(k)), _dl(_prepare(v)), _dl(out), _dl(lse),
                return_probs=_dl(probs) if return_probs else None,
-               q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
-               v_descale=_dl(_prepare(v_descale)), **opts)
+               q_descale=_dl(_descale(q_descale)), k_descale=_dl(_descale(k_descale)),
+               v_descale=_dl(_descale(v_descale)), **opts)
     return out, lse, probs
 
 
@@ -527,8 +542,8 @@ def _varlen_fwd_fp8(
                       _dl(_prepare(cu_seqlens_q)), _dl(_prepare(cu_seqlens_k)),
                       _dl(_prepare(seqused_k)), max_seqlen_q, max_seqlen_k, _dl(out), _dl(lse),
                       return_probs=_dl(probs) if return_probs else None,
-                      q_descale=_dl(_prepare(q_descale)), k_descale=_dl(_prepare(k_descale)),
-                      v_descale=_dl(_prepare(v_descale)), **opts,
+                      q_descale=_dl(_descale(q_descale)), k_descale=_dl(_descale(k_descale)),
+                      v_descale=_dl(_descale(v_descale)), **opts,
                       seqused_q=_dl(_prepare(seqused_q)))
     return out, lse, probs
 

@@ -50,13 +50,16 @@ DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tens
 }
 
 // Options, backend, backend support and CUDA layouts of q, k, v: what every dense
-// entry point checks after the shapes.
+// entry point checks after the shapes. fp8 q reaches it only from forward (the backward
+// entry points reject it first): on CUDA, the sm90 fp8 forward's rules (check_fp8_cuda).
 Target check_dense_options(const Check& c, const Options& opts, const DenseDims& dims,
                            const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
   detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
-  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_fp8_cuda(c, opts, q, target == Target::kCUDA, dims.b, dims.h_k);
+  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, "v",
+                               /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;
@@ -102,13 +105,15 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
                           {dims.b, dims.h_q, dims.s_q, dims.s_k}, p);
   c.no_overlap({{"out", out}, {"lse", lse}, {"opts.return_probs", opts.return_probs}},
                {{"q", q}, {"k", k}, {"v", v}, {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv},
+                {"opts.q_descale", opts.q_descale}, {"opts.k_descale", opts.k_descale},
+                {"opts.v_descale", opts.v_descale}});
 
   set_dense_inputs(dims, q, k, v, p);
   detail::api::set_qv(opts.qv, p);
   detail::api::set_out(out, p);
-  std::vector<float> descales;
-  detail::api::set_fp8(opts, out, p, descales);
+  std::vector<float> descales;  // fp8 q on the CPU: the descales, read on the host
+  detail::api::set_fp8(opts, out, target == Target::kCUDA, p, descales);
   set_dense_lse(lse, p);
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;

@@ -392,8 +392,56 @@ void reject_fp8(const Check& check, const Options& opts, const Tensor& q, std::s
   check_fp8(check, opts, q, 0, 0);  // descales without fp8 q
 }
 
-void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<float>& storage) {
+void check_fp8_cuda(const Check& check, const Options& opts, const Tensor& q, bool cuda,
+                    int batch, int h_k) {
+  if (!cuda || q.dtype != DType::kFloat8E4M3) return;
+  const Descale descales[] = {{"opts.q_descale", opts.q_descale},
+                              {"opts.k_descale", opts.k_descale},
+                              {"opts.v_descale", opts.v_descale}};
+  for (const Descale& ds : descales) {
+    const Tensor& t = ds.tensor;
+    if (!t.defined() || batch <= 1) continue;
+    if (t.stride[0] != h_k) {
+      check.fail(ds.name,
+                 "stride[0] == " + std::to_string(h_k) +
+                     " (h_k: contiguous [b, h_k], the CUDA fp8 forward reads descale[b * h_k + "
+                     "g] on the device)",
+                 std::to_string(t.stride[0]));
+    }
+  }
+  constexpr const char* kOnCuda = " with float8_e4m3 q, k, v on CUDA (the sm90 fp8 forward, as "
+                                  "FlashAttention-3's, has none; the CPU backend runs it)";
+  if (opts.dropout_p > 0.0f) {
+    check.unsupported("opts.dropout_p", std::string("0") + kOnCuda, number(opts.dropout_p));
+  }
+  if (opts.return_probs.defined()) {
+    check.unsupported("opts.return_probs", std::string("an undefined tensor") + kOnCuda,
+                      "a tensor of shape " + flashattn::shape_string(opts.return_probs));
+  }
+  if (opts.block_sparse.defined()) {
+    check.unsupported("opts.block_sparse", std::string("undefined lists") + kOnCuda,
+                      "a block-sparse mask");
+  }
+}
+
+void set_fp8(const Options& opts, const Tensor& out, bool cuda, FwdParams& p,
+             std::vector<float>& storage) {
   if (p.q_dtype != DType::kFloat8E4M3) return;
+  p.dtype = out.dtype;
+  p.scale_block_stride = p.h_k;
+  p.scale_by_sequence = true;
+  if (cuda) {
+    // The device pointers as they are: [b, h_k] contiguous (check_fp8_cuda), read by the
+    // kernel as descale[b * h_k + g]; nullptr = 1.
+    const auto device_ptr = [](const Tensor& t) {
+      return t.defined() ? static_cast<const float*>(t.data) : nullptr;
+    };
+    storage.clear();
+    p.q_descale = device_ptr(opts.q_descale);
+    p.k_scale = device_ptr(opts.k_descale);
+    p.v_scale = device_ptr(opts.v_descale);
+    return;
+  }
   const std::size_t n = std::size_t(p.batch) * std::size_t(p.h_k);
   storage.assign(3 * n, 1.0f);
   const Tensor* tensors[] = {&opts.q_descale, &opts.k_descale, &opts.v_descale};
@@ -405,12 +453,9 @@ void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<f
       for (int g = 0; g < p.h_k; ++g)
         storage[t * n + std::size_t(b) * p.h_k + g] = src[std::int64_t(b) * ds.stride[0] + g];
   }
-  p.dtype = out.dtype;
   p.q_descale = storage.data();
   p.k_scale = storage.data() + n;
   p.v_scale = storage.data() + 2 * n;
-  p.scale_block_stride = p.h_k;
-  p.scale_by_sequence = true;
 }
 
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,

@@ -150,10 +150,25 @@ void check_fp8(const Check& check, const Options& opts, const Tensor& q, int bat
 // A backward / KV-cache entry point: q not float8_e4m3 and no descales, else Unsupported
 // (fp8 q) or InvalidArgument (descales); `why` ends the Unsupported message.
 void reject_fp8(const Check& check, const Options& opts, const Tensor& q, std::string_view why);
-// After set_qkv / set_out with fp8 q (CPU backend only; a no-op otherwise): p.dtype
-// becomes out's, p.q_descale / k_scale / v_scale point into `storage`, which holds the
-// three descales [3][batch * h_k] (1 where undefined) and must outlive the call.
-void set_fp8(const Options& opts, const Tensor& out, FwdParams& p, std::vector<float>& storage);
+// fp8 q, k, v on the CUDA backend (forward / varlen_forward, after check_fp8 and
+// resolve_target; a no-op without fp8 q or when `cuda` is false). The sm90 fp8 kernel reads
+// a descale as descale[b * h_k + g] on the device, so each one given must be contiguous
+// [b, h_k]: stride[0] == h_k when b > 1 (stride[1] == 1, fp32, the shape and q's device are
+// check_fp8's), else InvalidArgument naming it. What that kernel does not run is
+// Unsupported naming the option: opts.dropout_p > 0, opts.return_probs, opts.block_sparse
+// (the CPU backend runs them with fp8; opts.qv is check_fp8's, for every backend).
+void check_fp8_cuda(const Check& check, const Options& opts, const Tensor& q, bool cuda,
+                    int batch, int h_k);
+// After set_qkv / set_out with fp8 q (a no-op otherwise): p.dtype becomes out's,
+// p.scale_block_stride h_k, p.scale_by_sequence true, and p.q_descale / k_scale / v_scale
+// the [batch, h_k] descales:
+//   CPU (`cuda` false): pointers into `storage`, which holds the three descales
+//     [3][batch * h_k] read on the host (1 where undefined) and must outlive the call;
+//   CUDA: the descale tensors' own device pointers (contiguous [b, h_k]: check_fp8_cuda),
+//     nullptr where undefined (the kernel reads nullptr as 1); nothing is copied and
+//     `storage` is left empty.
+void set_fp8(const Options& opts, const Tensor& out, bool cuda, FwdParams& p,
+             std::vector<float>& storage);
 void set_gradients(const Tensor& dout, const Tensor& dq, const Tensor& dk, const Tensor& dv,
                    BwdParams& p);
 

@@ -93,11 +93,12 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 }
 
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name, bool d_v_may_differ) {
-  if (dtype == DType::kFloat8E4M3 && target == Target::kCUDA) {
+                     int h_q, std::string_view v_name, bool d_v_may_differ, bool cuda_fp8) {
+  const bool fp8 = dtype == DType::kFloat8E4M3;
+  if (fp8 && target == Target::kCUDA && !cuda_fp8) {
     check.unsupported("q",
-                      "dtype float16 or bfloat16 (CUDA backend; the fp8 forward runs on the CPU "
-                      "backend for now)",
+                      "dtype float16 or bfloat16 (CUDA backend: float8_e4m3 q, k, v run on CUDA "
+                      "in forward and varlen_forward only; here they run on the CPU backend)",
                       dtype_name(dtype));
   }
   if (dtype == DType::kInt32) {
@@ -121,8 +122,11 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
   if (h_q > kMaxGridYZ) {
     check.unsupported("q", "at most 65535 query heads (CUDA backend)", std::to_string(h_q) + " heads");
   }
-  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
-    check.unsupported("q", "dtype float16 or bfloat16 (CUDA backend)", dtype_name(dtype));
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16 && !fp8) {
+    check.unsupported("q",
+                      cuda_fp8 ? "dtype float16, bfloat16 or float8_e4m3 (CUDA backend)"
+                               : "dtype float16 or bfloat16 (CUDA backend)",
+                      dtype_name(dtype));
   }
   if (d < 1 || d % 8 != 0 || d > kMaxHeadDim) {
     check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend)",

@@ -32,8 +32,12 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 // On CUDA, d_v may differ from d (both % 8 == 0, at most 256; the kernels run in the
 // bucket of the larger) except where d_v_may_differ is false (the KV-cache calls: their
 // decode kernel has one head dim).
+// float8_e4m3 q, k, v run on CUDA only where cuda_fp8 is true (forward / varlen_forward:
+// the sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU
+// other than sm90, a head dim, ...); elsewhere (the KV-cache calls) Unsupported naming q.
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name = "v", bool d_v_may_differ = true);
+                     int h_q, std::string_view v_name = "v", bool d_v_may_differ = true,
+                     bool cuda_fp8 = false);
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

@@ -363,8 +363,10 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                   std::to_string(opts.dropout_p));
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
+  // fp8 q over an fp8 cache runs on the CPU backend only (cuda_fp8 false: Unsupported
+  // naming q on CUDA).
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
-                               "v_cache", /*d_v_may_differ=*/false);
+                               "v_cache", /*d_v_may_differ=*/false, /*cuda_fp8=*/false);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "
@@ -466,7 +468,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
 
   detail::api::set_out(out, p);
   std::vector<float> descales;  // fp8 q: the descales, read by the CPU backend
-  detail::api::set_fp8(opts, out, p, descales);
+  detail::api::set_fp8(opts, out, target == Target::kCUDA, p, descales);
   if (lse.defined()) {
     p.lse = static_cast<float*>(lse.data);
     p.lse_batch_stride = lse.stride[0];

@@ -149,12 +149,15 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
+  // fp8 q reaches here only from varlen_forward (the backward entry points reject it first).
+  detail::api::check_fp8_cuda(c, opts, a.q, target == Target::kCUDA, dims.b, dims.h_k);
   // Block sparsity: the grid of max_seqlen_q x max_seqlen_k, positions within a sequence.
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, a.q.device,
                                  {dims.b, dims.h_q, a.max_seqlen_q, a.max_seqlen_k, true,
                                   dims.total_q, dims.total_k},
                                  block_kinds, p);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, "v",
+                               /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   const bool read = check_varlen_contents(c, a, dims, target, opts.stream);
@@ -210,13 +213,15 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
                 {"cu_seqlens_k", args.cu_seqlens_k}, {"seqused_k", args.seqused_k},
                 {"seqused_q", args.seqused_q},
                 {"opts.alibi_slopes", opts.alibi_slopes},
-                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv}});
+                {"opts.learnable_sink", opts.learnable_sink}, {"opts.qv", opts.qv},
+                {"opts.q_descale", opts.q_descale}, {"opts.k_descale", opts.k_descale},
+                {"opts.v_descale", opts.v_descale}});
 
   set_varlen_inputs(args, dims, p);
   detail::api::set_qv(opts.qv, p);
   set_varlen_outputs(out, lse, p);
-  std::vector<float> descales;
-  detail::api::set_fp8(opts, out, p, descales);
+  std::vector<float> descales;  // fp8 q on the CPU: the descales, read on the host
+  detail::api::set_fp8(opts, out, target == Target::kCUDA, p, descales);
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
   detail::api::attach_workspace(c, target, {}, detail::api::forward_workspace_size(target, p), p,

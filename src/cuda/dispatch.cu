@@ -51,7 +51,8 @@ namespace flashattn::detail::cuda {
 namespace sm90 {
 bool fwd_built() noexcept { return false; }
 const char* fwd_unsupported(const FwdParams&) noexcept { return "not built"; }
-void run_fwd(const FwdParams&) {}
+void run_fwd(const FwdParams&, void*) {}
+std::size_t fp8_vt_bytes(const FwdParams&) noexcept { return 0; }
 const char* bwd_unsupported(const BwdParams&) noexcept { return "not built"; }
 void run_bwd_main(const BwdParams&, const BwdWorkspace&, void*) {}
 }  // namespace sm90
@@ -72,6 +73,11 @@ bool debug_log() {
 // Where a block-sparse call's kinds table starts in the forward's workspace.
 std::size_t block_kinds_offset(const FwdParams& p) {
   return (sm80::forward_workspace_size(p) + 255) & ~std::size_t(255);
+}
+
+// Where the fp8 forward's V^T (sm90/fp8_vt.cu) starts in the forward's workspace.
+std::size_t fp8_vt_offset(const FwdParams& p) {
+  return (block_kinds_offset(p) + block_kinds_bytes(p) + 255) & ~std::size_t(255);
 }
 
 // Checks every family shares; a family's own limits are its own.
@@ -121,6 +127,23 @@ void forward(const FwdParams& in) {
     auto* table = static_cast<std::uint8_t*>(p.workspace) + block_kinds_offset(p);
     build_block_kinds(p, table, p.is_varlen() ? IndexCall::kVarlenForward : IndexCall::kForward);
   }
+  // fp8 (e4m3) q, k, v: the sm90 family's 8-bit kernels, or an error naming why not.
+  if (p.q_dtype == DType::kFloat8E4M3) {
+    const char* why = choice.family != KernelFamily::kSm90
+                          ? "the sm80 family (the fp8 forward runs on the sm90 family: H100 / H200)"
+                          : sm90::fwd_unsupported(p);
+    if (why != nullptr) {
+      throw Unsupported(kFn, "q", "float8_e4m3 q, k, v within the sm90 family's fp8 forward", why);
+    }
+    const std::size_t need = fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
+    if (p.workspace == nullptr || p.workspace_bytes < need) {
+      throw Unsupported(kFn, "workspace", "at least " + std::to_string(need) + " bytes (the fp8 forward's V^T)",
+                        std::to_string(p.workspace_bytes) + " bytes");
+    }
+    sm90::run_fwd(p, static_cast<std::uint8_t*>(p.workspace) + fp8_vt_offset(p));
+    write_unused_query_rows(p);
+    return;
+  }
   // Decoding (a few query rows against a long cache) is memory-bound: the decode kernel
   // (split-KV, fp8, draft trees) serves it on every family.
   if (choice.family == KernelFamily::kSm90 && !sm80::plan_decode(p).use) {
@@ -139,6 +162,7 @@ void forward(const FwdParams& in) {
 // KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
 // computed from shapes and upper bounds only (the same during CUDA graph capture).
 std::size_t forward_workspace_size(const FwdParams& p) {
+  if (p.q_dtype == DType::kFloat8E4M3) return fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
   return block_kinds_offset(p) + block_kinds_bytes(p);
 }
 

@@ -312,6 +312,19 @@ TEST_F(ErrorsDense, Fp8NeedsA16BitOut) {
   EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'out'", "bfloat16 or float16", "got float8_e4m3");
 }
 
+TEST_F(ErrorsDense, Fp8OutputsMustNotOverlapADescale) {
+  // The CUDA fp8 kernel reads the descales while it writes out and lse: an output over a
+  // descale is an InvalidArgument naming both (on every backend, as kvcache_forward's).
+  const fa::DType f8 = fa::DType::kFloat8E4M3;
+  q = pool_.tensor(f8, {b, s_q, h_q, d});
+  k = pool_.tensor(f8, {b, s_k, h_k, d});
+  v = pool_.tensor(f8, {b, s_k, h_k, d});
+  out = pool_.tensor(fa::DType::kBFloat16, {b, s_q, h_q, d}, nan);
+  expect_accepted([&] { fwd(); });
+  opts.v_descale = fa::Tensor::contiguous(lse.data, f32, {b, h_k});  // lse's first 4 floats
+  EXPECT_REJECTED(Kind::kInvalid, fwd(), "argument 'lse': expected memory disjoint from input 'opts.v_descale'");
+}
+
 TEST_F(ErrorsDense, IntegerInputs) {
   const fa::DType i32 = fa::DType::kInt32;
   q = pool_.tensor(i32, {b, s_q, h_q, d});
@@ -558,19 +571,226 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
   }
 }
 
-TEST(ErrorsCudaRules, Fp8RunsOnTheCpuOnly) {
-  // fp8 q, k, v: the CPU backend accepts them; CUDA declines naming q, before any kernel.
-  const fa::detail::api::Check check("forward");
-  EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCPU,
-                                                   fa::DType::kFloat8E4M3, 128, 128, 2, 16));
-  try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2,
-                                     16);
-    FAIL() << "fp8 accepted for CUDA";
-  } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected dtype float16 or bfloat16 (CUDA backend; the fp8 "
-                                    "forward runs on the CPU backend for now), got float8_e4m3"));
+TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
+  // fp8 q, k, v: forward / varlen_forward (cuda_fp8) take them on CUDA too, whatever the head
+  // dim within the usual CUDA rules (the sm90 fp8 kernel declines what it does not cover
+  // itself, with Unsupported); the CPU backend takes them as before.
+  namespace api = fa::detail::api;
+  const api::Check check("forward");
+  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16));
+  for (int d : {64, 96, 128, 256}) {
+    try {
+      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, d, d, 2, 16, "v",
+                           /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
+      EXPECT_TRUE(fa::detail::cuda::supports_head_dim(d)) << "d = " << d;
+    } catch (const fa::Unsupported& e) {
+      // Only a head dim this build did not compile (a CPU-only build compiles none).
+      EXPECT_FALSE(fa::detail::cuda::supports_head_dim(d)) << e.what();
+      EXPECT_THAT(e.what(), HasSubstr("FLASHATTN_HEAD_DIMS"));
+    }
   }
+  // The usual CUDA rules still apply to fp8 (d % 8), and other dtypes name fp8 among those.
+  try {
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 60, 60, 2, 16, "v", true, true);
+    FAIL() << "d = 60 accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0"));
+  }
+  try {
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat32, 128, 128, 2, 16, "v", true, true);
+    FAIL() << "fp32 accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected dtype float16, bfloat16 or float8_e4m3 (CUDA "
+                                    "backend), got float32"));
+  }
+}
+
+TEST(ErrorsCudaRules, Fp8KVCacheRunsOnTheCpuOnly) {
+  // kvcache_forward with fp8 q (over an fp8 cache) on CUDA: Unsupported naming q, before any
+  // kernel (cuda_fp8 false, the KV-cache entry point's and the default).
+  namespace api = fa::detail::api;
+  const api::Check check("kvcache_forward");
+  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
+                                       "v_cache", false, false));
+  for (bool explicit_flag : {false, true}) {
+    try {
+      if (explicit_flag) {
+        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16, "v_cache",
+                             /*d_v_may_differ=*/false, /*cuda_fp8=*/false);
+      } else {
+        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16);
+      }
+      FAIL() << "fp8 KV-cache call accepted for CUDA";
+    } catch (const fa::Unsupported& e) {
+      EXPECT_THAT(e.what(), HasSubstr("flashattn::kvcache_forward: argument 'q': expected dtype float16 or "
+                                      "bfloat16 (CUDA backend: float8_e4m3 q, k, v run on CUDA in forward "
+                                      "and varlen_forward only; here they run on the CPU backend), got "
+                                      "float8_e4m3"));
+    }
+  }
+}
+
+// fp8 q, k, v on CUDA: the descales go to the kernel as device pointers, so each must be a
+// contiguous [b, h_k]; the CUDA fp8 forward has no dropout, probabilities or block masks.
+// Tensors labelled cuda:0 over host memory: only their metadata is read.
+class ErrorsCudaFp8 : public ::testing::Test {
+ protected:
+  static constexpr int b = 3, h_k = 2;
+  alignas(16) std::uint8_t q_bytes[3 * 4 * 4 * 16] = {};
+  alignas(16) float descale_buf[64] = {};
+  fa::Tensor q = fa::Tensor::contiguous(q_bytes, fa::DType::kFloat8E4M3, {b, 4, 4, 16}, fa::Device::cuda(0));
+  fa::Options opts;
+  fa::Tensor descale(std::initializer_list<std::int64_t> shape, std::initializer_list<std::int64_t> stride) {
+    return fa::Tensor::strided(descale_buf, fa::DType::kFloat32, shape, stride, fa::Device::cuda(0));
+  }
+  std::string invalid(bool cuda = true, int batch = b) {
+    const fa::detail::api::Check check("forward");
+    try {
+      fa::detail::api::check_fp8(check, opts, q, batch, h_k);
+      fa::detail::api::check_fp8_cuda(check, opts, q, cuda, batch, h_k);
+    } catch (const fa::Unsupported& e) {
+      return std::string("Unsupported: ") + e.what();
+    } catch (const fa::InvalidArgument& e) {
+      return e.what();
+    }
+    return "accepted";
+  }
+  std::string unsupported(bool cuda = true) {
+    const fa::detail::api::Check check("varlen_forward");
+    try {
+      fa::detail::api::check_fp8_cuda(check, opts, q, cuda, b, h_k);
+    } catch (const fa::Unsupported& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      return std::string("not Unsupported: ") + e.what();
+    }
+    return "accepted";
+  }
+};
+
+TEST_F(ErrorsCudaFp8, ContiguousDescalesAreAccepted) {
+  opts.q_descale = descale({b, h_k}, {h_k, 1});
+  opts.v_descale = descale({b, h_k}, {h_k, 1});  // k_descale undefined: 1
+  EXPECT_EQ(invalid(), "accepted");
+}
+
+TEST_F(ErrorsCudaFp8, DescaleRowsMustBeContiguous) {
+  // A padded [b, h_k] (row stride 4 > h_k): the kernel would read descale[b * h_k + g].
+  opts.k_descale = descale({b, h_k}, {4, 1});
+  EXPECT_THAT(invalid(), HasSubstr("flashattn::forward: argument 'opts.k_descale': expected stride[0] == 2 "
+                                   "(h_k: contiguous [b, h_k], the CUDA fp8 forward reads descale[b * h_k + "
+                                   "g] on the device), got 4"));
+  // The CPU backend reads the descales on the host with their strides: accepted there.
+  EXPECT_EQ(invalid(/*cuda=*/false), "accepted");
+  // A broadcast row (stride 0, as torch's expand) is not [b, h_k] memory either.
+  opts.k_descale = {};
+  opts.v_descale = descale({b, h_k}, {0, 1});
+  EXPECT_THAT(invalid(), HasSubstr("argument 'opts.v_descale': expected stride[0] == 2"));
+  EXPECT_THAT(invalid(), HasSubstr("got 0"));
+}
+
+TEST_F(ErrorsCudaFp8, OneSequenceTakesAnyRowStride) {
+  opts.q_descale = descale({1, h_k}, {7, 1});  // b = 1: stride[0] is never used
+  EXPECT_EQ(invalid(true, /*batch=*/1), "accepted");
+}
+
+TEST_F(ErrorsCudaFp8, DescaleLastDimStillContiguous) {
+  // A transposed [b, h_k] view: check_fp8's layout rule, as on the CPU.
+  opts.q_descale = descale({b, h_k}, {1, b});
+  EXPECT_THAT(invalid(), HasSubstr("argument 'opts.q_descale': expected stride[1] == 1 (contiguous last "
+                                   "dimension), got 3"));
+}
+
+TEST_F(ErrorsCudaFp8, DescaleOnAnotherDevice) {
+  opts.k_descale = fa::Tensor::contiguous(descale_buf, fa::DType::kFloat32, {b, h_k});  // host memory
+  EXPECT_THAT(invalid(), HasSubstr("argument 'opts.k_descale': expected device cuda:0"));
+}
+
+TEST_F(ErrorsCudaFp8, DropoutIsUnsupported) {
+  opts.dropout_p = 0.1f;
+  EXPECT_THAT(unsupported(), HasSubstr("flashattn::varlen_forward: argument 'opts.dropout_p': expected 0 with "
+                                       "float8_e4m3 q, k, v on CUDA"));
+  EXPECT_THAT(unsupported(), HasSubstr("got 0.1"));
+  EXPECT_EQ(unsupported(/*cuda=*/false), "accepted");  // the CPU backend runs fp8 dropout
+}
+
+TEST_F(ErrorsCudaFp8, ReturnProbsIsUnsupported) {
+  alignas(16) static float probs[3 * 4 * 4 * 4];
+  opts.return_probs = fa::Tensor::contiguous(probs, fa::DType::kFloat32, {b, 4, 4, 4}, fa::Device::cuda(0));
+  EXPECT_THAT(unsupported(), HasSubstr("argument 'opts.return_probs': expected an undefined tensor with "
+                                       "float8_e4m3 q, k, v on CUDA"));
+  EXPECT_THAT(unsupported(), HasSubstr("got a tensor of shape [3, 4, 4, 4]"));
+  EXPECT_EQ(unsupported(false), "accepted");
+}
+
+TEST_F(ErrorsCudaFp8, BlockSparseIsUnsupported) {
+  alignas(16) static std::int32_t cnt[3 * 4], idx[3 * 4];
+  opts.block_sparse.mask_block_cnt = fa::Tensor::contiguous(cnt, fa::DType::kInt32, {b, 4, 1}, fa::Device::cuda(0));
+  opts.block_sparse.mask_block_idx = fa::Tensor::contiguous(idx, fa::DType::kInt32, {b, 4, 1, 1}, fa::Device::cuda(0));
+  EXPECT_THAT(unsupported(), HasSubstr("argument 'opts.block_sparse': expected undefined lists with float8_e4m3 "
+                                       "q, k, v on CUDA"));
+  EXPECT_EQ(unsupported(false), "accepted");
+}
+
+TEST_F(ErrorsCudaFp8, SixteenBitQIsNotConcerned) {
+  // Without fp8 q the CUDA rules of those options are the usual ones (dropout runs on CUDA).
+  q.dtype = fa::DType::kBFloat16;
+  opts.dropout_p = 0.1f;
+  EXPECT_EQ(unsupported(), "accepted");
+}
+
+TEST(ErrorsCudaRules, Fp8DescalesGoToCudaAsDevicePointers) {
+  // set_fp8 on the CUDA target: the descale tensors' own pointers (nullptr where undefined,
+  // read as 1 by the kernel), nothing read or copied on the host; the CPU target keeps the
+  // host copy with 1 for an undefined descale.
+  namespace api = fa::detail::api;
+  alignas(16) static float qd[6] = {1, 2, 3, 4, 5, 6}, vd[6] = {7, 8, 9, 10, 11, 12};
+  alignas(16) static std::uint16_t out_buf[8];
+  fa::Options opts;
+  opts.q_descale = fa::Tensor::contiguous(qd, fa::DType::kFloat32, {3, 2}, fa::Device::cuda(0));
+  opts.v_descale = fa::Tensor::contiguous(vd, fa::DType::kFloat32, {3, 2}, fa::Device::cuda(0));
+  const fa::Tensor out = fa::Tensor::contiguous(out_buf, fa::DType::kFloat16, {1, 1, 1, 8}, fa::Device::cuda(0));
+  fa::detail::FwdParams p;
+  p.batch = 3;
+  p.h_k = 2;
+  p.dtype = p.q_dtype = p.kv_dtype = fa::DType::kFloat8E4M3;
+  std::vector<float> storage{42.0f};
+  api::set_fp8(opts, out, /*cuda=*/true, p, storage);
+  EXPECT_EQ(p.q_descale, qd);
+  EXPECT_EQ(p.k_scale, nullptr);
+  EXPECT_EQ(p.v_scale, vd);
+  EXPECT_EQ(p.scale_block_stride, 2);
+  EXPECT_TRUE(p.scale_by_sequence);
+  EXPECT_EQ(p.dtype, fa::DType::kFloat16);
+  EXPECT_EQ(p.q_dtype, fa::DType::kFloat8E4M3);
+  EXPECT_EQ(p.kv_dtype, fa::DType::kFloat8E4M3);
+  EXPECT_TRUE(storage.empty());
+
+  fa::detail::FwdParams c;
+  c.batch = 3;
+  c.h_k = 2;
+  c.dtype = c.q_dtype = c.kv_dtype = fa::DType::kFloat8E4M3;
+  api::set_fp8(opts, out, /*cuda=*/false, c, storage);
+  ASSERT_EQ(storage.size(), 18u);
+  EXPECT_EQ(c.q_descale, storage.data());
+  EXPECT_EQ(c.k_scale, storage.data() + 6);
+  EXPECT_EQ(c.v_scale, storage.data() + 12);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(c.q_descale[i], qd[i]);
+    EXPECT_EQ(c.k_scale[i], 1.0f);
+    EXPECT_EQ(c.v_scale[i], vd[i]);
+  }
+  EXPECT_EQ(c.scale_block_stride, 2);
+  EXPECT_TRUE(c.scale_by_sequence);
+
+  // 16-bit q: nothing changes.
+  fa::detail::FwdParams h;
+  h.dtype = h.q_dtype = h.kv_dtype = fa::DType::kBFloat16;
+  api::set_fp8(opts, out, true, h, storage);
+  EXPECT_EQ(h.q_descale, nullptr);
+  EXPECT_EQ(h.k_scale, nullptr);
+  EXPECT_FALSE(h.scale_by_sequence);
+  EXPECT_EQ(h.dtype, fa::DType::kBFloat16);
 }
 
 TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {

@@ -2,7 +2,10 @@
 flash_attn_varlen_func with FlashAttention-3's q_descale / k_descale / v_descale ([b, h_k]
 fp32), against an fp64 computation over the dequantized inputs, with causal / window /
 GQA / softcap / odd lengths / outliers; bf16 and fp16 outputs; the ops under opcheck; and
-the rules (no autograd through fp8, CUDA declines)."""
+the rules (no autograd through fp8). On an sm90 GPU (else skipped), the same functions on
+CUDA tensors (the sm90 fp8 kernel) against fp64 over the dequantized inputs within the
+bound of a kernel that rounds P to e4m3 (fp8_bound, as tests/support/fp8_bound.hpp); on any
+GPU, the options the CUDA fp8 forward declines."""
 
 import math
 
@@ -17,13 +20,12 @@ from flashattn.fp8 import quantize_e4m3  # noqa: E402
 F8 = torch.float8_e4m3fn
 
 
-def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
-    """fp64 attention of one sequence: q [s_q, h_q, d], k [s_k, h_k, d], v [s_k, h_k, d_v]."""
+def masked_scores(q, k, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """Scores [h_q, s_q, s_k] of one sequence (q [s_q, h_q, d], k [s_k, h_k, d]), -inf where
+    masked, and k repeated over the query heads of each group."""
     s_q, h_q, _ = q.shape
     s_k, h_k, _ = k.shape
-    r = h_q // h_k
-    k = k.repeat_interleave(r, dim=1)
-    v = v.repeat_interleave(r, dim=1)
+    k = k.repeat_interleave(h_q // h_k, dim=1)
     s = torch.einsum("ihd,jhd->hij", q, k) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
@@ -37,7 +39,13 @@ def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
         visible &= j >= i - left
     if right >= 0:
         visible &= j <= i + right
-    s = s.masked_fill(~visible, -math.inf)
+    return s.masked_fill(~visible, -math.inf), k
+
+
+def attention64(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0):
+    """fp64 attention of one sequence: q [s_q, h_q, d], k [s_k, h_k, d], v [s_k, h_k, d_v]."""
+    s, _ = masked_scores(q, k, scale, causal, window, softcap)
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     return torch.einsum("hij,jhd->ihd", p, v), lse
@@ -162,14 +170,6 @@ def test_ops_opcheck():
                            0.0, torch.float16, rng, 0.1, True,
                            torch.tensor([1, 4], dtype=torch.int32)),
                           test_utils=_UTILS)
-
-
-def test_fp8_cuda_declines():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    q8 = torch.randn(1, 4, 2, 8, device="cuda").to(F8)
-    with pytest.raises(UnsupportedError, match="fp8 forward runs on the CPU backend"):
-        flash_attn_func(q8, q8, q8)
 
 
 @pytest.mark.parametrize("outliers", [False, True])
@@ -597,3 +597,215 @@ def test_fp8_has_no_autograd():
     q8 = torch.randn(1, 4, 2, 8).to(F8)
     out, lse, probs = flash_attn_func(q8, q8, q8, dropout_p=0.1, return_attn_probs=True)
     assert not out.requires_grad and probs.shape == (1, 2, 4, 4)
+
+
+# ------------------------------------------------ CUDA tensors: the sm90 fp8 kernel
+
+_HAS_GPU = torch.cuda.is_available()
+_SM90 = _HAS_GPU and torch.cuda.get_device_capability()[0] == 9
+needs_gpu = pytest.mark.skipif(not _HAS_GPU, reason="no CUDA device")
+needs_sm90 = pytest.mark.skipif(not _SM90, reason="the CUDA fp8 forward runs on sm90 (compute "
+                                "capability 9.x)" + ("" if not _HAS_GPU else
+                                f"; this GPU is {torch.cuda.get_device_capability()}"))
+
+# The arithmetic margin of the bound (tests/support/fp8_bound.hpp has the derivation): the
+# fp8 tensor-core sums keep about 14 bits per k-step of 32 products; margin steps for Q K^T
+# (the fp32 scaling) and P V (partial key tiles).
+_MMA_EPS, _MMA_K, _QK_EXTRA, _PV_EXTRA = 2.0 ** -13, 32, 1, 8
+
+
+def fp8_bound(q, k, v, scale, causal=False, window=(-1, -1), softcap=0.0, out_dtype=torch.bfloat16):
+    """For one sequence of fp64 dequantized q [s_q, h_q, d], k [s_k, h_k, d], v [s_k, h_k,
+    d_v]: (out64 [s_q, h_q, d_v], lse64 [h_q, s_q], out bound, lse bound) for a kernel that
+    rounds the unnormalized P (in [0, 256] against a reference max at most 8 below the row
+    max in log2 units) to e4m3 with round-to-nearest before P V, sums the fp32 P and rounds
+    out once: per element sum_j (2^-4 p_j + 2^-10) |v_j| / l, grown by the score error
+    e^(2 delta) (fp8 MMA accumulation and fp32 roundings), plus the P V accumulation, the
+    row sum and the output rounding (2^-8 bf16, 2^-11 fp16) of |out|. Rows that see no
+    key: exact (out 0, lse -inf)."""
+    d = q.shape[2]
+    s, kk = masked_scores(q, k, scale, causal, window, softcap)
+    vv = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    lse = torch.logsumexp(s, dim=-1)  # [h, i]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    out = torch.einsum("hij,jhd->ihd", p, vv)
+    vis = p > 0
+    mag = torch.einsum("hij,jhd->ihd", p, vv.abs())
+    abs_v = torch.einsum("hij,jhd->ihd", vis.double(), vv.abs())
+    p_max = p.amax(dim=-1)  # 1 / l
+    row_max = lse + torch.log(p_max)
+    few = 2.0 ** -20
+    terms = torch.einsum("ihd,jhd->hij", q.abs(), kk.abs())  # sum_c |q_c k_jc|
+    eps_qk = ((d + _MMA_K - 1) // _MMA_K + _QK_EXTRA) * _MMA_EPS
+    dj = (eps_qk + few) * scale * terms + few * (s.abs() + row_max.abs()[..., None])
+    delta = torch.where(vis, dj, torch.zeros_like(dj)).amax(dim=-1)  # [h, i]
+    n = vis.sum(dim=-1).double()
+    grow, moved = torch.exp(2 * delta), torch.expm1(2 * delta)
+    sums = ((n + _MMA_K - 1) // _MMA_K + _PV_EXTRA) * _MMA_EPS + (n + 8) * 2.0 ** -24
+    to_ihd = lambda x: x.T[:, :, None]  # noqa: E731  [h, i] -> [i, h, 1]
+    quant = 2.0 ** -4 * mag + 2.0 ** -10 * to_ihd(p_max) * abs_v
+    pre = to_ihd(grow) * quant + to_ihd(moved) * mag + to_ihd(sums * grow) * (mag + quant)
+    u, floor = (2.0 ** -8, 2.0 ** -134) if out_dtype == torch.bfloat16 else (2.0 ** -11, 2.0 ** -25)
+    out_bound = pre + u * (out.abs() + pre) + floor
+    lse_bound = delta + (n + 8) * 2.0 ** -24 + 2.0 ** -21 * (lse.abs() + row_max.abs() + 1.0)
+    return out, lse, out_bound, lse_bound.nan_to_num(0.0, posinf=0.0)
+
+
+def assert_within(got, ref, bound, what):
+    """|got - ref| <= bound element by element (non-finite ref: matched exactly; no NaN);
+    returns the fraction max |got - ref| / bound."""
+    got = got.double().cpu()
+    assert not torch.isnan(got).any(), f"{what}: NaN in the result (an unwritten or poisoned element)"
+    finite = torch.isfinite(ref)
+    assert torch.equal(got[~finite], ref[~finite]), f"{what}: rows that see no key differ"
+    err = (got - ref).abs()[finite]
+    b = bound[finite]
+    frac = torch.where(err == 0, torch.zeros_like(err), err / b)
+    worst = frac.max().item() if frac.numel() else 0.0
+    at = int(frac.argmax()) if frac.numel() else 0
+    assert worst <= 1.0, (f"{what}: max |got - ref| / bound = {worst:.4g} (err {err[at].item():.4g}, "
+                          f"bound {b[at].item():.4g}; {(frac > 1).sum().item()} of {frac.numel()} over)")
+    return worst
+
+
+def _spread_quantize(g, x, h_k, log2_span, omit=False):
+    """x [b, s, h, d] scaled per (sequence, KV head) by 2^U(-span, span), quantized with
+    amax / 448 descales; omit: descale 1 (None) instead."""
+    b, _, h, _ = x.shape
+    f = torch.exp2((torch.rand(b, h_k, generator=g) * 2 - 1) * log2_span)
+    x = x * f.repeat_interleave(h // h_k, dim=1)[:, None, :, None]
+    if omit:
+        return x.to(F8), None
+    return quantize_e4m3(x, h_k)
+
+
+def _model_p_quantizing_kernel(q, k, v, scale, causal, lag, out_dtype):
+    """A torch model of the CUDA kernel for one sequence (fp64 dequantized inputs): P' =
+    exp(s - (row max - lag)) rounded to e4m3 for P V, the unrounded sum for l, out rounded
+    once to out_dtype."""
+    r = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, kk) * scale
+    if causal:
+        s = s.masked_fill(~_causal(q.shape[0], k.shape[0])[0], -math.inf)
+    m_ref = s.amax(dim=-1, keepdim=True) - lag
+    p = torch.exp(s - m_ref).nan_to_num(0.0)
+    p8 = p.float().to(F8).double()
+    return (torch.einsum("hij,jhd->ihd", p8, vv) / p.sum(-1).T[:, :, None]).to(out_dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_bound_holds_on_the_cpu_and_for_a_kernel_model(seed, causal):
+    # The bound the CUDA tests use, on the host: the CPU backend's fp8 forward (exact but for
+    # fp32 and the output rounding) and a model of the P-quantizing kernel stay within it,
+    # and P rounded to e4m3 costs a visible part of it.
+    g = torch.Generator().manual_seed(seed)
+    b, s_q, s_k, h_q, h_k, d = 2, 77, 300, 4, 2, 128
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for s, h in ((s_q, h_q), (s_k, h_k), (s_k, h_k)))
+    (q8, qs), (k8, ks), (v8, vs) = (_spread_quantize(g, x, h_k, span) for x, span in
+                                    ((q, 1.0), (k, 1.0), (v, 2.0)))
+    scale = d ** -0.5
+    out, lse, _ = flash_attn_func(q8, k8, v8, causal=causal, q_descale=qs, k_descale=ks,
+                                  v_descale=vs, return_attn_probs=True)
+    qd, kd, vd = dequant(q8, qs, h_q // h_k), dequant(k8, ks, 1), dequant(v8, vs, 1)
+    cpu = model = 0.0
+    for i in range(b):
+        o64, l64, ob, lb = fp8_bound(qd[i], kd[i], vd[i], scale, causal)
+        cpu = max(cpu, assert_within(out[i], o64, ob, "CPU out"))
+        assert_within(lse[i], l64, lb, "CPU lse")
+        lag = float(torch.rand(1, generator=g)) * 8 * math.log(2)
+        m = _model_p_quantizing_kernel(qd[i], kd[i], vd[i], scale, causal, lag, torch.bfloat16)
+        model = max(model, assert_within(m, o64, ob, "kernel model out"))
+    assert model > cpu and model > 0.05, (cpu, model)
+
+
+CUDA_CASES = [
+    # b, s_q, s_k, h_q, h_k, d, causal, window, softcap, out dtype, omitted descale
+    (2, 77, 300, 4, 2, 128, False, (-1, -1), 0.0, torch.bfloat16, None),
+    (2, 300, 300, 4, 1, 256, True, (-1, -1), 0.0, torch.float16, None),
+    (1, 1000, 1000, 2, 2, 128, False, (100, 17), 0.0, torch.bfloat16, "k"),
+    (3, 1, 1000, 8, 2, 128, False, (-1, -1), 0.0, torch.bfloat16, None),
+    (1, 77, 300, 4, 4, 256, True, (-1, -1), 30.0, torch.bfloat16, "v"),
+    (2, 300, 77, 2, 1, 128, True, (-1, -1), 0.0, torch.bfloat16, "q"),
+]
+
+
+@needs_sm90
+@pytest.mark.parametrize("b,s_q,s_k,h_q,h_k,d,causal,window,softcap,out_dtype,omit", CUDA_CASES)
+def test_fp8_cuda_within_bound_of_fp64(seed, b, s_q, s_k, h_q, h_k, d, causal, window, softcap,
+                                       out_dtype, omit):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for s, h in ((s_q, h_q), (s_k, h_k), (s_k, h_k)))
+    q8, qs = _spread_quantize(g, q, h_k, 1.0, omit == "q")
+    k8, ks = _spread_quantize(g, k, h_k, 1.0, omit == "k")
+    v8, vs = _spread_quantize(g, v, h_k, 2.0, omit == "v")
+    ones = torch.ones(b, h_k)
+    qd, kd, vd = (dequant(x8, ones if ds is None else ds, r)
+                  for x8, ds, r in ((q8, qs, h_q // h_k), (k8, ks, 1), (v8, vs, 1)))
+    if ks is not None:
+        ks = ks.T.contiguous().T  # a transposed [b, h_k] view: the torch layer makes it contiguous
+    scale = d ** -0.5
+    dev = [None if t is None else t.cuda() for t in (q8, k8, v8, qs, ks, vs)]
+    out, lse, s_dmask = flash_attn_func(*dev[:3], softmax_scale=scale, causal=causal,
+                                        window_size=window, softcap=softcap, q_descale=dev[3],
+                                        k_descale=dev[4], v_descale=dev[5], out_dtype=out_dtype,
+                                        return_attn_probs=True)
+    assert out.is_cuda and out.dtype == out_dtype and s_dmask is None
+    worst = 0.0
+    for i in range(b):
+        o64, l64, ob, lb = fp8_bound(qd[i], kd[i], vd[i], scale, causal, window, softcap, out_dtype)
+        worst = max(worst, assert_within(out[i], o64, ob, f"out of sequence {i}"))
+        assert_within(lse[i], l64, lb, f"lse of sequence {i}")
+    print(f"CUDA fp8 max |err| / bound: {worst:.3f}")
+
+
+@needs_sm90
+def test_varlen_fp8_cuda_within_bound_of_fp64(seed):
+    g = torch.Generator().manual_seed(seed)
+    lens_q, lens_k, h_q, h_k, d = [1, 77, 300], [300, 1, 1000], 4, 2, 128
+    cu_q = torch.tensor([0, 1, 78, 378], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 301, 1301], dtype=torch.int32)
+    used = torch.tensor([150, 1, 999], dtype=torch.int32)
+    q8, k8, v8, ds = [], [], [], []
+    for i in range(3):  # per sequence: its own descales
+        q, k, v = (torch.randn(1, n, h, d, generator=g) for n, h in
+                   ((lens_q[i], h_q), (lens_k[i], h_k), (lens_k[i], h_k)))
+        parts = [_spread_quantize(g, x, h_k, span) for x, span in ((q, 1.0), (k, 1.0), (v, 2.0))]
+        q8.append(parts[0][0][0])
+        k8.append(parts[1][0][0])
+        v8.append(parts[2][0][0])
+        ds.append([pt[1][0] for pt in parts])
+    q8, k8, v8 = torch.cat(q8), torch.cat(k8), torch.cat(v8)
+    qs, ks, vs = (torch.stack([d_[t] for d_ in ds]) for t in range(3))
+    out = flash_attn_varlen_func(q8.cuda(), k8.cuda(), v8.cuda(), cu_q.cuda(), cu_k.cuda(), 300, 1000,
+                                 causal=True, seqused_k=used.cuda(), q_descale=qs.cuda(),
+                                 k_descale=ks.cuda(), v_descale=vs.cuda())
+    assert out.is_cuda and out.dtype == torch.bfloat16
+    for i in range(3):
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        ka, n = int(cu_k[i]), int(used[i])
+        qd = q8[a:e].double() * qs[i].double().repeat_interleave(h_q // h_k)[None, :, None]
+        kd = k8[ka:ka + n].double() * ks[i].double()[None, :, None]
+        vd = v8[ka:ka + n].double() * vs[i].double()[None, :, None]
+        o64, _, ob, _ = fp8_bound(qd, kd, vd, d ** -0.5, causal=True)
+        assert_within(out[a:e], o64, ob, f"out of sequence {i}")
+
+
+@needs_gpu
+def test_fp8_cuda_declines_dropout_and_block_masks():
+    # Before any kernel (on any GPU): the CUDA fp8 forward has no dropout or block mask.
+    from flashattn.block_sparse import BlockSparseTensorsTorch
+
+    q8 = torch.randn(2, 8, 2, 128, device="cuda").to(F8)
+    k8 = torch.randn(2, 8, 1, 128, device="cuda").to(F8)
+    ds = torch.ones(2, 1, device="cuda")
+    with pytest.raises(UnsupportedError, match="'dropout_p'"):
+        flash_attn_func(q8, k8, k8, dropout_p=0.1, q_descale=ds)
+    cnt = torch.ones(1, 1, 1, dtype=torch.int32, device="cuda")
+    idx = torch.zeros(1, 1, 1, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(UnsupportedError, match="'block_sparse_tensors'"):
+        flash_attn_func(q8, k8, k8, block_sparse_tensors=BlockSparseTensorsTorch(cnt, idx))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device="cuda")
+    with pytest.raises(UnsupportedError, match="'dropout_p'"):
+        flash_attn_varlen_func(q8.flatten(0, 1), k8.flatten(0, 1), k8.flatten(0, 1), cu, cu, 8, 8,
+                               dropout_p=0.5)

@@ -1,6 +1,10 @@
 // Thin wrappers over Hopper's warpgroup matrix multiply-accumulate (wgmma, sm_90a), which
 // CCCL's cuda::ptx does not cover: m64nNk16 with fp32 accumulators and fp16 / bf16
-// operands, A from shared memory (ss) or from registers (rs), B from shared memory.
+// operands, or m64nNk32 with e4m3 operands (Element __nv_fp8_e4m3: both K-major, no
+// transposes), A from shared memory (ss) or from registers (rs), B from shared memory.
+// The 8-bit register A (64 x 32) holds, per warp's 16 rows, columns 4 (l % 4) .. + 3 of
+// rows l / 4 (register 0) and l / 4 + 8 (register 1), and those columns + 16 (registers 2,
+// 3), first column in the low byte.
 //
 // The accumulator of one warpgroup is 64 x N fp32: thread t (warp w = t / 32, lane l)
 // holds d[4 * c + e] at row 16 w + l / 4 + 8 (e / 2), column 8 c + 2 (l % 4) + e % 2, the
@@ -18,6 +22,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace flashattn::detail::cuda::sm90 {
 
@@ -50,6 +55,11 @@ __device__ __forceinline__ std::uint32_t smem_desc_lo(std::uint32_t smem_addr, s
 __device__ __forceinline__ std::uint64_t smem_desc_from_lo(std::uint32_t lo) {
   return (std::uint64_t((1024 >> 4) | (1u << 30)) << 32) | lo;  // sbo 1024, 128-byte swizzle
 }
+// The same for rows of 64 bytes with the 64-byte swizzle (8-row groups 512 bytes apart, tile
+// base 512-aligned; K-major only here: the fp8 forward's V^T).
+__device__ __forceinline__ std::uint64_t smem_desc_sw64_from_lo(std::uint32_t lo) {
+  return (std::uint64_t((512 >> 4) | (2u << 30)) << 32) | lo;  // sbo 512, 64-byte swizzle
+}
 
 // A value the compiler may treat as warp-uniform (e.g. the warpgroup index, which it cannot
 // prove uniform from threadIdx): descriptors derived from it live in uniform registers.
@@ -80,13 +90,19 @@ struct Wgmma;  // m64nNk16, fp32 accumulators float d[N / 2]
 
 // scale_d = 0: d = A B; 1: d += A B. kTransB = 1: B is MN-major (V); kTransA = 1 (ss
 // only): A is MN-major (the backward's dS read as the A of dQ = dS K).
-#define FA_WGMMA_DEFINE(N, REGS, SS_TAIL, RS_TAIL, SS_P, RS_P, ...)                                  \
+#define FA_WGMMA_DEFINE(N, REGS, SS_TAIL, RS_TAIL, SS_P, RS_P, SS8_TAIL, RS8_TAIL, ...)                                  \
   template <>                                                                                      \
   struct Wgmma<N> {                                                                                \
     template <typename Element, int kTransB, int kTransA = 0>                                      \
     __device__ __forceinline__ static void ss(float (&d)[N / 2], std::uint64_t da, std::uint64_t db, \
                                               int scale_d) {                                       \
-      if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                                      \
+      if constexpr (std::is_same_v<Element, __nv_fp8_e4m3>) {                                      \
+        static_assert(kTransA == 0 && kTransB == 0, "8-bit wgmma operands are K-major only");      \
+        asm volatile("{\n.reg .pred p;\n" SS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k32.f32.e4m3.e4m3 " REGS ", " SS8_TAIL "\n}\n"                               \
+                     : __VA_ARGS__                                                                 \
+                     : "l"(da), "l"(db), "r"(scale_d), "n"(kTransA), "n"(kTransB));                \
+      } else if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                               \
         asm volatile("{\n.reg .pred p;\n" SS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
                      "k16.f32.bf16.bf16 " REGS ", " SS_TAIL "\n}\n"                                \
                      : __VA_ARGS__                                                                 \
@@ -101,7 +117,14 @@ struct Wgmma;  // m64nNk16, fp32 accumulators float d[N / 2]
     template <typename Element, int kTransB>                                                       \
     __device__ __forceinline__ static void rs(float (&d)[N / 2], const std::uint32_t (&a)[4],     \
                                               std::uint64_t db, int scale_d) {                     \
-      if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                                      \
+      if constexpr (std::is_same_v<Element, __nv_fp8_e4m3>) {                                      \
+        static_assert(kTransB == 0, "8-bit wgmma operands are K-major only");                     \
+        asm volatile("{\n.reg .pred p;\n" RS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
+                     "k32.f32.e4m3.e4m3 " REGS ", " RS8_TAIL "\n}\n"                               \
+                     : __VA_ARGS__                                                                 \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d),          \
+                       "n"(kTransB));                                                              \
+      } else if constexpr (std::is_same_v<Element, __nv_bfloat16>) {                               \
         asm volatile("{\n.reg .pred p;\n" RS_P "wgmma.mma_async.sync.aligned.m64n" #N               \
                      "k16.f32.bf16.bf16 " REGS ", " RS_TAIL "\n}\n"                                \
                      : __VA_ARGS__                                                                 \
@@ -122,36 +145,43 @@ FA_WGMMA_DEFINE(64,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}",
   "%32, %33, p, 1, 1, %35, %36;", "{%32, %33, %34, %35}, %36, p, 1, 1, %38;",
   "setp.ne.b32 p, %34, 0;\n", "setp.ne.b32 p, %37, 0;\n",
+  "%32, %33, p, 1, 1;", "{%32, %33, %34, %35}, %36, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24))
 FA_WGMMA_DEFINE(80,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}",
   "%40, %41, p, 1, 1, %43, %44;", "{%40, %41, %42, %43}, %44, p, 1, 1, %46;",
   "setp.ne.b32 p, %42, 0;\n", "setp.ne.b32 p, %45, 0;\n",
+  "%40, %41, p, 1, 1;", "{%40, %41, %42, %43}, %44, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32))
 FA_WGMMA_DEFINE(96,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}",
   "%48, %49, p, 1, 1, %51, %52;", "{%48, %49, %50, %51}, %52, p, 1, 1, %54;",
   "setp.ne.b32 p, %50, 0;\n", "setp.ne.b32 p, %53, 0;\n",
+  "%48, %49, p, 1, 1;", "{%48, %49, %50, %51}, %52, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40))
 FA_WGMMA_DEFINE(128,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}",
   "%64, %65, p, 1, 1, %67, %68;", "{%64, %65, %66, %67}, %68, p, 1, 1, %70;",
   "setp.ne.b32 p, %66, 0;\n", "setp.ne.b32 p, %69, 0;\n",
+  "%64, %65, p, 1, 1;", "{%64, %65, %66, %67}, %68, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56))
 FA_WGMMA_DEFINE(176,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87}",
   "%88, %89, p, 1, 1, %91, %92;", "{%88, %89, %90, %91}, %92, p, 1, 1, %94;",
   "setp.ne.b32 p, %90, 0;\n", "setp.ne.b32 p, %93, 0;\n",
+  "%88, %89, p, 1, 1;", "{%88, %89, %90, %91}, %92, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80))
 FA_WGMMA_DEFINE(192,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95}",
   "%96, %97, p, 1, 1, %99, %100;", "{%96, %97, %98, %99}, %100, p, 1, 1, %102;",
   "setp.ne.b32 p, %98, 0;\n", "setp.ne.b32 p, %101, 0;\n",
+  "%96, %97, p, 1, 1;", "{%96, %97, %98, %99}, %100, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80), FA_ACC8(88))
 FA_WGMMA_DEFINE(256,
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}",
   "%128, %129, p, 1, 1, %131, %132;", "{%128, %129, %130, %131}, %132, p, 1, 1, %134;",
   "setp.ne.b32 p, %130, 0;\n", "setp.ne.b32 p, %133, 0;\n",
+  "%128, %129, p, 1, 1;", "{%128, %129, %130, %131}, %132, p, 1, 1;",
   FA_ACC8(0), FA_ACC8(8), FA_ACC8(16), FA_ACC8(24), FA_ACC8(32), FA_ACC8(40), FA_ACC8(48), FA_ACC8(56), FA_ACC8(64), FA_ACC8(72), FA_ACC8(80), FA_ACC8(88), FA_ACC8(96), FA_ACC8(104), FA_ACC8(112), FA_ACC8(120))
 
 #undef FA_WGMMA_DEFINE

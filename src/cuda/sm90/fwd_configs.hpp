@@ -11,8 +11,12 @@ using FwdHdim64Tall = FwdConfig<64, 128, 3, 2>;
 using FwdHdim128 = FwdConfig<128, 128, 2, 2>;
 using FwdHdim128Wide = FwdConfig<128, 176, 2, 2>;
 using FwdHdim256 = FwdConfig<256, 80, 2, 2>;
+// fp8 (e4m3): V^T in 64-key blocks.
+using FwdFp8Hdim64 = FwdConfig<64, 256, 2, 3, 1>;
+using FwdFp8Hdim128 = FwdConfig<128, 192, 2, 3, 1>;
+using FwdFp8Hdim256 = FwdConfig<256, 128, 2, 2, 1>;
 
-template <class Cfg, typename Element>
+template <class Cfg, typename Element, typename Out = Element>
 void launch_fwd(FwdArgs& args);
 
 }  // namespace flashattn::detail::cuda::sm90

@@ -24,11 +24,20 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
     return "not a compute capability 9.0 GPU";
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
+  const bool fp8 = p.q_dtype == DType::kFloat8E4M3;
+  if (fp8) {
+    // FlashAttention-3's fp8 forward: e4m3 q, k, v, 16-bit out.
+    if (p.kv_dtype != DType::kFloat8E4M3) return "float8_e4m3 q with 16-bit k, v";
+    if (p.cache_seqlens != nullptr) return "float8_e4m3 q through the KV-cache path";
+    if (p.block_table != nullptr) return "float8_e4m3 with a paged KV cache (block_table)";  // V^T reads rows
+    if (p.d != p.d_v) return "float8_e4m3 with d_v != d";
+    if (p.d > 256 || p.d % 16 != 0) return "float8_e4m3 head dim (sm90: 16 to 256, a multiple of 16)";
+  }
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0 || p.d_v > 256 || p.d_v % 8 != 0) return "head dim";
   if (p.d_v != p.d && p.cache_seqlens != nullptr) return "d_v != d with a KV cache";
   if (p.block_kinds != nullptr) return "block-sparse mask";
-  if (p.kv_dtype != p.dtype) return "fp8 KV cache";
+  if (!fp8 && p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";
   if (p.probs != nullptr) return "return_probs";
   if (p.block_table != nullptr && p.block_size % 8 != 0) return "paged KV cache with block_size % 8 != 0";
@@ -44,12 +53,14 @@ namespace {
 
 // TMA strides are multiples of 16 bytes; a dimension of extent 1 may carry any stride
 // (the API checks only the strides of longer dimensions), so it gets a harmless one.
-std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems) {
-  return extent > 1 ? std::uint64_t(stride_elems) * 2 : 16;
+std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems, int elem_bytes) {
+  return extent > 1 ? std::uint64_t(stride_elems) * elem_bytes : 16;
 }
 
-template <class Cfg, typename Element>
-void run(const FwdParams& p, FwdArgs& args) {
+template <class Cfg, typename Element, typename Out = Element>
+void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
+  constexpr int es = Cfg::kElemBytes;
+  const DType in = es == 1 ? DType::kFloat8E4M3 : p.dtype;
   const std::int64_t q_rows = p.is_varlen() ? p.total_q : p.seqlen_q;
   const std::int64_t q_batches = p.is_varlen() ? 1 : p.batch;
   const std::int64_t k_rows = p.cu_seqlens_k ? p.total_k
@@ -57,10 +68,10 @@ void run(const FwdParams& p, FwdArgs& args) {
                                                 : p.seqlen_k;
   const std::int64_t k_batches = p.cu_seqlens_k ? 1 : p.cache_seqlens ? p.kv_cache_rows : p.batch;
   args.tmap_q = make_tensor_map_4d(
-      p.q, p.dtype, {std::uint64_t(p.d), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
-      {tma_stride(q_rows, p.q_row_stride), tma_stride(p.h_q, p.q_head_stride),
-       tma_stride(q_batches, p.q_batch_stride)},
-      Cfg::kBlockM);
+      p.q, in, {std::uint64_t(p.d), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
+      {tma_stride(q_rows, p.q_row_stride, es), tma_stride(p.h_q, p.q_head_stride, es),
+       tma_stride(q_batches, p.q_batch_stride, es)},
+      Cfg::kBlockM, Cfg::kRowBytes);
   // A paged cache is copied in chunks of page_rows rows: the whole tile where a block
   // holds whole tiles, else the largest common divisor of the block and tile heights.
   args.page_rows = 0;
@@ -70,19 +81,29 @@ void run(const FwdParams& p, FwdArgs& args) {
   const std::uint32_t box_k = args.page_rows > 0 ? std::uint32_t(args.page_rows) : std::uint32_t(Cfg::kBlockN);
   const std::uint64_t k_dims[4] = {std::uint64_t(p.d), std::uint64_t(k_rows), std::uint64_t(p.h_k),
                                    std::uint64_t(k_batches)};
-  args.tmap_k = make_tensor_map_4d(p.k, p.dtype, k_dims,
-                                   {tma_stride(k_rows, p.k_row_stride), tma_stride(p.h_k, p.k_head_stride),
-                                    tma_stride(k_batches, p.k_batch_stride)},
-                                   box_k);
+  args.tmap_k = make_tensor_map_4d(p.k, in, k_dims,
+                                   {tma_stride(k_rows, p.k_row_stride, es), tma_stride(p.h_k, p.k_head_stride, es),
+                                    tma_stride(k_batches, p.k_batch_stride, es)},
+                                   box_k, Cfg::kRowBytes);
+  if constexpr (es == 1) {
+    // V^T in the workspace (fwd.hpp, fp8_vt.cu): {rows, d_v, h_k, 1}, kHeadDim rows of 64 keys a box.
+    static_assert(Cfg::kBlockN <= kFp8VtTile, "a key tile reads past its sequence's zeros");
+    const std::uint64_t rows = std::uint64_t(fp8_vt_rows(p));
+    const std::uint64_t vt_dims[4] = {rows, std::uint64_t(p.d_v), std::uint64_t(p.h_k), 1};
+    args.tmap_v = make_tensor_map_4d(fp8_vt, in, vt_dims,
+                                     {rows, rows * std::uint64_t(p.d_v), rows * std::uint64_t(p.d_v) * p.h_k},
+                                     Cfg::kHeadDim, 64);
+    return launch_fwd<Cfg, Element, Out>(args);
+  }
   // v has its own head dim (d_v != d: DeepSeek-V3's (192, 128)); the tile's columns past it
   // are zero-filled by the copy, and out is stored for d_v columns.
   const std::uint64_t v_dims[4] = {std::uint64_t(p.d_v), std::uint64_t(k_rows), std::uint64_t(p.h_k),
                                    std::uint64_t(k_batches)};
-  args.tmap_v = make_tensor_map_4d(p.v, p.dtype, v_dims,
-                                   {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
-                                    tma_stride(k_batches, p.v_batch_stride)},
+  args.tmap_v = make_tensor_map_4d(p.v, in, v_dims,
+                                   {tma_stride(k_rows, p.v_row_stride, es), tma_stride(p.h_k, p.v_head_stride, es),
+                                    tma_stride(k_batches, p.v_batch_stride, es)},
                                    box_k);
-  launch_fwd<Cfg, Element>(args);
+  launch_fwd<Cfg, Element, Out>(args);
 }
 
 // Measured on the H200 (docs/performance.md): hdim 64 takes three consumer warpgroups
@@ -104,9 +125,18 @@ void run_bucket(const FwdParams& p, FwdArgs& args) {
   return run<FwdHdim256, Element>(p, args);
 }
 
+// fp8 (e4m3) q, k, v: V^T first (fp8_vt.cu), then the 8-bit kernels of the bucket.
+template <typename Out>
+void run_fp8(const FwdParams& p, FwdArgs& args, void* vt) {
+  transpose_v_fp8(p, vt);
+  if (p.d <= 64) return run<FwdFp8Hdim64, __nv_fp8_e4m3, Out>(p, args, vt);
+  if (p.d <= 128) return run<FwdFp8Hdim128, __nv_fp8_e4m3, Out>(p, args, vt);
+  return run<FwdFp8Hdim256, __nv_fp8_e4m3, Out>(p, args, vt);
+}
+
 }  // namespace
 
-void run_fwd(const FwdParams& p) {
+void run_fwd(const FwdParams& p, void* fp8_vt) {
   if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
   DeviceGuard guard(p.device_index);
   FwdArgs args{};
@@ -115,6 +145,10 @@ void run_fwd(const FwdParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   args.to_log2 = args.raw_scores ? p.scale * kLog2e : kLog2e;
   args.v_tail_zero = !p.is_varlen() && p.cache_seqlens == nullptr && p.seqused_k == nullptr;
+  if (p.q_dtype == DType::kFloat8E4M3) {
+    if (p.dtype == DType::kBFloat16) return run_fp8<__nv_bfloat16>(p, args, fp8_vt);
+    return run_fp8<__half>(p, args, fp8_vt);
+  }
   if (p.dtype == DType::kBFloat16) {
     run_bucket<__nv_bfloat16>(p, args);
   } else {

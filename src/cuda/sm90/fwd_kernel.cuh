@@ -20,6 +20,10 @@
 //   Epilogue: O / l stored from the accumulators (column pairs), lse once per row; Q's
 //   buffer is released after the tile's last S GEMM, so the next Q is in flight by then.
 //
+// fp8 (e4m3) q, k, v (FwdConfig's kElemBytes 1): the same program on 8-bit wgmma; V is read
+// from its transposed copy (fp8_vt.cu), P is rounded to e4m3 in registers (at most 2^8 by
+// the lazy rescale, within e4m3's range), out is 16-bit.
+//
 // Key tiles are visited from the last visible one down, so the tiles that cross the end
 // of the keys or the causal diagonal come first; a tile needs element masking only when
 // TileMask::tile_needs_mask says so (a warp-uniform branch).
@@ -28,6 +32,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -38,22 +43,31 @@
 #include "cuda/arch/sm90_tma.cuh"
 #include "cuda/arch/sm90_wgmma.cuh"
 #include "cuda/collective/mask.cuh"
+#include "cuda/sm90/fwd.hpp"
 #include "flashattn/semantics.hpp"
 
 namespace flashattn::detail::cuda::sm90 {
 
-// The compile-time shape of one forward kernel.
-template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_>
+// The compile-time shape of one forward kernel. kElemBytes 2: fp16 / bf16 q, k, v; 1: e4m3,
+// whose V tiles are the transposed copy [head dim][keys] (fp8_vt.cu: 8-bit wgmma reads B
+// K-major only), in blocks of 64 keys (64-byte rows, the 64-byte swizzle).
+template <int kHeadDim_, int kBlockN_, int kConsumers_, int kStages_, int kElemBytes_ = 2>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;  // bucket: 64, 128 or 256
-  static constexpr int kBlockN = kBlockN_;    // keys per tile (multiple of 16)
+  static constexpr int kBlockN = kBlockN_;    // keys per tile (multiple of 16; fp8: of 64)
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kStages = kStages_;
+  static constexpr int kElemBytes = kElemBytes_;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kColBlocks = kHeadDim / 64;  // 64-column (128-byte) swizzle blocks
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K (or V) tile
+  // Q and K in shared memory: rows of 128 bytes (the 128-byte swizzle), or of 64 (the 64-byte
+  // swizzle) where a row of the head dim is 64 bytes (fp8 at hdim 64).
+  static constexpr int kRowBytes = kHeadDim * kElemBytes >= 128 ? 128 : 64;
+  static constexpr int kColElems = kRowBytes / kElemBytes;              // elements per swizzle row
+  static constexpr int kColBlocks = kHeadDim * kElemBytes / kRowBytes;  // column blocks of Q, K
+  static constexpr int kKStep = 32 / kElemBytes;                  // the k of one wgmma (32 bytes)
+  static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K (or V) tile
   static constexpr int kBarriers = 3 + 4 * kStages;
   // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
@@ -65,6 +79,8 @@ struct FwdConfig {
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0 && kBlockN <= 256);
+  static_assert(kElemBytes == 2 || (kElemBytes == 1 && (kHeadDim == 64 || kHeadDim % 128 == 0) && kBlockN % 64 == 0),
+                "fp8 tiles: whole 64- or 128-byte rows of Q / K (head dim), 64-byte rows of V^T (keys)");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
@@ -75,7 +91,7 @@ struct FwdArgs {
   CUtensorMap tmap_q;  // {d, rows, h_q, batch}, box rows kBlockM
   CUtensorMap tmap_k;  // {d, rows, h_k, batch}, box rows kBlockN (paged: {d, block_size, h_k,
                        // blocks}, box rows page_rows)
-  CUtensorMap tmap_v;
+  CUtensorMap tmap_v;  // fp8: V^T in the workspace, {keys, d_v, h_k, batch}, box kHeadDim rows
   FwdParams p;
   float to_log2;    // exp2 factor of the softmax: scale * log2(e) on raw scores, else log2(e)
   bool raw_scores;  // no softcap, no ALiBi, scale > 0: the kRaw kernel, scale folded into exp2
@@ -137,16 +153,26 @@ __device__ __forceinline__ WorkTile work_tile(const FwdParams& p, int u, int par
   return w;
 }
 
+// One register of the 8-bit A operand (m64nNk32): four e4m3 values, the first in the low byte.
+__device__ __forceinline__ std::uint32_t pack4_e4m3(float a, float b, float c, float d) {
+  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+}
+
 // kRaw: scores are raw dot products (no softcap, no ALiBi, scale > 0), the scale folded
 // into exp2; the other instantiation applies the score modifiers of semantics::score.
-template <class Cfg, typename Element, bool kRaw>
+// Element: of q, k, v; Out: of out (fp8 inputs: bf16 or fp16, FlashAttention-3's descales
+// per (sequence, KV head) folded into the softmax scale and the output factor).
+template <class Cfg, typename Element, bool kRaw, typename Out = Element>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_constant__ FwdArgs args) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kHeadDim = Cfg::kHeadDim;
   constexpr int kStages = Cfg::kStages, kConsumers = Cfg::kConsumers;
-  constexpr int kSN = kBlockN / 2;    // S accumulator floats per thread
-  constexpr int kON = kHeadDim / 2;   // O accumulator floats per thread
-  constexpr int kPK = kBlockN / 16;   // k-steps of P V
+  constexpr bool kFp8 = Cfg::kElemBytes == 1;
+  constexpr int kSN = kBlockN / 2;           // S accumulator floats per thread
+  constexpr int kON = kHeadDim / 2;          // O accumulator floats per thread
+  constexpr int kPK = kBlockN / Cfg::kKStep;  // k-steps of P V
   const FwdParams& p = args.p;
 
   extern __shared__ unsigned char smem_raw[];
@@ -207,7 +233,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           mbar_arrive_expect_tx(full_q, Cfg::kQBytes);
 #pragma unroll
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            tma_load_4d(sQ + c * kBlockM * 128, &args.tmap_q, c * 64, q_row, w.h, q_b, full_q);
+            tma_load_4d(sQ + c * kBlockM * Cfg::kRowBytes, &args.tmap_q, c * Cfg::kColElems, q_row, w.h, q_b, full_q);
           }
         }
         // One K or V tile's copies, announced on `bar`: one box per 64 columns, or with a
@@ -218,13 +244,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             mbar_arrive_expect_tx(bar, Cfg::kKVBytes);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(dst + c * kBlockN * 128, map, c * 64, k_row0 + n * kBlockN, g, k_b, bar);
+              tma_load_4d(dst + c * kBlockN * Cfg::kRowBytes, map, c * Cfg::kColElems, k_row0 + n * kBlockN, g, k_b,
+                          bar);
             }
             return;
           }
           const int rows = args.page_rows, j0 = n * kBlockN;
           const int chunks = min(kBlockN / rows, (w.s_k - j0 + rows - 1) / rows);
-          mbar_arrive_expect_tx(bar, chunks * rows * kHeadDim * 2);
+          mbar_arrive_expect_tx(bar, chunks * rows * kHeadDim * Cfg::kElemBytes);
           const int* table = p.block_table + std::int64_t(w.b) * p.block_table_batch_stride;
           for (int ch = 0; ch < chunks; ++ch) {
             const int j = j0 + ch * rows;
@@ -232,7 +259,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
 #pragma unroll
             for (int c = 0; c < Cfg::kColBlocks; ++c) {
-              tma_load_4d(dst + c * kBlockN * 128 + ch * rows * 128, map, c * 64, j % p.block_size, g, page, bar);
+              tma_load_4d(dst + c * kBlockN * Cfg::kRowBytes + ch * rows * Cfg::kRowBytes, map, c * Cfg::kColElems,
+                          j % p.block_size, g, page, bar);
             }
           }
         };
@@ -245,6 +273,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
           mbar_wait(&empty_k[stage], phase ^ 1);
           if (leader) issue_tile(&args.tmap_k, k_dst, n, &full_k[stage]);
           mbar_wait(&empty_v[stage], phase ^ 1);
+          if constexpr (kFp8) {
+            // V^T's tile: kHeadDim rows of 64 keys per block; keys past a sequence's end are
+            // zero there (fwd.hpp, fp8_vt.cu).
+            if (leader) {
+              mbar_arrive_expect_tx(&full_v[stage], Cfg::kKVBytes);
+              const int vt_row = int(fp8_vt_row0(p, w.b)) + n * kBlockN;
+#pragma unroll
+              for (int c = 0; c < kBlockN / 64; ++c) {
+                tma_load_4d(v_dst + c * kHeadDim * 64, &args.tmap_v, vt_row + c * 64, 0, g, 0, &full_v[stage]);
+              }
+            }
+            continue;
+          }
           // The V rows past the keys' end are read from the tensor (the next sequence, unused
           // cache slots) unless the tensor ends there: 0 * NaN would poison O, so the warp
           // zeroes them before the consumers see the tile.
@@ -276,7 +317,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   const int cw = warp_uniform(wg - 1);  // consumer warpgroup: rows 64 cw .. 64 cw + 63
   const int warp_in = (tid - 128 * wg) / 32;
   const int row_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
-  const float to_log2 = args.to_log2;
 
   float o[kON];
   float row_max[2], row_sum[2];
@@ -285,7 +325,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
 
   // Descriptor low words (smem_desc_lo), uniform: one add per k-step (the backward's ncu:
   // built per thread, each wgmma paid ~10 instructions of address arithmetic and moves).
-  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ) + cw * 64 * 128, 0);
+  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ) + cw * 64 * Cfg::kRowBytes, 0);
   const std::uint32_t k_addr = smem_addr(sK);
   const std::uint32_t v_addr = smem_addr(sV);
   // Ping-pong: consumer cw issues its GEMMs after barrier 1 + cw, then hands the turn on.
@@ -306,29 +346,58 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     std::uint32_t q_lo = q_lo0;
     asm volatile("" : "+r"(q_lo));
     const std::uint32_t kb_lo = smem_desc_lo(k_addr + stage * Cfg::kKVBytes, 0);
+    constexpr int kRowSteps = Cfg::kRowBytes / 32;  // k-steps per swizzle row
+    auto desc = [](std::uint32_t lo) {
+      return Cfg::kRowBytes == 128 ? smem_desc_from_lo(lo) : smem_desc_sw64_from_lo(lo);
+    };
 #pragma unroll
-    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      const std::uint32_t off = (ks % 4) * 32;  // 16 columns within the 128-byte row
-      const std::uint64_t da = smem_desc_from_lo(q_lo + ((ks / 4) * kBlockM * 128 + off) / 16);
-      const std::uint64_t db = smem_desc_from_lo(kb_lo + ((ks / 4) * kBlockN * 128 + off) / 16);
+    for (int ks = 0; ks < kHeadDim / Cfg::kKStep; ++ks) {
+      const std::uint32_t off = (ks % kRowSteps) * 32;  // one k-step's 32 bytes within the row
+      const std::uint64_t da = desc(q_lo + ((ks / kRowSteps) * kBlockM * Cfg::kRowBytes + off) / 16);
+      const std::uint64_t db = desc(kb_lo + ((ks / kRowSteps) * kBlockN * Cfg::kRowBytes + off) / 16);
       Wgmma<kBlockN>::template ss<Element, 0>(s, da, db, ks > 0 ? 1 : 0);
     }
   };
   auto issue_pv = [&](int stage) {
-    const std::uint32_t vb_lo = smem_desc_lo(v_addr + stage * Cfg::kKVBytes, kBlockN * 128);
+    if constexpr (kFp8) {  // V^T K-major: 32 keys (bytes) per k-step, 64 per block
+      const std::uint32_t vb_lo = smem_desc_lo(v_addr + stage * Cfg::kKVBytes, 0);
 #pragma unroll
-    for (int kk = 0; kk < kPK; ++kk) {
-      const std::uint64_t db = smem_desc_from_lo(vb_lo + kk * 16 * 128 / 16);
-      Wgmma<kHeadDim>::template rs<Element, 1>(o, pa[kk], db, 1);
+      for (int kk = 0; kk < kPK; ++kk) {
+        const std::uint64_t db = smem_desc_sw64_from_lo(vb_lo + ((kk / 2) * kHeadDim * 64 + (kk % 2) * 32) / 16);
+        Wgmma<kHeadDim>::template rs<Element, 0>(o, pa[kk], db, 1);
+      }
+    } else {
+      const std::uint32_t vb_lo = smem_desc_lo(v_addr + stage * Cfg::kKVBytes, kBlockN * 128);
+#pragma unroll
+      for (int kk = 0; kk < kPK; ++kk) {
+        const std::uint64_t db = smem_desc_from_lo(vb_lo + kk * 16 * 128 / 16);
+        Wgmma<kHeadDim>::template rs<Element, 1>(o, pa[kk], db, 1);
+      }
     }
   };
   auto to_p = [&] {
+    if constexpr (kFp8) {
+      // The 8-bit A fragment holds columns 4 (l % 4) .. + 3 (registers 0, 1: rows l / 4,
+      // + 8) and those + 16 (registers 2, 3) of each 32-key step; the accumulator holds
+      // keys 2 (l % 4), + 1 and those + 8, + 16, + 24. Each register takes the thread's own
+      // four values of a row, so A's column 4 t + i of the step is key 2 t + (i & 1) +
+      // 8 (i >> 1) (+ 16 in registers 2, 3): fp8_vt.cu writes V^T's keys in that order.
 #pragma unroll
-    for (int kk = 0; kk < kPK; ++kk) {
-      pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+      for (int kk = 0; kk < kPK; ++kk) {
+        const float* x = s + 16 * kk;
+        pa[kk][0] = pack4_e4m3(x[0], x[1], x[4], x[5]);
+        pa[kk][1] = pack4_e4m3(x[2], x[3], x[6], x[7]);
+        pa[kk][2] = pack4_e4m3(x[8], x[9], x[12], x[13]);
+        pa[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kPK; ++kk) {
+        pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+        pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+        pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+      }
     }
   };
   // Warp-uniform: skipped unless some row of the warp moved its reference max.
@@ -352,6 +421,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
     const int row_lo = w.m0 + row_in_tile;  // sequence row of half 0
     const float slope = p.alibi_slope(w.b, w.h);
     const int shift = w.s_k - w.s_q;
+    // fp8: the descales of the tile's (sequence, KV head) scale the scores (q, k) and out
+    // (v); a missing descale is 1.
+    float qk_descale = 1.0f, v_descale = 1.0f;
+    if constexpr (kFp8) {
+      const std::int64_t ds = std::int64_t(w.b) * p.scale_block_stride + w.h / p.h_ratio;
+      if (p.q_descale != nullptr) qk_descale = p.q_descale[ds];
+      if (p.k_scale != nullptr) qk_descale *= p.k_scale[ds];
+      if (p.v_scale != nullptr) v_descale = p.v_scale[ds];
+    }
+    const float to_log2 = kRaw ? args.to_log2 * qk_descale : args.to_log2;
+    const float score_scale = p.scale * qk_descale;
 #pragma unroll
     for (int i = 0; i < kON; ++i) o[i] = 0.0f;
     row_max[0] = row_max[1] = -INFINITY;
@@ -366,7 +446,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
 #pragma unroll
         for (int i = 0; i < kSN; ++i) {
-          float x = s[i] * p.scale;
+          float x = s[i] * score_scale;
           if (p.softcap > 0.0f) x = p.softcap * tanhf(x * inv_softcap);
           if (slope != 0.0f) {
             const int r = row_lo + 8 * ((i % 4) / 2);
@@ -490,25 +570,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         const float top = fmaxf(base, sink_log2);
         const float keys = empty ? 0.0f : sum * fast_exp2(base - top);
         const float total = keys + fast_exp2(sink_log2 - top);
-        inv[half] = empty ? 0.0f : fast_exp2(base - top) / total;
+        inv[half] = empty ? 0.0f : v_descale * fast_exp2(base - top) / total;
         lse[half] = (top + log2f(total)) * 0.6931471805599453f;
       } else {
-        inv[half] = empty ? 0.0f : 1.0f / sum;
+        inv[half] = empty ? 0.0f : v_descale / sum;
         lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
       }
     }
-    Element* const o_base =
-        static_cast<Element*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
+    Out* const o_base =
+        static_cast<Out*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = row_lo + 8 * half;
       if (i < w.s_q) {
-        Element* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
+        Out* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
 #pragma unroll
         for (int c = 0; c < kHeadDim / 8; ++c) {
           if (8 * c + 2 * (lane % 4) < p.d_v) {
             *reinterpret_cast<std::uint32_t*>(o_row + 8 * c) =
-                pack2<Element>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
+                pack2<Out>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
           }
         }
         if (p.lse != nullptr && lane % 4 == 0) p.lse[p.lse_offset(w.b, w.h) + i] = lse[half];

@@ -16,9 +16,9 @@
 
 namespace flashattn::detail::cuda::sm90 {
 
-template <class Cfg, typename Element>
+template <class Cfg, typename Element, typename Out>
 void launch_fwd(FwdArgs& args) {
-  auto kernel = args.raw_scores ? fwd_kernel<Cfg, Element, true> : fwd_kernel<Cfg, Element, false>;
+  auto kernel = args.raw_scores ? fwd_kernel<Cfg, Element, true, Out> : fwd_kernel<Cfg, Element, false, Out>;
   // Per launch (a function attribute is per device; the call costs about a microsecond).
   FLASHATTN_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));

@@ -1,5 +1,5 @@
-// Host side of the sm90 tensor copies: a 4-D tiled tensor map over a 16-bit tensor with
-// the 128-byte swizzle, encoded through the driver entry point (no link to libcuda).
+// Host side of the sm90 tensor copies: a 4-D tiled tensor map over a 16-bit or 8-bit (fp8)
+// tensor with the 128-byte swizzle, encoded through the driver entry point (no link to libcuda).
 #pragma once
 
 #include <cuda.h>
@@ -10,9 +10,11 @@
 
 namespace flashattn::detail::cuda::sm90 {
 
-// dims (innermost first) and the byte strides of dims 1..3; box = {64 columns, box_rows,
-// 1, 1}. Columns past dims[0] and rows past dims[1] read as zero.
+// dims (innermost first) and the byte strides of dims 1..3; box = {one 128-byte row (64
+// 16-bit or 128 fp8 columns), box_rows, 1, 1}. Columns past dims[0] and rows past dims[1] read as zero.
+// row_bytes 64: rows of 64 bytes with the 64-byte swizzle (the fp8 forward's V^T).
 CUtensorMap make_tensor_map_4d(const void* base, DType dtype, const std::uint64_t (&dims)[4],
-                               const std::uint64_t (&byte_strides)[3], std::uint32_t box_rows);
+                               const std::uint64_t (&byte_strides)[3], std::uint32_t box_rows,
+                               std::uint32_t row_bytes = 128);
 
 }  // namespace flashattn::detail::cuda::sm90
