@@ -364,7 +364,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
-                               "v_cache", /*d_v_may_differ=*/false);
+                               detail::api::CudaCall::kKVCache, "v_cache");
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "
