@@ -89,7 +89,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   const int m_block = static_cast<int>(tile_major ? gridDim.z - 1 - blockIdx.z
                                                   : gridDim.x / slices - 1 - blockIdx.x / slices);
   const int h = tile_major ? blockIdx.x / slices : blockIdx.y;
-  const int v_col0 = static_cast<int>(blockIdx.x % slices) * Tr::kVCols;
+  // (read again at each use: a register held from here to the epilogue spilled, sm_90)
+  auto v_col0 = [&] { return static_cast<int>(blockIdx.x % slices) * Tr::kVCols; };
   const int b = tile_major ? blockIdx.y : blockIdx.z;
   const int s_q = p.seq_len_q(b);
   const int m0 = m_block * kBlockM;
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       std::int64_t(g) * p.k_head_stride;
   const std::int64_t v_row0 =
       (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
-      std::int64_t(g) * p.v_head_stride + v_col0;
+      std::int64_t(g) * p.v_head_stride + v_col0();
 
   // `parts`: which of the tile's K (kLoadK) and V (kLoadV) to copy; the staggered pipeline
   // (Tr::kStaggered) copies them at different points of the key loop. A constant at every
@@ -182,14 +183,14 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     }
     if (parts & kLoadV) {
       load_tile_strided<VTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                             p.v_row_stride, s_k - n0, p.d_v - v_col0, p.v, tid);
+                                             p.v_row_stride, s_k - n0, p.d_v - v_col0(), p.v, tid);
     }
   };
   // Key tiles below the last are full, which is every tile the main loop refills.
   using FullK = FullTileCopy<KTile, Tr::kThreads>;
   using FullV = FullTileCopy<VTile, Tr::kThreads>;
   // Columns past d (K) or d_v (V) of the bucket's tile are zero-filled.
-  const bool k_col_ok = FullK::col(tid) < p.d, v_col_ok = FullV::col(tid) < p.d_v - v_col0;
+  const bool k_col_ok = FullK::col(tid) < p.d, v_col_ok = FullV::col(tid) < p.d_v - v_col0();
   const Element* const k_full =
       k_base + k_row0 + std::int64_t(FullK::row(tid)) * p.k_row_stride + (k_col_ok ? FullK::col(tid) : 0);
   const Element* const v_full =
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
         const int row = idx / kChunksPerRow;
         const int col = (idx % kChunksPerRow) * 8;
         const int j = n0 + row;
-        const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v - v_col0;
+        const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v - v_col0();
         const Element* k_src = k_base;
         const Element* v_src = v_base;
         if (j < s_k) {
@@ -620,7 +621,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       }
   __syncwarp();
   Element* const o_rows = static_cast<Element*>(p.out) + p.o_offset(b) +
-                          std::int64_t(h) * p.o_head_stride + std::int64_t(m0) * p.o_row_stride + v_col0;
+                          std::int64_t(h) * p.o_head_stride + std::int64_t(m0) * p.o_row_stride + v_col0();
   constexpr int kChunksPerRow = Tr::kVCols / 8;
   constexpr int kWarpChunks = kMTiles * 16 * kChunksPerRow;
   static_assert(kWarpChunks % 32 == 0);
@@ -629,12 +630,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     const int idx = lane + 32 * pass;
     const int row = warp_row0 + idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * 8;
-    if (row < rows_here && col < p.d_v - v_col0) {
+    if (row < rows_here && col < p.d_v - v_col0()) {
       *reinterpret_cast<uint4*>(o_rows + std::int64_t(row) * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sQ + QTile::offset(row, col));
     }
   }
-  if (p.lse != nullptr && v_col0 == 0 && (lane & 3) == 0) {
+  if (p.lse != nullptr && v_col0() == 0 && (lane & 3) == 0) {
     float* const lse_row = p.lse + p.lse_offset(b, h) + m0;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
