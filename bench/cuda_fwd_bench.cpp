@@ -1,12 +1,14 @@
 // Forward throughput of the CUDA backend on the standard grid of the FlashAttention
 // papers: bf16, batch x seqlen = 16384 tokens, model dim 2048 (heads = 2048 / hdim),
-// hdim 64 / 128 / 256, causal and not, seqlen 512 .. 16k. FLOPs = 4 b h s^2 d, halved
-// when causal. Each configuration is timed with CUDA events per call (median of the
+// hdim 64 / 128 / 256 (and 512 where the build has its bucket), causal and not, seqlen
+// 512 .. 16k. FLOPs = 4 b h s^2 d, halved when causal (at hdim 512 the kernel computes
+// Q K^T once per 256-column slice of V, twice: 1.5x these FLOPs, not counted). Each configuration is timed with CUDA events per call (median of the
 // repeats, after warm-up), alternating between two input sets so the L2 cache does not
 // carry one call's inputs into the next.
 //
 //   flashattn_cuda_fwd_bench [csv path|-] [hdim causal seqlen]
-// prints a table (and writes CSV when a path is given); hdim causal seqlen pick one cell.
+// prints a table (and writes CSV when a path is given); hdim causal seqlen pick the cells
+// (0: every value; hdim may list several, e.g. 256,512 to time hdim 512 against 256 in one call).
 //   flashattn_cuda_fwd_bench --sparse hdim seqlen
 // block-sparse masks of 128 x 128 blocks (random lists per head and query block, half of the
 // listed blocks full) at densities 10 / 50 / 100 %, against the same call without a mask:
@@ -324,17 +326,28 @@ int main(int argc, char** argv) {
     return sparse_sweep(sets, std::atoi(argv[2]), std::atoi(argv[3]), start, stop);
   }
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
-  const int only_d = argc > 4 ? std::atoi(argv[2]) : 0;
+  std::vector<int> only_d;  // empty: every hdim
+  if (argc > 4) {
+    for (const char* c = argv[2]; *c != '\0';) {
+      char* end = nullptr;
+      const long x = std::strtol(c, &end, 10);
+      if (end == c) break;
+      if (x != 0) only_d.push_back(static_cast<int>(x));
+      c = *end == ',' ? end + 1 : end;
+    }
+  }
   const int only_causal = argc > 4 ? std::atoi(argv[3]) : -1;
   const int only_s = argc > 4 ? std::atoi(argv[4]) : 0;
   if (csv) std::fprintf(csv, "hdim,causal,seqlen,batch,heads,ms,tflops\n");
   std::printf("%5s %6s %6s %5s %5s %9s %8s\n", "hdim", "causal", "seqlen", "batch", "heads", "ms",
               "TFLOP/s");
-  for (int d : {64, 128, 256}) {
+  std::vector<int> hdims = {64, 128, 256};
+  if (flashattn::detail::cuda::supports_forward_head_dim(512)) hdims.push_back(512);
+  for (int d : hdims) {
     for (int causal : {0, 1}) {
       for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {
-        if ((only_d && d != only_d) || (only_causal >= 0 && causal != only_causal) ||
-            (only_s && s != only_s))
+        if ((!only_d.empty() && std::find(only_d.begin(), only_d.end(), d) == only_d.end()) ||
+            (only_causal >= 0 && causal != only_causal) || (only_s && s != only_s))
           continue;
         const int b = kTokens / s, h = kModelDim / d;
         FwdParams p;

@@ -50,16 +50,18 @@ DenseDims check_qkv(const Check& c, const Tensor& q, const Tensor& k, const Tens
 }
 
 // Options, backend, backend support and CUDA layouts of q, k, v: what every dense
-// entry point checks after the shapes. fp8 q reaches it only from forward (the backward
-// entry points reject it first): on CUDA, the sm90 fp8 forward's rules (check_fp8_cuda).
+// entry point checks after the shapes (`call`: the forward's head-dim limits or the
+// backward's). fp8 q reaches it only from forward (the backward entry points reject it
+// first): on CUDA, the sm90 fp8 forward's rules (check_fp8_cuda).
 Target check_dense_options(const Check& c, const Options& opts, const DenseDims& dims,
-                           const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p) {
+                           const Tensor& q, const Tensor& k, const Tensor& v, FwdParams& p,
+                           detail::api::CudaCall call) {
   detail::api::fill_options(c, opts, q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
   detail::api::check_fp8_cuda(c, opts, q, target == Target::kCUDA, dims.b, dims.h_k);
-  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, "v",
-                               /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
+  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, call, "v",
+                               /*cuda_fp8=*/true);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;
@@ -96,7 +98,7 @@ void forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& ou
              q.device);
   }
   FwdParams p;
-  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p, detail::api::CudaCall::kForward);
   std::vector<std::uint8_t> block_kinds;
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
                                  {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
@@ -137,7 +139,7 @@ void backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor
   c.like("dk", dk, "k", k);
   c.like("dv", dv, "v", v);
   BwdParams p;
-  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p, detail::api::CudaCall::kBackward);
   std::vector<std::uint8_t> block_kinds;
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
                                  {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);
@@ -167,7 +169,7 @@ std::size_t backward_workspace_size(const Tensor& q, const Tensor& k, const Tens
   detail::api::reject_fp8(c, opts, q, kNoFp8Backward);
   detail::api::reject_qv(c, opts);
   BwdParams p;
-  const Target target = check_dense_options(c, opts, dims, q, k, v, p);
+  const Target target = check_dense_options(c, opts, dims, q, k, v, p, detail::api::CudaCall::kBackward);
   std::vector<std::uint8_t> block_kinds;
   detail::api::fill_block_sparse(c, opts, target == Target::kCPU, q.device,
                                  {dims.b, dims.h_q, dims.s_q, dims.s_k}, block_kinds, p);

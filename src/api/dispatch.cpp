@@ -11,7 +11,8 @@ namespace flashattn::detail::api {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;     // CUDA kernels
+constexpr int kMaxHeadDim = 256;     // CUDA kernels: backward, KV cache
+constexpr int kMaxHeadDimFwd = 512;  // CUDA forward (dense, varlen)
 constexpr int kMaxHeadDimCpu = 512;  // CPU backend (tiles sized at run time)
 constexpr std::size_t kCudaAlignBytes = 16;
 constexpr std::int64_t kCudaStrideMultiple = 8;
@@ -93,7 +94,7 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 }
 
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name, bool d_v_may_differ, bool cuda_fp8) {
+                     int h_q, CudaCall call, std::string_view v_name, bool cuda_fp8) {
   const bool fp8 = dtype == DType::kFloat8E4M3;
   if (fp8 && target == Target::kCUDA && !cuda_fp8) {
     check.unsupported("q",
@@ -128,21 +129,27 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                                : "dtype float16 or bfloat16 (CUDA backend)",
                       dtype_name(dtype));
   }
-  if (d < 1 || d % 8 != 0 || d > kMaxHeadDim) {
-    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend)",
+  const bool fwd = call == CudaCall::kForward;
+  const std::string max_d = std::to_string(fwd ? kMaxHeadDimFwd : kMaxHeadDim);
+  const char* const which = fwd ? "(CUDA backend)"
+                            : call == CudaCall::kBackward
+                                ? "(CUDA backward; the CUDA forward takes head dims up to 512)"
+                                : "(CUDA KV-cache calls; the dense and varlen CUDA forward take head dims up to 512)";
+  if (d < 1 || d % 8 != 0 || d > (fwd ? kMaxHeadDimFwd : kMaxHeadDim)) {
+    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + max_d + " " + which,
                       "d = " + std::to_string(d));
   }
-  if (d_v != d && !d_v_may_differ) {
+  if (d_v != d && call == CudaCall::kKVCache) {
     check.unsupported(v_name, "head dim d_v == d = " + std::to_string(d) +
                                " (CUDA KV-cache calls; d_v != d runs on the CPU backend)",
                       "d_v = " + std::to_string(d_v));
   }
-  if (d_v < 1 || d_v % 8 != 0 || d_v > kMaxHeadDim) {
-    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= 256 (CUDA backend)",
+  if (d_v < 1 || d_v % 8 != 0 || d_v > (fwd ? kMaxHeadDimFwd : kMaxHeadDim)) {
+    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + max_d + " " + which,
                       "d_v = " + std::to_string(d_v));
   }
   // The kernels run d_v != d in the bucket of the larger head dim.
-  if (!cuda::supports_head_dim(std::max(d, d_v))) {
+  if (!(fwd ? cuda::supports_forward_head_dim : cuda::supports_head_dim)(std::max(d, d_v))) {
     check.unsupported(d_v > d ? v_name : std::string_view("q"),
                       "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
                       d_v > d ? "d_v = " + std::to_string(d_v) : "d = " + std::to_string(d));

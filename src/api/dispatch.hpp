@@ -25,19 +25,21 @@ Target resolve_target(const Check& check, const Options& opts, Device device);
 // FLASHATTN_KERNEL_FAMILY and FLASHATTN_SMEM_CAP for CUDA tensors) into p.
 void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p);
 
+// Which CUDA kernels a call runs, for their head-dim limits: the forward (dense, varlen:
+// d and d_v up to 512), the backward (up to 256) or a KV-cache call (up to 256, d_v == d).
+enum class CudaCall { kForward, kBackward, kKVCache };
+
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
-// d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512];
-// CUDA kernels need d_v == d). v_name names v's tensor in errors ("v", or "v_cache").
-// On CUDA, d_v may differ from d (both % 8 == 0, at most 256; the kernels run in the
-// bucket of the larger) except where d_v_may_differ is false (the KV-cache calls: their
-// decode kernel has one head dim).
+// d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512]).
+// v_name names v's tensor in errors ("v", or "v_cache"). On CUDA both are % 8 == 0, at most
+// 512 for the forward and 256 for the backward, and may differ (the kernels run in the
+// bucket of the larger) except in KV-cache calls (their decode kernel has one head dim).
 // float8_e4m3 q, k, v run on CUDA only where cuda_fp8 is true (forward / varlen_forward:
 // the sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU
 // other than sm90, a head dim, ...); elsewhere (the KV-cache calls) Unsupported naming q.
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, std::string_view v_name = "v", bool d_v_may_differ = true,
-                     bool cuda_fp8 = false);
+                     int h_q, CudaCall call, std::string_view v_name = "v", bool cuda_fp8 = false);
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

@@ -366,7 +366,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   // fp8 q over an fp8 cache runs on the CPU backend only (cuda_fp8 false: Unsupported
   // naming q on CUDA).
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
-                               "v_cache", /*d_v_may_differ=*/false, /*cuda_fp8=*/false);
+                               detail::api::CudaCall::kKVCache, "v_cache", /*cuda_fp8=*/false);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "

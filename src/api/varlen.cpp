@@ -145,7 +145,7 @@ bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims
 // varlen entry point checks after the shapes.
 Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                          const Options& opts, FwdParams& p, std::vector<std::uint8_t>& block_kinds,
-                         bool* contents_read = nullptr) {
+                         detail::api::CudaCall call, bool* contents_read = nullptr) {
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
@@ -156,8 +156,8 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
                                  {dims.b, dims.h_q, a.max_seqlen_q, a.max_seqlen_k, true,
                                   dims.total_q, dims.total_k},
                                  block_kinds, p);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, "v",
-                               /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, call, "v",
+                               /*cuda_fp8=*/true);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   const bool read = check_varlen_contents(c, a, dims, target, opts.stream);
@@ -204,7 +204,8 @@ void varlen_forward(const VarlenArgs& args, const Tensor& out, const Tensor& lse
   FwdParams p;
   bool contents_read = true;
   std::vector<std::uint8_t> block_kinds;
-  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds, &contents_read);
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds,
+                                          detail::api::CudaCall::kForward, &contents_read);
   detail::api::check_cuda_layouts(c, target, {{"out", out}});
   detail::api::fill_probs(c, opts, target == Target::kCPU, args.q.device,
                           {dims.h_q, dims.total_q, args.max_seqlen_k}, p);
@@ -249,7 +250,8 @@ void varlen_backward(const VarlenArgs& args, const Tensor& dout, const Tensor& o
   BwdParams p;
   bool contents_read = true;
   std::vector<std::uint8_t> block_kinds;
-  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds, &contents_read);
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds,
+                                          detail::api::CudaCall::kBackward, &contents_read);
   detail::api::fill_sink_grad(c, opts, args.q.device, dims.h_q, p);
   detail::api::check_cuda_layouts(c, target,
                                   {{"out", out}, {"dout", dout}, {"dq", dq}, {"dk", dk}, {"dv", dv}});
@@ -281,7 +283,8 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
   detail::api::reject_qv(c, opts);
   BwdParams p;
   std::vector<std::uint8_t> block_kinds;
-  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds);
+  const Target target = check_varlen_rest(c, args, dims, opts, p, block_kinds,
+                                          detail::api::CudaCall::kBackward);
   set_varlen_inputs(args, dims, p);
   return detail::api::backward_workspace_size(target, p);
 }

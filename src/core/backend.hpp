@@ -27,8 +27,11 @@ bool built() noexcept;
 int device_count() noexcept;
 // Compute capability (major * 10 + minor) of a device; 0 if none.
 int compute_capability(int device) noexcept;
-// Whether the CUDA backend supports this dtype / head dim (for clear errors).
+// Whether the CUDA backend's kernels (forward, backward, KV-cache decode) support head dim d:
+// d % 8 == 0 up to the largest compiled bucket (for clear errors).
 bool supports_head_dim(int d) noexcept;
+// The same for the dense and varlen forward, whose buckets reach further (512).
+bool supports_forward_head_dim(int d) noexcept;
 void forward(const FwdParams& p);
 std::size_t forward_workspace_size(const FwdParams& p);
 void backward(const BwdParams& p);

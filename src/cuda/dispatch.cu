@@ -80,19 +80,22 @@ std::size_t fp8_vt_offset(const FwdParams& p) {
   return (block_kinds_offset(p) + block_kinds_bytes(p) + 255) & ~std::size_t(255);
 }
 
-// Checks every family shares; a family's own limits are its own.
-void check_common(const char* fn, const FwdParams& p) {
+// Checks every family shares; a family's own limits are its own. `wide`: the call may take
+// the forward's own buckets above 256 (the dense and varlen forward; not the backward, not
+// KV-cache calls, whose decode kernel stops at 256).
+void check_common(const char* fn, const FwdParams& p, bool wide) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
     throw Unsupported(fn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
   }
-  if (p.d % 8 != 0 || !supports_head_dim(p.d)) {
-    throw Unsupported(fn, "q", "a head dim d % 8 == 0 within the compiled CUDA buckets",
-                      std::to_string(p.d));
+  const auto supported = wide ? supports_forward_head_dim : supports_head_dim;
+  const char* buckets = wide ? "within the compiled CUDA forward buckets"
+                             : "within the compiled CUDA buckets (the backward and KV-cache calls stop at 256)";
+  if (p.d % 8 != 0 || !supported(p.d)) {
+    throw Unsupported(fn, "q", std::string("a head dim d % 8 == 0 ") + buckets, "d = " + std::to_string(p.d));
   }
   // d_v != d: the sm80 kernels run in the bucket of the larger head dim (sm80/family.hpp).
-  if (p.d_v % 8 != 0 || !supports_head_dim(p.d_v) || !supports_head_dim(std::max(p.d, p.d_v))) {
-    throw Unsupported(fn, "v", "a head dim d_v % 8 == 0 within the compiled CUDA buckets",
-                      std::to_string(p.d_v));
+  if (p.d_v % 8 != 0 || !supported(p.d_v) || !supported(std::max(p.d, p.d_v))) {
+    throw Unsupported(fn, "v", std::string("a head dim d_v % 8 == 0 ") + buckets, "d_v = " + std::to_string(p.d_v));
   }
 }
 
@@ -107,7 +110,7 @@ KernelChoice resolve_kernel_family(const char* fn, const FwdParams& p) {
 
 void forward(const FwdParams& in) {
   constexpr const char* kFn = "forward";
-  check_common(kFn, in);
+  check_common(kFn, in, in.cache_seqlens == nullptr);
   if (in.probs != nullptr) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
@@ -168,7 +171,7 @@ std::size_t forward_workspace_size(const FwdParams& p) {
 
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
-  check_common(kFn, in);
+  check_common(kFn, in, false);
   if (in.batch == 0 || in.h_q == 0) {
     // No rows: d sink (when asked for) is 0; nothing else to write.
     if (in.dsink != nullptr && in.h_q > 0) {

@@ -4,6 +4,8 @@
 #
 #   family  templates             head-dim buckets        code generated
 #   sm80    sm80/*.inst.cu.in     FLASHATTN_CUDA_BUCKETS  for each arch in FLASHATTN_CUDA_ARCHS:
+#           (fwd.inst.cu.in also  (and FWD_ONLY_BUCKETS)
+#           FWD_ONLY_BUCKETS)
 #                                                         its SASS and its PTX (the compute_80
 #                                                         and compute_90 PTX run GPUs newer
 #                                                         than the SASS: sm100, sm120, ...)
@@ -21,12 +23,20 @@
 # Features that keep the tile shapes (masks, softcap, ALiBi, dropout, varlen, KV cache)
 # are run-time branches inside a kernel, never further instantiations.
 #
+# FLASHATTN_CUDA_FWD_ONLY_BUCKETS are expanded for the sm80 forward template (fwd) alone:
+# head dims that only the forward runs (512: d or d_v in 264 .. 512, V and O split into
+# 256-column slices over the grid, sm80/tile_size.hpp's fwd_v_cols; no backward, decode or
+# sm90 kernel).
+#
 # The generated header flashattn_cuda_manifest.hpp hands the lists to the dispatch:
-#   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)       X(32) X(64) ...  (sm80 buckets compiled, ascending)
+#   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)       X(32) X(64) ...  (sm80 buckets of every kernel
+#                                             compiled, ascending)
+#   FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(X)  X(512) when compiled (the forward's alone)
 #   FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)  the same for sm90 (empty when not built)
 #   FLASHATTN_CUDA_FOR_EACH_DTYPE(X)          X(fp16, __half) X(bf16, __nv_bfloat16)
 
 set(FLASHATTN_CUDA_BUCKETS 32 64 96 128 160 192 224 256)
+set(FLASHATTN_CUDA_FWD_ONLY_BUCKETS 512)
 set(FLASHATTN_CUDA_SM90_BUCKETS 32 64 96 128 160 192 224 256)
 set(FLASHATTN_CUDA_SM90_GENCODE -gencode=arch=compute_90a,code=sm_90a)
 set(FLASHATTN_CUDA_DTYPES fp16 bf16)
@@ -41,6 +51,9 @@ function(flashattn_cuda_expand family buckets gen_dir out_sources)
     get_filename_component(name ${template} NAME)
     string(REGEX REPLACE "\\.inst\\.cu\\.in$" "" kernel ${name})
     foreach(d ${buckets})
+      if(d IN_LIST FLASHATTN_CUDA_FWD_ONLY_BUCKETS AND NOT kernel STREQUAL "fwd")
+        continue()
+      endif()
       foreach(dtype ${FLASHATTN_CUDA_DTYPES})
         set(HEAD_DIM ${d})
         set(DTYPE ${dtype})
@@ -68,9 +81,16 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
   set(head_dims ${FLASHATTN_HEAD_DIMS})
   list(SORT head_dims COMPARE NATURAL)
   list(REMOVE_DUPLICATES head_dims)
+  set(all_dims)
+  set(fwd_only_dims)
   foreach(d ${head_dims})
-    if(NOT d IN_LIST FLASHATTN_CUDA_BUCKETS)
-      message(FATAL_ERROR "FLASHATTN_HEAD_DIMS: ${d} is not a bucket (${FLASHATTN_CUDA_BUCKETS})")
+    if(d IN_LIST FLASHATTN_CUDA_FWD_ONLY_BUCKETS)
+      list(APPEND fwd_only_dims ${d})
+    elseif(d IN_LIST FLASHATTN_CUDA_BUCKETS)
+      list(APPEND all_dims ${d})
+    else()
+      message(FATAL_ERROR "FLASHATTN_HEAD_DIMS: ${d} is not a bucket "
+                          "(${FLASHATTN_CUDA_BUCKETS} ${FLASHATTN_CUDA_FWD_ONLY_BUCKETS})")
     endif()
   endforeach()
   set(with_sm90 OFF)
@@ -91,7 +111,8 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
   flashattn_cuda_expand(sm80 "${head_dims}" ${gen_dir} sm80_sources)
   flashattn_cuda_expand(sm90 "${sm90_dims}" ${gen_dir} sm90_sources)
 
-  flashattn_x_list(head_dim_list ${head_dims})
+  flashattn_x_list(head_dim_list ${all_dims})
+  flashattn_x_list(fwd_only_dim_list ${fwd_only_dims})
   flashattn_x_list(sm90_dim_list ${sm90_dims})
   set(dtype_list "")
   foreach(dtype ${FLASHATTN_CUDA_DTYPES})
@@ -101,6 +122,7 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
 "// Generated from src/cuda/manifest.cmake: the compiled kernel instantiations.
 #pragma once
 #define FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)${head_dim_list}
+#define FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(X)${fwd_only_dim_list}
 #define FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)${sm90_dim_list}
 #define FLASHATTN_CUDA_FOR_EACH_DTYPE(X)${dtype_list}
 " @ONLY)

@@ -17,6 +17,7 @@ bool built() noexcept { return false; }
 int device_count() noexcept { return 0; }
 int compute_capability(int) noexcept { return 0; }
 bool supports_head_dim(int) noexcept { return false; }
+bool supports_forward_head_dim(int) noexcept { return false; }
 void forward(const FwdParams&) { not_built(); }
 std::size_t forward_workspace_size(const FwdParams&) { return 0; }
 void backward(const BwdParams&) { not_built(); }

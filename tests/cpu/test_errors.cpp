@@ -530,7 +530,8 @@ TEST_F(ErrorsDense, WorkspaceSizeChecksItsArguments) {
 TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60, 60, 2, 8);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 60, 60, 2, 8,
+                                     fa::detail::api::CudaCall::kForward);
     FAIL() << "d = 60 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
@@ -539,24 +540,38 @@ TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
   }
 }
 
-// d_v != d runs on CUDA (DeepSeek-V3's (192, 128)) where d_v follows d's rules.
+// d_v != d runs on CUDA (DeepSeek-V3's (192, 128)) where d_v follows d's rules: up to 512 in
+// the forward, 256 in the backward.
 TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
-  const fa::detail::api::Check check("forward");
+  namespace api = fa::detail::api;
+  const api::Check check("forward");
   // A build with the buckets (a CPU-only build compiles none: the bucket rule then fails).
   if (fa::detail::cuda::supports_head_dim(192) && fa::detail::cuda::supports_head_dim(128)) {
-    EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16,
-                                                     192, 128, 2, 8));
-    EXPECT_NO_THROW(fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA,
-                                                     fa::DType::kBFloat16, 64, 128, 2, 8));
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat16, 192, 128, 2, 8,
+                                         api::CudaCall::kForward));
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 128, 2, 8,
+                                         api::CudaCall::kBackward));
   }
-  for (int d_v : {100, 0, 264}) {
+  if (fa::detail::cuda::supports_forward_head_dim(512)) {
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 192, 512, 2, 8,
+                                         api::CudaCall::kForward));
+  }
+  for (int d_v : {100, 0, 520}) {
     try {
-      fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat16, 128, d_v, 2, 8);
-      FAIL() << "d_v = " << d_v << " accepted for CUDA";
+      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat16, 128, d_v, 2, 8, api::CudaCall::kForward);
+      FAIL() << "d_v = " << d_v << " accepted for the CUDA forward";
     } catch (const fa::Unsupported& e) {
-      EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256"));
+      EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 512"));
       EXPECT_THAT(e.what(), HasSubstr("got d_v = " + std::to_string(d_v)));
     }
+  }
+  const api::Check bwd("backward");
+  try {
+    api::check_supported(bwd, api::Target::kCUDA, fa::DType::kFloat16, 128, 264, 2, 8, api::CudaCall::kBackward);
+    FAIL() << "d_v = 264 accepted for the CUDA backward";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256 "
+                                    "(CUDA backward; the CUDA forward takes head dims up to 512), got d_v = 264"));
   }
 }
 
@@ -564,7 +579,7 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
   const fa::detail::api::Check check("kvcache_forward");
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
-                                     "v_cache", /*d_v_may_differ=*/false);
+                                     fa::detail::api::CudaCall::kKVCache, "v_cache");
     FAIL() << "d_v != d accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA KV-cache calls"));
@@ -577,11 +592,12 @@ TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
   // itself, with Unsupported); the CPU backend takes them as before.
   namespace api = fa::detail::api;
   const api::Check check("forward");
-  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16));
+  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
+                                       api::CudaCall::kForward));
   for (int d : {64, 96, 128, 256}) {
     try {
-      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, d, d, 2, 16, "v",
-                           /*d_v_may_differ=*/true, /*cuda_fp8=*/true);
+      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, d, d, 2, 16, api::CudaCall::kForward,
+                           "v", /*cuda_fp8=*/true);
       EXPECT_TRUE(fa::detail::cuda::supports_head_dim(d)) << "d = " << d;
     } catch (const fa::Unsupported& e) {
       // Only a head dim this build did not compile (a CPU-only build compiles none).
@@ -591,13 +607,15 @@ TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
   }
   // The usual CUDA rules still apply to fp8 (d % 8), and other dtypes name fp8 among those.
   try {
-    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 60, 60, 2, 16, "v", true, true);
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 60, 60, 2, 16, api::CudaCall::kForward,
+                         "v", true);
     FAIL() << "d = 60 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0"));
   }
   try {
-    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat32, 128, 128, 2, 16, "v", true, true);
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat32, 128, 128, 2, 16, api::CudaCall::kForward,
+                         "v", true);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected dtype float16, bfloat16 or float8_e4m3 (CUDA "
@@ -611,14 +629,15 @@ TEST(ErrorsCudaRules, Fp8KVCacheRunsOnTheCpuOnly) {
   namespace api = fa::detail::api;
   const api::Check check("kvcache_forward");
   EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
-                                       "v_cache", false, false));
+                                       api::CudaCall::kKVCache, "v_cache", false));
   for (bool explicit_flag : {false, true}) {
     try {
       if (explicit_flag) {
-        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16, "v_cache",
-                             /*d_v_may_differ=*/false, /*cuda_fp8=*/false);
+        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
+                             api::CudaCall::kKVCache, "v_cache", /*cuda_fp8=*/false);
       } else {
-        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16);
+        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
+                             api::CudaCall::kKVCache);
       }
       FAIL() << "fp8 KV-cache call accepted for CUDA";
     } catch (const fa::Unsupported& e) {
@@ -832,20 +851,48 @@ TEST(ErrorsCudaRules, CausalForwardRowsFitTheGrid) {
   EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p));
 }
 
+// Head dims above 256 (issue 22): the CUDA forward takes them up to 512; the backward and
+// KV-cache calls decline them naming q's head dim.
 TEST(ErrorsCudaRules, HeadDimAbove256) {
-  const fa::detail::api::Check check("backward");
+  namespace api = fa::detail::api;
+  const api::Check fwd("forward");
+  if (fa::detail::cuda::supports_forward_head_dim(512)) {
+    EXPECT_NO_THROW(api::check_supported(fwd, api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8,
+                                         api::CudaCall::kForward));
+    EXPECT_NO_THROW(api::check_supported(fwd, api::Target::kCUDA, fa::DType::kFloat16, 264, 128, 2, 8,
+                                         api::CudaCall::kForward));
+  }
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8);
-    FAIL() << "d = 512 accepted for CUDA";
+    api::check_supported(fwd, api::Target::kCUDA, fa::DType::kBFloat16, 520, 520, 2, 8, api::CudaCall::kForward);
+    FAIL() << "d = 520 accepted for the CUDA forward";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA backend), got d = 512"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 512 (CUDA backend), got d = 520"));
+  }
+  const api::Check bwd("backward");
+  try {
+    api::check_supported(bwd, api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8, api::CudaCall::kBackward);
+    FAIL() << "d = 512 accepted for the CUDA backward";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA "
+                                    "backward; the CUDA forward takes head dims up to 512), got d = 512"));
+  }
+  const api::Check kv("kvcache_forward");
+  try {
+    api::check_supported(kv, api::Target::kCUDA, fa::DType::kBFloat16, 320, 320, 2, 8, api::CudaCall::kKVCache,
+                         "v_cache");
+    FAIL() << "d = 320 accepted for a CUDA KV-cache call";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA "
+                                    "KV-cache calls"));
+    EXPECT_THAT(e.what(), HasSubstr("got d = 320"));
   }
 }
 
 TEST(ErrorsCudaRules, OnlyHalfPrecision) {
   const fa::detail::api::Check check("forward");
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 64, 2, 8);
+    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 64, 2, 8,
+                                     fa::detail::api::CudaCall::kForward);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected dtype float16 or bfloat16 (CUDA backend), got float32"));
@@ -856,14 +903,14 @@ TEST(ErrorsCudaRules, GridLimits) {
   const fa::detail::api::Check check("varlen_forward");
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
-                                     64, 70000, 8);
+                                     64, 70000, 8, fa::detail::api::CudaCall::kForward);
     FAIL() << "70000 sequences accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected at most 65535 sequences per call (CUDA backend), got 70000 sequences"));
   }
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64,
-                                     64, 2, 65536);
+                                     64, 2, 65536, fa::detail::api::CudaCall::kForward);
     FAIL() << "65536 heads accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected at most 65535 query heads (CUDA backend), got 65536 heads"));

@@ -44,6 +44,7 @@ void forward(const FwdParams& p) {
     return;                                               \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_FWD_BUCKET)
+  FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(FLASHATTN_FWD_BUCKET)
 #undef FLASHATTN_FWD_BUCKET
 }
 

@@ -2,7 +2,8 @@
 // (query tile, query head, sequence):
 //
 //   Q tile [kBlockM x kHeadDim] -> shared memory once; each warp owns kMTiles 16-row tiles.
-//   K, V tiles [kBlockN x kHeadDim] stream through a kStages-deep cp.async ring.
+//   K tiles [kBlockN x kHeadDim], V tiles [kBlockN x kVCols] stream through a kStages-deep
+//   cp.async ring (or one staggered K and V buffer).
 //   S = Q K^T and O += P V on the tensor cores (mma.sync m16n8k16, fp32 accumulate);
 //   K fragments by ldmatrix, V fragments by ldmatrix.trans, P stays in registers and is
 //   repacked as the A operand of P V.
@@ -10,6 +11,9 @@
 //   Masks only on the key tiles that cross a bound; the key loop runs only over the
 //   tiles some row of the query tile can see.
 //   O and lse written once at the end, O through shared memory as 16-byte stores.
+//   The 512 bucket (Tr::kVSliced): each block computes the scores over all of d but only a
+//   256-column slice of O = P V (V's columns v_col0 ..), the slices of one query tile and head
+//   in neighbouring blocks of grid x (their Q and K reads meet in L2); slice 0 writes lse.
 //
 // Everything that does not change a tile shape (masks, softcap, ALiBi, dropout, GQA,
 // varlen, KV cache, paged KV) is a uniform run-time branch.
@@ -60,14 +64,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     fwd_kernel(const __grid_constant__ FwdParams p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
   using QTile = typename Tr::QTile;
-  using KVTile = typename Tr::KVTile;
+  using KTile = typename Tr::KTile;
+  using VTile = typename Tr::VTile;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kStages = Tr::kStages;
   constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kOTiles = Tr::kOTiles;
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Element* const sQ = reinterpret_cast<Element*>(smem_raw);
-  Element* const sKV = sQ + QTile::kElements;  // stage s: K at 2s, V at 2s + 1 (KVTile units)
+  Element* const sKV = sQ + QTile::kElements;  // stage s at s * kStageBytes: K, then V
 
   // Heavier query tiles (more keys under causal masks) are launched first. Without a
   // mask every tile costs the same and the grid is (query tile, head, sequence): the
@@ -76,9 +81,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // (launch_fwd): the heaviest query tile of every head first, the lightest last, so the
   // last blocks to start are the shortest (with one block of a 128-row tile per SM, a
   // heavy tile started last would run alone at the end).
+  // Sliced V (Tr::kVSliced): grid x holds `slices` blocks per query tile (or head), x * slices +
+  // slice; a block computes V's and O's columns [v_col0, v_col0 + kVCols), p.d_v - v_col0 of
+  // them real (the rest zero-filled, not stored).
   const bool tile_major = fwd_tile_major(p);
-  const int m_block = static_cast<int>(tile_major ? gridDim.z - 1 - blockIdx.z : gridDim.x - 1 - blockIdx.x);
-  const int h = tile_major ? blockIdx.x : blockIdx.y;
+  const unsigned slices = Tr::kVSliced ? (p.d_v + Tr::kVCols - 1) / Tr::kVCols : 1;
+  const int m_block = static_cast<int>(tile_major ? gridDim.z - 1 - blockIdx.z
+                                                  : gridDim.x / slices - 1 - blockIdx.x / slices);
+  const int h = tile_major ? blockIdx.x / slices : blockIdx.y;
+  // (read again at each use: a register held from here to the epilogue spilled, sm_90)
+  auto v_col0 = [&] { return static_cast<int>(blockIdx.x % slices) * Tr::kVCols; };
   const int b = tile_major ? blockIdx.y : blockIdx.z;
   const int s_q = p.seq_len_q(b);
   const int m0 = m_block * kBlockM;
@@ -156,48 +168,52 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       std::int64_t(g) * p.k_head_stride;
   const std::int64_t v_row0 =
       (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
-      std::int64_t(g) * p.v_head_stride;
+      std::int64_t(g) * p.v_head_stride + v_col0();
 
   // `parts`: which of the tile's K (kLoadK) and V (kLoadV) to copy; the staggered pipeline
   // (Tr::kStaggered) copies them at different points of the key loop. A constant at every
   // call, so the unused half folds away.
   auto load_kv_dense = [&](int stage, int tile, int parts) {
     const int n0 = tile * kBlockN;
-    Element* sK = sKV + (2 * stage) * KVTile::kElements;
-    Element* sV = sKV + (2 * stage + 1) * KVTile::kElements;
+    Element* sK = sKV + stage * (Tr::kStageBytes / 2);
+    Element* sV = sK + KTile::kElements;
     if (parts & kLoadK) {
-      load_tile_strided<KVTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
-                                              p.k_row_stride, s_k - n0, p.d, p.k, tid);
+      load_tile_strided<KTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
+                                             p.k_row_stride, s_k - n0, p.d, p.k, tid);
     }
     if (parts & kLoadV) {
-      load_tile_strided<KVTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                              p.v_row_stride, s_k - n0, p.d_v, p.v, tid);
+      load_tile_strided<VTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
+                                             p.v_row_stride, s_k - n0, p.d_v - v_col0(), p.v, tid);
     }
   };
   // Key tiles below the last are full, which is every tile the main loop refills.
-  using FullKV = FullTileCopy<KVTile, Tr::kThreads>;
-  const int full_row = FullKV::row(tid);
+  using FullK = FullTileCopy<KTile, Tr::kThreads>;
+  using FullV = FullTileCopy<VTile, Tr::kThreads>;
   // Columns past d (K) or d_v (V) of the bucket's tile are zero-filled.
-  const bool k_col_ok = FullKV::col(tid) < p.d, v_col_ok = FullKV::col(tid) < p.d_v;
+  const bool k_col_ok = FullK::col(tid) < p.d, v_col_ok = FullV::col(tid) < p.d_v - v_col0();
   const Element* const k_full =
-      k_base + k_row0 + std::int64_t(full_row) * p.k_row_stride + (k_col_ok ? FullKV::col(tid) : 0);
+      k_base + k_row0 + std::int64_t(FullK::row(tid)) * p.k_row_stride + (k_col_ok ? FullK::col(tid) : 0);
   const Element* const v_full =
-      v_base + v_row0 + std::int64_t(full_row) * p.v_row_stride + (v_col_ok ? FullKV::col(tid) : 0);
-  std::uint32_t kv_full_dst[FullKV::kDstVariants];
+      v_base + v_row0 + std::int64_t(FullV::row(tid)) * p.v_row_stride + (v_col_ok ? FullV::col(tid) : 0);
+  std::uint32_t k_full_dst[FullK::kDstVariants], v_full_dst[FullV::kDstVariants];
 #pragma unroll
-  for (int v = 0; v < FullKV::kDstVariants; ++v) {
-    kv_full_dst[v] = smem_u32(sKV) + FullKV::dst_bytes(tid, v);
+  for (int v = 0; v < FullK::kDstVariants; ++v) {
+    k_full_dst[v] = smem_u32(sKV) + FullK::dst_bytes(tid, v);
+  }
+#pragma unroll
+  for (int v = 0; v < FullV::kDstVariants; ++v) {
+    v_full_dst[v] = smem_u32(sKV) + FullV::dst_bytes(tid, v);
   }
   auto load_kv_full = [&](int stage, int tile, int parts) {
-    if constexpr (FullKV::kApplies) {
+    if constexpr (FullK::kApplies && FullV::kApplies) {
       const std::int64_t n0 = std::int64_t(tile) * kBlockN;
-      const std::uint32_t base = stage * (2 * KVTile::kBytes);
+      const std::uint32_t base = stage * Tr::kStageBytes;
       if (parts & kLoadK) {
-        FullKV::issue(kv_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, k_col_ok);
+        FullK::issue(k_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, k_col_ok);
       }
       if (parts & kLoadV) {
-        FullKV::issue(kv_full_dst, base + KVTile::kBytes, v_full + n0 * p.v_row_stride,
-                      p.v_row_stride, v_col_ok);
+        FullV::issue(v_full_dst, base + KTile::kBytes, v_full + n0 * p.v_row_stride,
+                     p.v_row_stride, v_col_ok);
       }
     } else {
       load_kv_dense(stage, tile, parts);
@@ -208,29 +224,39 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       load_kv_dense(stage, tile, parts);
       return;
     }
-    // Paged rows: one block-table lookup (a load and a division) per chunk serves K and V.
+    // Paged rows: one block-table lookup (a load and a division) per chunk serves K and V
+    // (apart where their tiles differ in width: a sliced V).
     const int n0 = tile * kBlockN;
-    const std::uint32_t sK = smem_u32(sKV + (2 * stage) * KVTile::kElements);
-    const std::uint32_t sV = sK + KVTile::kBytes;
-    constexpr int kChunksPerRow = KVTile::kCols / 8;
-    constexpr int kChunks = KVTile::kRows * kChunksPerRow;
+    const std::uint32_t sK = smem_u32(sKV + stage * (Tr::kStageBytes / 2));
+    const std::uint32_t sV = sK + KTile::kBytes;
+    auto load_paged = [&](auto tile_tag, int parts_here) {
+      using Tile = typename decltype(tile_tag)::type;
+      constexpr int kChunksPerRow = Tile::kCols / 8;
+      constexpr int kChunks = Tile::kRows * kChunksPerRow;
 #pragma unroll
-    for (int idx = tid; idx < kChunks; idx += Tr::kThreads) {
-      const int row = idx / kChunksPerRow;
-      const int col = (idx % kChunksPerRow) * 8;
-      const int j = n0 + row;
-      const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v;
-      const Element* k_src = k_base;
-      const Element* v_src = v_base;
-      if (j < s_k) {
-        const std::int64_t blk = p.block_id(b, j / p.block_size);  // clamped (params.hpp)
-        const int in_block = j % p.block_size;
-        if (k_valid) k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
-        if (v_valid) v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
+      for (int idx = tid; idx < kChunks; idx += Tr::kThreads) {
+        const int row = idx / kChunksPerRow;
+        const int col = (idx % kChunksPerRow) * 8;
+        const int j = n0 + row;
+        const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v - v_col0();
+        const Element* k_src = k_base;
+        const Element* v_src = v_base;
+        if (j < s_k) {
+          const std::int64_t blk = p.block_id(b, j / p.block_size);  // clamped (params.hpp)
+          const int in_block = j % p.block_size;
+          if (k_valid) k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
+          if (v_valid) v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
+        }
+        const std::uint32_t off = 2 * Tile::offset(row, col);
+        if (parts_here & kLoadK) cp_async_16(sK + off, k_src, k_valid);
+        if (parts_here & kLoadV) cp_async_16(sV + off, v_src, v_valid);
       }
-      const std::uint32_t off = 2 * KVTile::offset(row, col);
-      if (parts & kLoadK) cp_async_16(sK + off, k_src, k_valid);
-      if (parts & kLoadV) cp_async_16(sV + off, v_src, v_valid);
+    };
+    if constexpr (std::is_same_v<KTile, VTile>) {
+      load_paged(std::type_identity<KTile>{}, parts);
+    } else {
+      if (parts & kLoadK) load_paged(std::type_identity<KTile>{}, kLoadK);
+      if (parts & kLoadV) load_paged(std::type_identity<VTile>{}, kLoadV);
     }
   };
 
@@ -281,18 +307,19 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
   // column half lane / 16), K as the non-transposed B operand (keys lane % 8 + 8 (lane / 16),
   // column half (lane / 8) % 2), V as the transposed B operand (keys lane % 16, column
   // half lane / 16).
-  std::uint32_t q_lane[QTile::kColVariants], k_lane0[KVTile::kColVariants],
-      v_lane0[KVTile::kColVariants];
+  static_assert(KTile::kColVariants == VTile::kColVariants);  // (a sliced V: 64-column blocks, as K)
+  std::uint32_t q_lane[QTile::kColVariants], k_lane0[KTile::kColVariants],
+      v_lane0[VTile::kColVariants];
 #pragma unroll
   for (int var = 0; var < QTile::kColVariants; ++var) {
     q_lane[var] = smem_u32(sQ) + QTile::lane_bytes(warp_row0 + (lane & 15), lane >> 4, var);
   }
 #pragma unroll
-  for (int var = 0; var < KVTile::kColVariants; ++var) {
+  for (int var = 0; var < KTile::kColVariants; ++var) {
     k_lane0[var] = smem_u32(sKV) +
-                   KVTile::lane_bytes((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, var);
+                   KTile::lane_bytes((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1, var);
     v_lane0[var] =
-        smem_u32(sKV + KVTile::kElements) + KVTile::lane_bytes(lane & 15, lane >> 4, var);
+        smem_u32(sKV + KTile::kElements) + VTile::lane_bytes(lane & 15, lane >> 4, var);
   }
 
   // One key tile: wait for it, refill the ring, S = Q K^T, scores, mask, online softmax,
@@ -306,7 +333,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     constexpr bool kGeneral = kMode == FwdMode::kGeneral;
     // Interior tiles (every one below the last) take the per-thread full-tile copy plan.
     auto issue = [&](int stage, int tile, int parts) {
-      if constexpr (kGeneral) {
+      if constexpr (kGeneral && Tr::kVSliced) {
+        // (the 512 bucket: its dense loads' generic per-chunk copy of a 512-column K tile
+        // spilled in the general copy, ptxas sm_90; its refills are full tiles too)
+        if (paged) {
+          load_kv(stage, tile, parts);
+        } else {
+          load_kv_full(stage, tile, parts);
+        }
+      } else if constexpr (kGeneral) {
         load_kv(stage, tile, parts);
       } else {
         load_kv_full(stage, tile, parts);
@@ -354,11 +389,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       }
     }
     const int stage = it % kStages;
-    std::uint32_t k_lane[KVTile::kColVariants], v_lane[KVTile::kColVariants];
+    std::uint32_t k_lane[KTile::kColVariants], v_lane[VTile::kColVariants];
 #pragma unroll
-    for (int var = 0; var < KVTile::kColVariants; ++var) {
-      k_lane[var] = k_lane0[var] + stage * (2 * KVTile::kBytes);
-      v_lane[var] = v_lane0[var] + stage * (2 * KVTile::kBytes);
+    for (int var = 0; var < KTile::kColVariants; ++var) {
+      k_lane[var] = k_lane0[var] + stage * Tr::kStageBytes;
+      v_lane[var] = v_lane0[var] + stage * Tr::kStageBytes;
     }
 
     // S[kMTiles][kNTiles] = Q K^T: 16 query rows x 8 keys per (mt, nt).
@@ -385,7 +420,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     };
     auto load_k = [&](int step, std::uint32_t(&bk)[4]) {  // n-tiles 2np, 2np + 1; k halves 0, 1
       const int ks = step / kNPairs, np = step % kNPairs;
-      ldmatrix_x4(k_lane[KVTile::variant(ks * 16)] + KVTile::const_bytes(np * 16, ks * 16), bk);
+      ldmatrix_x4(k_lane[KTile::variant(ks * 16)] + KTile::const_bytes(np * 16, ks * 16), bk);
     };
     load_q(0, qa[0]);
     load_k(0, kb[0]);
@@ -494,12 +529,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     // O += P V: P's accumulator tiles 2kk, 2kk + 1 form the A operand of k-step kk. The V
     // fragments (k halves 0, 1 of d-tiles 2dp, 2dp + 1) are double-buffered over the
     // flattened (kk, dp) steps.
-    constexpr int kDSteps = kHeadDim / 16;
+    constexpr int kDSteps = Tr::kVCols / 16;
     constexpr int kPVSteps = (kBlockN / 16) * kDSteps;
     std::uint32_t vb[2][4];
     auto load_v = [&](int step, std::uint32_t(&bv)[4]) {
       const int kk = step / kDSteps, dp = step % kDSteps;
-      ldmatrix_x4_trans(v_lane[KVTile::variant(dp * 16)] + KVTile::const_bytes(kk * 16, dp * 16), bv);
+      ldmatrix_x4_trans(v_lane[VTile::variant(dp * 16)] + VTile::const_bytes(kk * 16, dp * 16), bv);
     };
     load_v(0, vb[0]);
 #pragma unroll
@@ -586,8 +621,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
       }
   __syncwarp();
   Element* const o_rows = static_cast<Element*>(p.out) + p.o_offset(b) +
-                          std::int64_t(h) * p.o_head_stride + std::int64_t(m0) * p.o_row_stride;
-  constexpr int kChunksPerRow = kHeadDim / 8;
+                          std::int64_t(h) * p.o_head_stride + std::int64_t(m0) * p.o_row_stride + v_col0();
+  constexpr int kChunksPerRow = Tr::kVCols / 8;
   constexpr int kWarpChunks = kMTiles * 16 * kChunksPerRow;
   static_assert(kWarpChunks % 32 == 0);
 #pragma unroll
@@ -595,12 +630,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     const int idx = lane + 32 * pass;
     const int row = warp_row0 + idx / kChunksPerRow;
     const int col = (idx % kChunksPerRow) * 8;
-    if (row < rows_here && col < p.d_v) {
+    if (row < rows_here && col < p.d_v - v_col0()) {
       *reinterpret_cast<uint4*>(o_rows + std::int64_t(row) * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sQ + QTile::offset(row, col));
     }
   }
-  if (p.lse != nullptr && (lane & 3) == 0) {
+  if (p.lse != nullptr && v_col0() == 0 && (lane & 3) == 0) {
     float* const lse_row = p.lse + p.lse_offset(b, h) + m0;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -616,7 +651,9 @@ template <int kHeadDim, typename Element, int kKind>
 void launch_fwd(const FwdParams& p) {
   using Tr = FwdTraits<kHeadDim, Element, kKind>;
   auto kernel = fwd_kernel<kHeadDim, Element, kKind, false>;
-  if constexpr (kKind != kFwdStaggered) {  // (run_fwd gives block-sparse calls the large tile)
+  // Staggered tiles have no block-sparse copy (run_fwd gives such calls the large tile, or
+  // declines them in the 512 bucket).
+  if constexpr (!Tr::kStaggered) {
     if (p.block_kinds != nullptr) kernel = fwd_kernel<kHeadDim, Element, kKind, true>;
   }
   constexpr int kSmem = Tr::kSmemBytes;
@@ -632,7 +669,10 @@ void launch_fwd(const FwdParams& p) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
   const unsigned m_tiles = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  const dim3 grid = fwd_tile_major(p) ? dim3(p.h_q, p.batch, m_tiles) : dim3(m_tiles, p.h_q, p.batch);
+  // Sliced V: the d_v slices of a query tile (or head) side by side in grid x (fwd_kernel).
+  const unsigned slices = Tr::kVSliced ? (p.d_v + Tr::kVCols - 1) / Tr::kVCols : 1;
+  const dim3 grid = fwd_tile_major(p) ? dim3(p.h_q * slices, p.batch, m_tiles)
+                                      : dim3(m_tiles * slices, p.h_q, p.batch);
   kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
@@ -644,6 +684,14 @@ void run_fwd(const FwdParams& p) {
   // memory per block, or the caller's cap): the large / staggered tiles on H100 / H200, the
   // base tile on A100-class parts, the 99 KiB tile on sm86 / sm89.
   const int limit = p.smem_limit;
+  if constexpr (FwdTraits<kHeadDim, Element>::kVSliced) {
+    if (p.block_kinds != nullptr) {
+      throw Unsupported("forward", "opts.block_sparse",
+                        "no block-sparse mask at head dims above 256 (CUDA: the forward's 512 bucket "
+                        "has no block-sparse kernel)",
+                        "a mask with d = " + std::to_string(p.d) + ", d_v = " + std::to_string(p.d_v));
+    }
+  }
   if constexpr (has_large_fwd_tile(kHeadDim)) {
     if (limit >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
       // Block-sparse calls keep the large tile: the staggered tile's sparse copy spilled
@@ -670,8 +718,9 @@ void run_fwd(const FwdParams& p) {
   }
   throw Unsupported("forward", "q",
                     "at least " + std::to_string(fwd_smem_bytes(fwd_tile_small(kHeadDim), kHeadDim)) +
-                        " bytes of shared memory per block for head-dim bucket " +
-                        std::to_string(kHeadDim),
+                        " bytes of shared memory per block for head dim d = " + std::to_string(p.d) +
+                        (p.d_v != p.d ? ", d_v = " + std::to_string(p.d_v) : std::string()) +
+                        " (head-dim bucket " + std::to_string(kHeadDim) + ")",
                     std::to_string(limit) + " bytes (the device's limit or opts.smem_cap)");
 }
 

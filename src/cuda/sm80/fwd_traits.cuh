@@ -33,9 +33,13 @@ struct FwdTraits {
   // K_{j+1} while O += P V_j runs, so Q + K + V is all the shared memory a block needs.
   static constexpr bool kStaggered = kStages == 1;
   static constexpr int kThreads = 32 * kWarps;
+  // V and O columns of one block (tile_size.hpp's fwd_v_cols): kHeadDim, or in the 512 bucket
+  // a slice of 256 of d_v's columns (kVSliced), the slices spread over grid x.
+  static constexpr int kVCols = fwd_v_cols(kHeadDim);
+  static constexpr bool kVSliced = kVCols < kHeadDim;
   static constexpr int kMTiles = kBlockM / (16 * kWarps);  // 16-row tiles per warp
   static constexpr int kNTiles = kBlockN / 8;              // 8-key tiles of S per warp row tile
-  static constexpr int kOTiles = kHeadDim / 8;             // 8-dim tiles of O
+  static constexpr int kOTiles = kVCols / 8;               // 8-dim tiles of O
   // The lazy O rescale (OnlineSoftmax::update_lazy) saves kMTiles * kOTiles * 4 FMULs per
   // tile but costs ~45 instructions of address rematerialisation around its branch
   // (SASS, sm_90): worth it where the rescale is at least one FMUL per MMA of the tile
@@ -43,8 +47,11 @@ struct FwdTraits {
   static constexpr int kTileMmas = kMTiles * (kNTiles * kHeadDim / 16 + kOTiles * kBlockN / 16);
   static constexpr bool kLazyRescale = kMTiles * kOTiles * 4 >= kTileMmas;
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
-  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-  static constexpr int kSmemBytes = QTile::kBytes + 2 * kStages * KVTile::kBytes;
+  using KTile = SwizzledTile<kBlockN, kHeadDim>;
+  using VTile = SwizzledTile<kBlockN, kVCols>;
+  // A stage: its K tile, then its V tile.
+  static constexpr int kStageBytes = KTile::kBytes + VTile::kBytes;
+  static constexpr int kSmemBytes = QTile::kBytes + kStages * kStageBytes;
   static_assert(is_head_dim_bucket(kHeadDim) && fwd_tile_valid(kHeadDim));
   static_assert(kSmemBytes == fwd_smem_bytes(kTile, kHeadDim));
 };
