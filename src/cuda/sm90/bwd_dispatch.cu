@@ -14,9 +14,9 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
     return "not a compute capability 9.0 GPU";
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
-  if (p.d > 128 || p.d % 8 != 0) return "head dim";
+  if (p.d > 256 || p.d % 8 != 0) return "head dim";
   if (p.d_v != p.d) return "d_v != d";
-  const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : BwdHdim128::kSmemBytes;
+  const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : p.d <= 128 ? BwdHdim128::kSmemBytes : BwdHdim256::kSmemBytes;
   if (p.smem_limit > 0 && p.smem_limit < smem) return "shared memory limit below the sm90 tiles";
   if (p.dropout_p > 0.0f) return "dropout";
   if (p.bs_lists[0].cnt != nullptr) return "block-sparse mask";
@@ -65,7 +65,8 @@ void run(const BwdParams& p, BwdArgs& args, void* stream) {
 template <typename Element>
 void run_bucket(const BwdParams& p, BwdArgs& args, void* stream) {
   if (p.d <= 64) return run<BwdHdim64, Element>(p, args, stream);
-  return run<BwdHdim128, Element>(p, args, stream);
+  if (p.d <= 128) return run<BwdHdim128, Element>(p, args, stream);
+  return run<BwdHdim256, Element>(p, args, stream);
 }
 
 }  // namespace

@@ -46,20 +46,27 @@
 namespace flashattn::detail::cuda::sm90 {
 
 // The compile-time shape of one backward kernel: kBlockM query rows per pair, 64 keys per
-// consumer warpgroup; each consumer computes one 64 x 64 block of the pair's dQ.
+// consumer warpgroup; each consumer computes one 64 x 64 block of the pair's dQ. Head dims
+// above 128 (kSplitHd) split the head dim instead: 64 keys per block, both warpgroups over
+// all of them, warpgroup w computing S / dP for keys 32 w .. and dK, dV, dQ for head-dim
+// columns 128 w .. (the dK and dV of 64 keys x 256 columns would not fit one warpgroup's
+// registers), P and dS going through shared memory.
 template <int kHeadDim_, int kBlockM_, int kStages_>
 struct BwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kConsumers = 2;
-  static constexpr int kBlockN = 64 * kConsumers;
+  static constexpr bool kSplitHd = kHeadDim > 128;
+  static constexpr int kBlockN = kSplitHd ? 64 : 64 * kConsumers;
+  static constexpr int kDqCols = kSplitHd ? 128 : 64;  // head-dim columns of one consumer's dQ block
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kColBlocks = kHeadDim / 64;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q (or dO) tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K (or V)
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
-  static constexpr int kDqBytes = 64 * 64 * 4;            // one consumer's fp32 dQ block
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer (split: P, then dS)
+  static constexpr int kDqFloats = 64 * kDqCols;           // one consumer's fp32 dQ block
+  static constexpr int kDqBytes = kDqFloats * 4;
   static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
                                     kConsumers * kDqBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
@@ -71,7 +78,9 @@ struct BwdConfig {
   static constexpr int kConsumerRegs = 240;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0);
-  static_assert((kBlockM / 64) * (kHeadDim / 64) == kConsumers, "one 64 x 64 dQ block per consumer");
+  static_assert(kSplitHd ? kBlockM == 64 && kHeadDim == kDqCols * kConsumers
+                         : (kBlockM / 64) * (kHeadDim / 64) == kConsumers,
+                "one dQ block per consumer");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
@@ -112,8 +121,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kEarlyDv = Cfg::kEarlyDv && kRaw;
-  constexpr int kDqColBlocks = kHeadDim / 64;  // consumer w's dQ block: rows 64 (w / this), columns 64 (w % this)
+  // Consumer w's dQ block: rows 64 (w / this), columns kDqCols (w % this).
+  constexpr int kDqColBlocks = kHeadDim / Cfg::kDqCols;
   constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
+  constexpr int kPdsFree = 2 + 2 * Cfg::kConsumers;  // split: both consumers done with P / dS
   const BwdParams& p = args.p;
   const BwdWorkspace& ws = args.ws;
 
@@ -153,8 +164,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   unsigned char* sQ = sV + Cfg::kKVBytes;
   unsigned char* sdO = sQ + kStages * Cfg::kQBytes;
   unsigned char* sdS = sdO + kStages * Cfg::kQBytes;
-  float* sdQ = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);    // [kConsumers][64 * 64]
-  float* sLse = sdQ + Cfg::kConsumers * 64 * 64;                      // [kStages][kBlockM], log2 units
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);    // [kConsumers][kDqFloats]
+  float* sLse = sdQ + Cfg::kConsumers * Cfg::kDqFloats;               // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;                           // [kStages][kBlockM]
   auto* bars = reinterpret_cast<std::uint64_t*>(sDsum + kStages * kBlockM);
   std::uint64_t* full_kv = bars;
@@ -283,10 +294,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
             if (issued[w]) {
               named_barrier_sync(kDqFull + w, 128 + 32);
               if (lane == 0) {
-                const int slabs = min(8, (p.d - 64 * cb_w) / 8);  // 8-column slabs inside d, 2 KB each
+                // 8-column slabs inside d, 2 KB each
+                const int slabs = min(Cfg::kDqCols / 8, (p.d - Cfg::kDqCols * cb_w) / 8);
                 float* const dst = ws.dq_accum + dq_accum_tile(ws, b, m0 / 64 + mb_w, h, p.h_q, p.d) +
-                                   dq_accum_index(0, 64 * cb_w);
-                bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
+                                   dq_accum_index(0, Cfg::kDqCols * cb_w);
+                bulk_reduce_add_f32(dst, sdQ + w * Cfg::kDqFloats, std::uint32_t(slabs) * 2048u);
                 bulk_commit();
               }
             }
@@ -345,10 +357,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                 while (ld_acquire_gpu(sem) != turn) __nanosleep(32);
               }
               // The block's 8-column slabs inside d: 2 KB each, contiguous from the first.
-              const int slabs = min(8, (p.d - 64 * cb_w) / 8);
+              const int slabs = min(Cfg::kDqCols / 8, (p.d - Cfg::kDqCols * cb_w) / 8);
               float* const dst = ws.dq_accum + dq_accum_tile(ws, b, tile, h, p.h_q, p.d) +
-                                 dq_accum_index(0, 64 * cb_w);
-              bulk_reduce_add_f32(dst, sdQ + w * 64 * 64, std::uint32_t(slabs) * 2048u);
+                                 dq_accum_index(0, Cfg::kDqCols * cb_w);
+              bulk_reduce_add_f32(dst, sdQ + w * Cfg::kDqFloats, std::uint32_t(slabs) * 2048u);
               bulk_commit();
               if (last_of_tile) {
                 bulk_wait<0>();  // the additions are done, not only their reads
@@ -374,286 +386,501 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 
   // ------------------------------------------------------------------ consumers
   setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int cw = warp_uniform(wg - 1);  // keys 64 cw .. 64 cw + 63 of the tile
-  const int warp_in = warp % 4;
-  const int key_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
-  // The dQ block of this warpgroup: query rows 64 mb.., columns 64 cb..
-  const int mb = cw / kDqColBlocks, cb = cw % kDqColBlocks;
+  if constexpr (Cfg::kSplitHd) {
+    // Head dims above 128. Warpgroup cw computes S = Q K^T and dP = dO V^T for keys 32 cw ..
+    // 32 cw + 31 (S not transposed: register 4 c + 2 h + e is query row r0 + 8 h, key
+    // 32 cw + 8 c + 2 (lane % 4) + e), writes its half of P and of dS to shared memory
+    // ([64 queries x 64 keys], the 128-byte swizzle), and after both halves are there computes
+    // for head-dim columns 128 cw .. 128 cw + 127, over all 64 keys:
+    //   dV += P^T dO, dK += dS^T Q (A read MN-major from shared memory), dQ = dS K.
+    // P and dS are single-buffered: a barrier of the consumers before they are overwritten.
+    const int cw = warp_uniform(wg - 1);
+    const int warp_in = warp % 4;
+    const int r0 = 16 * warp_in + lane / 4;  // tile rows r0, r0 + 8 of S; key rows of dK / dV
+    const TileMask tile_mask(s_q, s_k, p.mask);
+    constexpr int kSNs = 16;   // S (dP) accumulator floats: 64 rows x 32 keys
+    constexpr int kDN = 64;    // dK, dV, dQ accumulator floats: 64 x 128
+    float dk[kDN], dv[kDN];
+#pragma unroll
+    for (int i = 0; i < kDN; ++i) dk[i] = dv[i] = 0.0f;
 
-  // The queries that see key j, as [lo, hi] (empty past s_k): the mask's column view.
-  int vis_lo[2], vis_hi[2];
+    if (n_iter > 0) {
+      float s[kSNs], dp[kSNs], dq[kDN];
+      const std::uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+      const std::uint32_t p_addr = smem_addr(sdS), ds_addr = p_addr + Cfg::kDsBytes;
+      // Descriptor low words (smem_desc_lo): S / dP's B, K / V rows 32 cw .. (K-major); dQ's
+      // B, K's columns 128 cw .. (MN-major, 64-column blocks kBlockN * 128 bytes apart).
+      const std::uint32_t kw_lo0 = smem_desc_lo(k_addr + cw * 32 * 128, 0);
+      const std::uint32_t vw_lo0 = smem_desc_lo(v_addr + cw * 32 * 128, 0);
+      const std::uint32_t kd_lo0 = smem_desc_lo(k_addr + 2 * cw * kBlockN * 128, kBlockN * 128);
+      // stmatrix: lane l gives row l % 8 (+ 8 for odd l / 8) of matrix l / 8, whose 8 keys are
+      // chunk 4 cw + 2 kk + l / 16 of the row, swizzled by the row: ^ l % 8.
+      const std::uint32_t st_row = (16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
+      const std::uint32_t st_x = lane % 8, st_c = 4 * cw + lane / 16;
+      const float scale_log2 = args.scale_log2;
+      auto zero_invisible = [&](float (&x)[kSNs], int m0) {
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = n0 + key_in_tile + 8 * half;
-    vis_lo[half] = p.mask.right >= 0 ? j - shift - p.mask.right : 0;
-    vis_hi[half] = j >= s_k ? -1 : p.mask.left >= 0 ? min(s_q - 1, j - shift + p.mask.left) : s_q - 1;
-  }
-  const TileMask tile_mask(s_q, s_k, p.mask);
-
-  float dk[kKN], dv[kKN];
+        for (int h = 0; h < 2; ++h) {
+          const int i = m0 + r0 + 8 * h;
+          int lo, hi;
+          tile_mask.row_range(i, lo, hi);
+          if (i >= s_q) hi = lo;
 #pragma unroll
-  for (int i = 0; i < kKN; ++i) dk[i] = dv[i] = 0.0f;
-
-  if (n_iter > 0) {
-    float s[kSN], dp[kSN], dq[32];
-    std::uint32_t pa[kMK][4], da[kMK][4];
-    const std::uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
-    // Descriptor low words (smem_desc_lo): uniform, one add per k-step.
-    const std::uint32_t kw_lo0 = smem_desc_lo(k_addr + cw * 64 * 128, 0);
-    const std::uint32_t vw_lo0 = smem_desc_lo(v_addr + cw * 64 * 128, 0);
-    const std::uint32_t kq_lo0 = smem_desc_lo(k_addr + cb * kBlockN * 128, kBlockN * 128);
-    const float scale_log2 = args.scale_log2;
-    mbar_wait(full_kv, 0);
-    int h = g * p.h_ratio, m_block = m_begin;
-    for (int it = 0; it < n_iter; ++it) {
-      const int stage = it % kStages;
-      const std::uint32_t phase = (it / kStages) & 1;
-      const int m0 = m_block * kBlockM;
-      const std::uint32_t q_addr = smem_addr(sQ) + stage * Cfg::kQBytes;
-      const std::uint32_t do_addr = smem_addr(sdO) + stage * Cfg::kQBytes;
-      unsigned char* const ds_buf = sdS + (it & 1) * Cfg::kDsBytes;
-      mbar_wait(&full[stage], phase);
-      // The warpgroup's K and V descriptors, opaque to the compiler: hoisted out of the
-      // loop, the descriptors of every k-step were kept in registers and spilled.
-      std::uint32_t kw_lo = kw_lo0, vw_lo = vw_lo0, kq_lo = kq_lo0;
-      asm volatile("" : "+r"(kw_lo), "+r"(vw_lo), "+r"(kq_lo));
-      const std::uint32_t q_lo = smem_desc_lo(q_addr, 0), do_lo = smem_desc_lo(do_addr, 0);
-      const std::uint32_t qt_lo = smem_desc_lo(q_addr, kBlockM * 128), dot_lo = smem_desc_lo(do_addr, kBlockM * 128);
-
-      // S^T = K_w Q^T and dP^T = V_w dO^T: both operands K-major, 16 columns per k-step.
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
-        const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
-        Wgmma<kBlockM>::template ss<Element, 0>(s, smem_desc_from_lo(kw_lo + off), smem_desc_from_lo(q_lo + offq),
-                                                ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-#pragma unroll
-      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-        const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
-        const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
-        Wgmma<kBlockM>::template ss<Element, 0>(dp, smem_desc_from_lo(vw_lo + off), smem_desc_from_lo(do_lo + offq),
-                                                ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-
-      // Element (key row 16 warp_in + lane / 4 + 8 half, query column 8 c + 2 (lane % 4) + e)
-      // of the warpgroup's 64 x kBlockM tile is register 4 c + 2 half + e.
-      const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
-      const float* const lse_s = sLse + stage * kBlockM + 2 * (lane % 4);
-      const float* const dsum_s = sDsum + stage * kBlockM + 2 * (lane % 4);
-      // Masked tiles: elements whose query does not see the key become 0 by a select.
-      auto zero_invisible = [&](float (&x)[kSN]) {
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
+          for (int c = 0; c < kSNs / 4; ++c)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
-              const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
-              x[4 * c + 2 * half + e] = visible ? x[4 * c + 2 * half + e] : 0.0f;
+              const int j = n0 + 32 * cw + 8 * c + 2 * (lane % 4) + e;
+              x[4 * c + 2 * h + e] = j >= lo && j < hi ? x[4 * c + 2 * h + e] : 0.0f;
             }
-      };
-      auto pack_p = [&] {
-#pragma unroll
-        for (int kk = 0; kk < kMK; ++kk) {
-          pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-          pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-          pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-          pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
         }
       };
-      // dV_w += P^T dO (dO read MN-major: 16 query rows per k-step).
-      auto issue_dv = [&] {
+      // The four 8 x 8 matrices of 16 keys (16 kk ..) of the warp's 16 rows, in stmatrix order.
+      auto store_half = [&](const float (&x)[kSNs], std::uint32_t base) {
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          stmatrix_x4(base + st_row + (((st_c + 2 * kk) ^ st_x) << 4), pack2<Element>(x[8 * kk], x[8 * kk + 1]),
+                      pack2<Element>(x[8 * kk + 2], x[8 * kk + 3]), pack2<Element>(x[8 * kk + 4], x[8 * kk + 5]),
+                      pack2<Element>(x[8 * kk + 6], x[8 * kk + 7]));
+        }
+      };
+      mbar_wait(full_kv, 0);
+      int h = g * p.h_ratio, m_block = m_begin;
+      for (int it = 0; it < n_iter; ++it) {
+        const int stage = it % kStages;
+        const std::uint32_t phase = (it / kStages) & 1;
+        const int m0 = m_block * kBlockM;
+        const std::uint32_t q_addr = smem_addr(sQ) + stage * Cfg::kQBytes;
+        const std::uint32_t do_addr = smem_addr(sdO) + stage * Cfg::kQBytes;
+        mbar_wait(&full[stage], phase);
+        std::uint32_t kw_lo = kw_lo0, vw_lo = vw_lo0, kd_lo = kd_lo0;
+        asm volatile("" : "+r"(kw_lo), "+r"(vw_lo), "+r"(kd_lo));
+        const std::uint32_t q_lo = smem_desc_lo(q_addr, 0), do_lo = smem_desc_lo(do_addr, 0);
+
+        // S = Q K_w^T, dP = dO V_w^T: both operands K-major, 16 head-dim columns per k-step.
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+          const std::uint32_t offk = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+          Wgmma<32>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + offq), smem_desc_from_lo(kw_lo + offk),
+                                             ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+          const std::uint32_t offk = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+          Wgmma<32>::template ss<Element, 0>(dp, smem_desc_from_lo(do_lo + offq), smem_desc_from_lo(vw_lo + offk),
+                                             ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+
+        const float* const lse_s = sLse + stage * kBlockM + r0;
+        const float* const dsum_s = sDsum + stage * kBlockM + r0;
+        const float l[2] = {lse_s[0], lse_s[8]};
+        const float dd[2] = {dsum_s[0], dsum_s[8]};
+        const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
+        const float slope = kRaw ? 0.0f : p.alibi_slope(b, h);
+        const float inv_softcap = !kRaw && p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+        float cap_grad[kRaw ? 1 : kSNs];
+        wgmma_wait<1>();  // S
+#pragma unroll
+        for (int c = 0; c < kSNs / 4; ++c)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[4 * c + 2 * hh + e];
+              if constexpr (kRaw) {
+                x = bwd_exp2(x * scale_log2 - l[hh]);
+              } else {  // softcap / ALiBi (semantics::score); the softcap's derivative kept for dS
+                const int i = m0 + r0 + 8 * hh;
+                const int j = n0 + 32 * cw + 8 * c + 2 * (lane % 4) + e;
+                float y = x * p.scale;
+                float g_cap = 1.0f;
+                if (p.softcap > 0.0f) {
+                  y = p.softcap * tanhf(y * inv_softcap);
+                  g_cap = semantics::softcap_grad(y, p.softcap);
+                }
+                if (slope != 0.0f) y += semantics::alibi_bias(slope, i, j, s_q, s_k);
+                cap_grad[4 * c + 2 * hh + e] = g_cap;
+                x = bwd_exp2(y * kLog2e - l[hh]);
+              }
+            }
+        if (masked) zero_invisible(s, m0);
+        // Both consumers are done with the previous pair's P and dS (their products waited).
+        named_barrier_sync(kPdsFree, 128 * Cfg::kConsumers);
+        store_half(s, p_addr);
+        wgmma_wait<0>();  // dP
+        // dS = P (dP - D); masked elements 0 by a select whatever dP and D hold (rule 5).
+#pragma unroll
+        for (int c = 0; c < kSNs / 4; ++c)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int r = 4 * c + 2 * hh + e;
+              dp[r] = s[r] * (dp[r] - dd[hh]);
+              if constexpr (!kRaw) dp[r] *= cap_grad[r];
+            }
+        if (masked) zero_invisible(dp, m0);
+        store_half(dp, ds_addr);
+        fence_proxy_async_smem();
+        named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);  // both halves of P and dS are there
+
+        // dQ_w = dS K_w: A = dS K-major (16 keys per k-step), B = K's columns MN-major.
+        const std::uint32_t ds_lo = smem_desc_lo(ds_addr, 0), pt_lo = smem_desc_lo(p_addr, 0);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          Wgmma<128>::template ss<Element, 1, 0>(dq, smem_desc_from_lo(ds_lo + ks * 32 / 16),
+                                                 smem_desc_from_lo(kd_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        // dV_w += P^T dO_w, dK_w += dS^T Q_w: A read MN-major (64 keys, 16 query rows per
+        // k-step), B the head-dim columns 128 cw .. of dO / Q, MN-major.
+        const std::uint32_t dow_lo = smem_desc_lo(do_addr + 2 * cw * kBlockM * 128, kBlockM * 128);
+        const std::uint32_t qw_lo = smem_desc_lo(q_addr + 2 * cw * kBlockM * 128, kBlockM * 128);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          Wgmma<128>::template ss<Element, 1, 1>(dv, smem_desc_from_lo(pt_lo + kk * 16 * 128 / 16),
+                                                 smem_desc_from_lo(dow_lo + kk * 16 * 128 / 16), 1);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          Wgmma<128>::template ss<Element, 1, 1>(dk, smem_desc_from_lo(ds_lo + kk * 16 * 128 / 16),
+                                                 smem_desc_from_lo(qw_lo + kk * 16 * 128 / 16), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();  // dQ
+        // dQ to this warpgroup's buffer once the writer has read the previous block: lane's
+        // four floats of 8-column slab c at (4 c + warp_in) * 128 + 4 lane, the workspace order.
+        if (m0 < s_q) {
+          named_barrier_sync(kDqEmpty + cw, 128 + 32);
+          const std::uint32_t dst = smem_addr(sdQ + cw * Cfg::kDqFloats + warp_in * 128 + lane * 4);
+#pragma unroll
+          for (int c = 0; c < kDN / 4; ++c) {
+            st_shared_v4(dst + c * 4 * 128 * 4, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          }
+          fence_proxy_async_smem();
+          named_barrier_arrive(kDqFull + cw, 128 + 32);
+        }
+        wgmma_wait<0>();  // dV, dK: Q, dO, P and dS are free
+        mbar_arrive(&empty[stage]);
+        if (++m_block == m_end) {
+          m_block = m_begin;
+          ++h;
+        }
+      }
+    }
+    if (n_iter > 0) named_barrier_sync(kDqEmpty + cw, 128 + 32);
+
+    // Epilogue: key rows r0 (+ 8), head-dim columns 128 cw + 8 c + 2 (lane % 4); rows past
+    // s_k (seqused_k) are zero by a select (rule 5).
+    Element* const dk_ptr = static_cast<Element*>(p.dk);
+    Element* const dv_ptr = static_cast<Element*>(p.dv);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int j = n0 + r0 + 8 * hh;
+      if (j < len_k) {
+        const bool used = j < s_k;
+        Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 128 * cw + 2 * (lane % 4);
+        Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 128 * cw + 2 * (lane % 4);
+#pragma unroll
+        for (int c = 0; c < kDN / 4; ++c) {
+          if (128 * cw + 8 * c + 2 * (lane % 4) < p.d) {
+            const float k0 = used ? dk[4 * c + 2 * hh] * p.scale : 0.0f;
+            const float k1 = used ? dk[4 * c + 2 * hh + 1] * p.scale : 0.0f;
+            *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
+            *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
+                pack2<Element>(used ? dv[4 * c + 2 * hh] : 0.0f, used ? dv[4 * c + 2 * hh + 1] : 0.0f);
+          }
+        }
+      }
+    }
+  } else {
+    const int cw = warp_uniform(wg - 1);  // keys 64 cw .. 64 cw + 63 of the tile
+    const int warp_in = warp % 4;
+    const int key_in_tile = 64 * cw + 16 * warp_in + lane / 4;  // tile row of half 0
+    // The dQ block of this warpgroup: query rows 64 mb.., columns 64 cb..
+    const int mb = cw / kDqColBlocks, cb = cw % kDqColBlocks;
+
+    // The queries that see key j, as [lo, hi] (empty past s_k): the mask's column view.
+    int vis_lo[2], vis_hi[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int j = n0 + key_in_tile + 8 * half;
+      vis_lo[half] = p.mask.right >= 0 ? j - shift - p.mask.right : 0;
+      vis_hi[half] = j >= s_k ? -1 : p.mask.left >= 0 ? min(s_q - 1, j - shift + p.mask.left) : s_q - 1;
+    }
+    const TileMask tile_mask(s_q, s_k, p.mask);
+
+    float dk[kKN], dv[kKN];
+#pragma unroll
+    for (int i = 0; i < kKN; ++i) dk[i] = dv[i] = 0.0f;
+
+    if (n_iter > 0) {
+      float s[kSN], dp[kSN], dq[32];
+      std::uint32_t pa[kMK][4], da[kMK][4];
+      const std::uint32_t k_addr = smem_addr(sK), v_addr = smem_addr(sV);
+      // Descriptor low words (smem_desc_lo): uniform, one add per k-step.
+      const std::uint32_t kw_lo0 = smem_desc_lo(k_addr + cw * 64 * 128, 0);
+      const std::uint32_t vw_lo0 = smem_desc_lo(v_addr + cw * 64 * 128, 0);
+      const std::uint32_t kq_lo0 = smem_desc_lo(k_addr + cb * kBlockN * 128, kBlockN * 128);
+      const float scale_log2 = args.scale_log2;
+      mbar_wait(full_kv, 0);
+      int h = g * p.h_ratio, m_block = m_begin;
+      for (int it = 0; it < n_iter; ++it) {
+        const int stage = it % kStages;
+        const std::uint32_t phase = (it / kStages) & 1;
+        const int m0 = m_block * kBlockM;
+        const std::uint32_t q_addr = smem_addr(sQ) + stage * Cfg::kQBytes;
+        const std::uint32_t do_addr = smem_addr(sdO) + stage * Cfg::kQBytes;
+        unsigned char* const ds_buf = sdS + (it & 1) * Cfg::kDsBytes;
+        mbar_wait(&full[stage], phase);
+        // The warpgroup's K and V descriptors, opaque to the compiler: hoisted out of the
+        // loop, the descriptors of every k-step were kept in registers and spilled.
+        std::uint32_t kw_lo = kw_lo0, vw_lo = vw_lo0, kq_lo = kq_lo0;
+        asm volatile("" : "+r"(kw_lo), "+r"(vw_lo), "+r"(kq_lo));
+        const std::uint32_t q_lo = smem_desc_lo(q_addr, 0), do_lo = smem_desc_lo(do_addr, 0);
+        const std::uint32_t qt_lo = smem_desc_lo(q_addr, kBlockM * 128), dot_lo = smem_desc_lo(do_addr, kBlockM * 128);
+
+        // S^T = K_w Q^T and dP^T = V_w dO^T: both operands K-major, 16 columns per k-step.
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+          const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+          Wgmma<kBlockM>::template ss<Element, 0>(s, smem_desc_from_lo(kw_lo + off), smem_desc_from_lo(q_lo + offq),
+                                                  ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          const std::uint32_t off = ((ks / 4) * kBlockN * 128 + (ks % 4) * 32) >> 4;
+          const std::uint32_t offq = ((ks / 4) * kBlockM * 128 + (ks % 4) * 32) >> 4;
+          Wgmma<kBlockM>::template ss<Element, 0>(dp, smem_desc_from_lo(vw_lo + off), smem_desc_from_lo(do_lo + offq),
+                                                  ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+
+        // Element (key row 16 warp_in + lane / 4 + 8 half, query column 8 c + 2 (lane % 4) + e)
+        // of the warpgroup's 64 x kBlockM tile is register 4 c + 2 half + e.
+        const bool masked = m0 + kBlockM > s_q || tile_mask.tile_needs_mask(m0, kBlockM, n0, kBlockN);
+        const float* const lse_s = sLse + stage * kBlockM + 2 * (lane % 4);
+        const float* const dsum_s = sDsum + stage * kBlockM + 2 * (lane % 4);
+        // Masked tiles: elements whose query does not see the key become 0 by a select.
+        auto zero_invisible = [&](float (&x)[kSN]) {
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+                x[4 * c + 2 * half + e] = visible ? x[4 * c + 2 * half + e] : 0.0f;
+              }
+        };
+        auto pack_p = [&] {
+#pragma unroll
+          for (int kk = 0; kk < kMK; ++kk) {
+            pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+            pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+            pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+            pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+          }
+        };
+        // dV_w += P^T dO (dO read MN-major: 16 query rows per k-step).
+        auto issue_dv = [&] {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kMK; ++kk) {
+            Wgmma<kHeadDim>::template rs<Element, 1>(dv, pa[kk], smem_desc_from_lo(dot_lo + kk * 16 * 128 / 16), 1);
+          }
+          wgmma_commit();
+        };
+        if constexpr (kRaw) {
+          // P^T = exp2(S^T * scale log2 e - lse log2 e) while dP^T is computed. lse (and D
+          // below) are read into registers before the waits, so that their shared loads'
+          // latency hides behind the products (ncu, H100: the FFMAs waiting on them held
+          // ~10% of the consumers' stall samples).
+          float2 lse_r[kBlockM / 8];
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) lse_r[c] = *reinterpret_cast<const float2*>(lse_s + 8 * c);
+          wgmma_wait<1>();
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) {
+            const float2 l = lse_r[c];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
+              s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
+            }
+          }
+          if (masked) zero_invisible(s);
+          float2 dd_r[kBlockM / 8];
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) dd_r[c] = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+          pack_p();
+          if constexpr (kEarlyDv) {
+            issue_dv();       // runs while dS is computed
+            wgmma_wait<1>();  // dP^T
+          } else {
+            wgmma_wait<0>();  // dP^T
+          }
+          // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D hold
+          // (a visible probability that underflowed to 0 still carries a NaN dO row's NaN,
+          // docs/semantics.md rule 5).
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) {
+            const float2 dd = dd_r[c];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = 4 * c + 2 * half;
+              dp[r] = s[r] * (dp[r] - dd.x);
+              dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
+            }
+          }
+          // One branch around the whole masked pass (inside the loop above, ptxas branched
+          // around each column group: 8 branches per pair on unmasked tiles).
+          if (masked) zero_invisible(dp);
+        } else {
+          // Softcap / ALiBi (semantics::score): P^T and dS^T in one pass once both products
+          // are done, so the softcap's derivative needs no registers of its own.
+          wgmma_wait<0>();
+          const float slope = p.alibi_slope(b, h);
+          const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) {
+            const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
+            const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int r = 4 * c + 2 * half + e;
+                const int i = m0 + 8 * c + 2 * (lane % 4) + e;
+                const int j = n0 + key_in_tile + 8 * half;
+                float x = s[r] * p.scale;
+                float cap_grad = 1.0f;
+                if (p.softcap > 0.0f) {
+                  x = p.softcap * tanhf(x * inv_softcap);
+                  cap_grad = semantics::softcap_grad(x, p.softcap);
+                }
+                if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
+                float prob = bwd_exp2(x * kLog2e - (e == 0 ? l.x : l.y));
+                float ds = prob * (dp[r] - (e == 0 ? dd.x : dd.y)) * cap_grad;
+                if (masked) {
+                  const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
+                  prob = visible ? prob : 0.0f;
+                  ds = visible ? ds : 0.0f;
+                }
+                s[r] = prob;
+                dp[r] = ds;
+              }
+          }
+          pack_p();
+        }
+#pragma unroll
+        for (int kk = 0; kk < kMK; ++kk) {
+          da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
+          da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
+          da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
+          da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
+        }
+        // dS^T to shared memory: 64-query column blocks of [kBlockN keys x 128 bytes], the
+        // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). da[kk] holds the four 8 x 8
+        // matrices of the warp's 16 key rows x queries 16 kk .. 16 kk + 15 in stmatrix order
+        // (rows +0 / +8, columns +0 / +8): lane l gives the row l % 8 (+ 8 for odd l / 8) of
+        // matrix l / 8, whose 8 columns are chunk 2 (kk % 4) + l / 16 of its row, swizzled:
+        // (2 (kk % 4) + h) ^ r = 2 (kk % 4) ^ (h ^ r) with h = l / 16, r = l % 8.
+        // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
+        // kept per k-step and spilled.)
+        std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
+        std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
+        asm volatile("" : "+r"(ds_lane), "+r"(ds_t));
+        ds_lane += (it & 1) * Cfg::kDsBytes;
+#pragma unroll
+        for (int kk = 0; kk < kMK; ++kk) {
+          stmatrix_x4(ds_lane + (kk / 4) * kBlockN * 128 + ((32u * (kk % 4)) ^ ds_t), da[kk][0], da[kk][1], da[kk][2],
+                      da[kk][3]);
+        }
+        fence_proxy_async_smem();
+        // Both halves of dS^T are in shared memory.
+        named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
+        // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
+        // MN-major, B = K's column block cb read MN-major; 16 keys per k-step. Issued before
+        // dK, so its reductions below overlap dK's product.
+        const std::uint32_t ds_lo = smem_desc_lo(smem_addr(ds_buf) + mb * kBlockN * 128, 0);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kBlockN / 16; ++ks) {
+          Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_from_lo(ds_lo + ks * 16 * 128 / 16),
+                                                smem_desc_from_lo(kq_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+        if constexpr (!kEarlyDv) issue_dv();
+        // dK_w += dS^T Q.
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kMK; ++kk) {
-          Wgmma<kHeadDim>::template rs<Element, 1>(dv, pa[kk], smem_desc_from_lo(dot_lo + kk * 16 * 128 / 16), 1);
+          Wgmma<kHeadDim>::template rs<Element, 1>(dk, da[kk], smem_desc_from_lo(qt_lo + kk * 16 * 128 / 16), 1);
         }
         wgmma_commit();
-      };
-      if constexpr (kRaw) {
-        // P^T = exp2(S^T * scale log2 e - lse log2 e) while dP^T is computed. lse (and D
-        // below) are read into registers before the waits, so that their shared loads'
-        // latency hides behind the products (ncu, H100: the FFMAs waiting on them held
-        // ~10% of the consumers' stall samples).
-        float2 lse_r[kBlockM / 8];
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c) lse_r[c] = *reinterpret_cast<const float2*>(lse_s + 8 * c);
-        wgmma_wait<1>();
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c) {
-          const float2 l = lse_r[c];
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
-            s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
-          }
-        }
-        if (masked) zero_invisible(s);
-        float2 dd_r[kBlockM / 8];
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c) dd_r[c] = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
-        pack_p();
+        // Pending: [dV,] dQ[, dV], dK.
         if constexpr (kEarlyDv) {
-          issue_dv();       // runs while dS is computed
-          wgmma_wait<1>();  // dP^T
+          wgmma_wait<1>();
         } else {
-          wgmma_wait<0>();  // dP^T
+          wgmma_wait<2>();
         }
-        // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D hold
-        // (a visible probability that underflowed to 0 still carries a NaN dO row's NaN,
-        // docs/semantics.md rule 5).
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c) {
-          const float2 dd = dd_r[c];
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int r = 4 * c + 2 * half;
-            dp[r] = s[r] * (dp[r] - dd.x);
-            dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
-          }
-        }
-        // One branch around the whole masked pass (inside the loop above, ptxas branched
-        // around each column group: 8 branches per pair on unmasked tiles).
-        if (masked) zero_invisible(dp);
-      } else {
-        // Softcap / ALiBi (semantics::score): P^T and dS^T in one pass once both products
-        // are done, so the softcap's derivative needs no registers of its own.
-        wgmma_wait<0>();
-        const float slope = p.alibi_slope(b, h);
-        const float inv_softcap = p.softcap > 0.0f ? 1.0f / p.softcap : 0.0f;
-#pragma unroll
-        for (int c = 0; c < kBlockM / 8; ++c) {
-          const float2 l = *reinterpret_cast<const float2*>(lse_s + 8 * c);
-          const float2 dd = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int r = 4 * c + 2 * half + e;
-              const int i = m0 + 8 * c + 2 * (lane % 4) + e;
-              const int j = n0 + key_in_tile + 8 * half;
-              float x = s[r] * p.scale;
-              float cap_grad = 1.0f;
-              if (p.softcap > 0.0f) {
-                x = p.softcap * tanhf(x * inv_softcap);
-                cap_grad = semantics::softcap_grad(x, p.softcap);
-              }
-              if (slope != 0.0f) x += semantics::alibi_bias(slope, i, j, s_q, s_k);
-              float prob = bwd_exp2(x * kLog2e - (e == 0 ? l.x : l.y));
-              float ds = prob * (dp[r] - (e == 0 ? dd.x : dd.y)) * cap_grad;
-              if (masked) {
-                const bool visible = i >= vis_lo[half] && i <= vis_hi[half];
-                prob = visible ? prob : 0.0f;
-                ds = visible ? ds : 0.0f;
-              }
-              s[r] = prob;
-              dp[r] = ds;
-            }
-        }
-        pack_p();
-      }
-#pragma unroll
-      for (int kk = 0; kk < kMK; ++kk) {
-        da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
-        da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
-        da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
-        da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
-      }
-      // dS^T to shared memory: 64-query column blocks of [kBlockN keys x 128 bytes], the
-      // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). da[kk] holds the four 8 x 8
-      // matrices of the warp's 16 key rows x queries 16 kk .. 16 kk + 15 in stmatrix order
-      // (rows +0 / +8, columns +0 / +8): lane l gives the row l % 8 (+ 8 for odd l / 8) of
-      // matrix l / 8, whose 8 columns are chunk 2 (kk % 4) + l / 16 of its row, swizzled:
-      // (2 (kk % 4) + h) ^ r = 2 (kk % 4) ^ (h ^ r) with h = l / 16, r = l % 8.
-      // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
-      // kept per k-step and spilled.)
-      std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
-      std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
-      asm volatile("" : "+r"(ds_lane), "+r"(ds_t));
-      ds_lane += (it & 1) * Cfg::kDsBytes;
-#pragma unroll
-      for (int kk = 0; kk < kMK; ++kk) {
-        stmatrix_x4(ds_lane + (kk / 4) * kBlockN * 128 + ((32u * (kk % 4)) ^ ds_t), da[kk][0], da[kk][1], da[kk][2],
-                    da[kk][3]);
-      }
-      fence_proxy_async_smem();
-      // Both halves of dS^T are in shared memory.
-      named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
-      // dQ block (mb, cb) = dS[64 mb.., :] K[:, 64 cb..]: A = dS^T's column block mb read
-      // MN-major, B = K's column block cb read MN-major; 16 keys per k-step. Issued before
-      // dK, so its reductions below overlap dK's product.
-      const std::uint32_t ds_lo = smem_desc_lo(smem_addr(ds_buf) + mb * kBlockN * 128, 0);
-      wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kBlockN / 16; ++ks) {
-        Wgmma<64>::template ss<Element, 1, 1>(dq, smem_desc_from_lo(ds_lo + ks * 16 * 128 / 16),
-                                              smem_desc_from_lo(kq_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      if constexpr (!kEarlyDv) issue_dv();
-      // dK_w += dS^T Q.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kMK; ++kk) {
-        Wgmma<kHeadDim>::template rs<Element, 1>(dk, da[kk], smem_desc_from_lo(qt_lo + kk * 16 * 128 / 16), 1);
-      }
-      wgmma_commit();
-      // Pending: [dV,] dQ[, dV], dK.
-      if constexpr (kEarlyDv) {
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<2>();
-      }
 
-      // dQ to this warpgroup's buffer once the writer has read the previous block: lane's
-      // four floats of 8-column slab c at (4 c + warp_in) * 128 + 4 lane, the workspace order.
-      if (m0 + 64 * mb < s_q) {
-        named_barrier_sync(kDqEmpty + cw, 128 + 32);
-        const std::uint32_t dst = smem_addr(sdQ + cw * 64 * 64 + warp_in * 128 + lane * 4);
+        // dQ to this warpgroup's buffer once the writer has read the previous block: lane's
+        // four floats of 8-column slab c at (4 c + warp_in) * 128 + 4 lane, the workspace order.
+        if (m0 + 64 * mb < s_q) {
+          named_barrier_sync(kDqEmpty + cw, 128 + 32);
+          const std::uint32_t dst = smem_addr(sdQ + cw * Cfg::kDqFloats + warp_in * 128 + lane * 4);
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          st_shared_v4(dst + c * 4 * 128 * 4, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          for (int c = 0; c < 8; ++c) {
+            st_shared_v4(dst + c * 4 * 128 * 4, dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+          }
+          fence_proxy_async_smem();
+          named_barrier_arrive(kDqFull + cw, 128 + 32);
         }
-        fence_proxy_async_smem();
-        named_barrier_arrive(kDqFull + cw, 128 + 32);
-      }
-      wgmma_wait<0>();  // dV, dK: Q and dO are free
-      mbar_arrive(&empty[stage]);
-      if (++m_block == m_end) {
-        m_block = m_begin;
-        ++h;
+        wgmma_wait<0>();  // dV, dK: Q and dO are free
+        mbar_arrive(&empty[stage]);
+        if (++m_block == m_end) {
+          m_block = m_begin;
+          ++h;
+        }
       }
     }
-  }
 
-  // The writer's last arrival on this consumer's empty barrier (one more than the blocks).
-  if (n_iter > 0) named_barrier_sync(kDqEmpty + cw, 128 + 32);
+    // The writer's last arrival on this consumer's empty barrier (one more than the blocks).
+    if (n_iter > 0) named_barrier_sync(kDqEmpty + cw, 128 + 32);
 
-  // Epilogue: dK (times scale) and dV in the output type; rows past s_k (seqused_k) are
-  // zero by a select: their accumulators hold 0 * x sums, NaN where a query row of the
-  // pair held one (docs/semantics.md rule 5).
-  Element* const dk_ptr = static_cast<Element*>(p.dk);
-  Element* const dv_ptr = static_cast<Element*>(p.dv);
+    // Epilogue: dK (times scale) and dV in the output type; rows past s_k (seqused_k) are
+    // zero by a select: their accumulators hold 0 * x sums, NaN where a query row of the
+    // pair held one (docs/semantics.md rule 5).
+    Element* const dk_ptr = static_cast<Element*>(p.dk);
+    Element* const dv_ptr = static_cast<Element*>(p.dv);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = n0 + key_in_tile + 8 * half;
-    if (j < len_k) {
-      const bool used = j < s_k;
-      Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
-      Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
+    for (int half = 0; half < 2; ++half) {
+      const int j = n0 + key_in_tile + 8 * half;
+      if (j < len_k) {
+        const bool used = j < s_k;
+        Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
+        Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
 #pragma unroll
-      for (int c = 0; c < kHeadDim / 8; ++c) {
-        if (8 * c + 2 * (lane % 4) < p.d) {
-          const float k0 = used ? dk[4 * c + 2 * half] * p.scale : 0.0f;
-          const float k1 = used ? dk[4 * c + 2 * half + 1] * p.scale : 0.0f;
-          *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
-          *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
-              pack2<Element>(used ? dv[4 * c + 2 * half] : 0.0f, used ? dv[4 * c + 2 * half + 1] : 0.0f);
+        for (int c = 0; c < kHeadDim / 8; ++c) {
+          if (8 * c + 2 * (lane % 4) < p.d) {
+            const float k0 = used ? dk[4 * c + 2 * half] * p.scale : 0.0f;
+            const float k1 = used ? dk[4 * c + 2 * half + 1] * p.scale : 0.0f;
+            *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
+            *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
+                pack2<Element>(used ? dv[4 * c + 2 * half] : 0.0f, used ? dv[4 * c + 2 * half + 1] : 0.0f);
+          }
         }
       }
     }
