@@ -94,9 +94,10 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 }
 
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, CudaCall call, std::string_view v_name, bool cuda_fp8) {
+                     int h_q, CudaCall call, std::string_view v_name) {
   const bool fp8 = dtype == DType::kFloat8E4M3;
-  if (fp8 && target == Target::kCUDA && !cuda_fp8) {
+  const bool fwd = call == CudaCall::kForward;  // the dense and varlen forward: fp8, d to 512
+  if (fp8 && target == Target::kCUDA && !fwd) {
     check.unsupported("q",
                       "dtype float16 or bfloat16 (CUDA backend: float8_e4m3 q, k, v run on CUDA "
                       "in forward and varlen_forward only; here they run on the CPU backend)",
@@ -125,11 +126,10 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
   }
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16 && !fp8) {
     check.unsupported("q",
-                      cuda_fp8 ? "dtype float16, bfloat16 or float8_e4m3 (CUDA backend)"
+                      fwd ? "dtype float16, bfloat16 or float8_e4m3 (CUDA backend)"
                                : "dtype float16 or bfloat16 (CUDA backend)",
                       dtype_name(dtype));
   }
-  const bool fwd = call == CudaCall::kForward;
   const std::string max_d = std::to_string(fwd ? kMaxHeadDimFwd : kMaxHeadDim);
   const char* const which = fwd ? "(CUDA backend)"
                             : call == CudaCall::kBackward

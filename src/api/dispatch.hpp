@@ -35,11 +35,12 @@ enum class CudaCall { kForward, kBackward, kKVCache };
 // v_name names v's tensor in errors ("v", or "v_cache"). On CUDA both are % 8 == 0, at most
 // 512 for the forward and 256 for the backward, and may differ (the kernels run in the
 // bucket of the larger) except in KV-cache calls (their decode kernel has one head dim).
-// float8_e4m3 q, k, v run on CUDA only where cuda_fp8 is true (forward / varlen_forward:
-// the sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU
-// other than sm90, a head dim, ...); elsewhere (the KV-cache calls) Unsupported naming q.
+// float8_e4m3 q, k, v run on CUDA in the forward calls only (forward / varlen_forward: the
+// sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU other
+// than sm90, a head dim, ...); in a KV-cache call, Unsupported naming q (the backward entry
+// points reject fp8 q before).
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
-                     int h_q, CudaCall call, std::string_view v_name = "v", bool cuda_fp8 = false);
+                     int h_q, CudaCall call, std::string_view v_name = "v");
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.

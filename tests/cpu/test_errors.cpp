@@ -587,7 +587,7 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
 }
 
 TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
-  // fp8 q, k, v: forward / varlen_forward (cuda_fp8) take them on CUDA too, whatever the head
+  // fp8 q, k, v: forward / varlen_forward (CudaCall::kForward) take them on CUDA too, whatever the head
   // dim within the usual CUDA rules (the sm90 fp8 kernel declines what it does not cover
   // itself, with Unsupported); the CPU backend takes them as before.
   namespace api = fa::detail::api;
@@ -596,8 +596,7 @@ TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
                                        api::CudaCall::kForward));
   for (int d : {64, 96, 128, 256}) {
     try {
-      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, d, d, 2, 16, api::CudaCall::kForward,
-                           "v", /*cuda_fp8=*/true);
+      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, d, d, 2, 16, api::CudaCall::kForward);
       EXPECT_TRUE(fa::detail::cuda::supports_head_dim(d)) << "d = " << d;
     } catch (const fa::Unsupported& e) {
       // Only a head dim this build did not compile (a CPU-only build compiles none).
@@ -607,15 +606,13 @@ TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
   }
   // The usual CUDA rules still apply to fp8 (d % 8), and other dtypes name fp8 among those.
   try {
-    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 60, 60, 2, 16, api::CudaCall::kForward,
-                         "v", true);
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 60, 60, 2, 16, api::CudaCall::kForward);
     FAIL() << "d = 60 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0"));
   }
   try {
-    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat32, 128, 128, 2, 16, api::CudaCall::kForward,
-                         "v", true);
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat32, 128, 128, 2, 16, api::CudaCall::kForward);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected dtype float16, bfloat16 or float8_e4m3 (CUDA "
@@ -625,21 +622,16 @@ TEST(ErrorsCudaRules, Fp8ForwardRunsOnCuda) {
 
 TEST(ErrorsCudaRules, Fp8KVCacheRunsOnTheCpuOnly) {
   // kvcache_forward with fp8 q (over an fp8 cache) on CUDA: Unsupported naming q, before any
-  // kernel (cuda_fp8 false, the KV-cache entry point's and the default).
+  // kernel; so for any call kind but the forward's (the backward entry points reject fp8
+  // q before they get here).
   namespace api = fa::detail::api;
   const api::Check check("kvcache_forward");
   EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
-                                       api::CudaCall::kKVCache, "v_cache", false));
-  for (bool explicit_flag : {false, true}) {
+                                       api::CudaCall::kKVCache, "v_cache"));
+  for (api::CudaCall call : {api::CudaCall::kKVCache, api::CudaCall::kBackward}) {
     try {
-      if (explicit_flag) {
-        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
-                             api::CudaCall::kKVCache, "v_cache", /*cuda_fp8=*/false);
-      } else {
-        api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16,
-                             api::CudaCall::kKVCache);
-      }
-      FAIL() << "fp8 KV-cache call accepted for CUDA";
+      api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat8E4M3, 128, 128, 2, 16, call, "v_cache");
+      FAIL() << "fp8 accepted for a CUDA call other than the forward";
     } catch (const fa::Unsupported& e) {
       EXPECT_THAT(e.what(), HasSubstr("flashattn::kvcache_forward: argument 'q': expected dtype float16 or "
                                       "bfloat16 (CUDA backend: float8_e4m3 q, k, v run on CUDA in forward "
@@ -889,10 +881,11 @@ TEST(ErrorsCudaRules, HeadDimAbove256) {
 }
 
 TEST(ErrorsCudaRules, OnlyHalfPrecision) {
-  const fa::detail::api::Check check("forward");
+  // (the forward takes float8_e4m3 too: Fp8ForwardRunsOnCuda)
+  const fa::detail::api::Check check("backward");
   try {
     fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kFloat32, 64, 64, 2, 8,
-                                     fa::detail::api::CudaCall::kForward);
+                                     fa::detail::api::CudaCall::kBackward);
     FAIL() << "fp32 accepted for CUDA";
   } catch (const fa::Unsupported& e) {
     EXPECT_THAT(e.what(), HasSubstr("expected dtype float16 or bfloat16 (CUDA backend), got float32"));
