@@ -47,15 +47,20 @@ namespace {
     }                                                                                 \
   } while (0)
 
-// bf16 bits of values uniform in [-1, 1), from a small xorshift generator.
+// One step of a small xorshift generator (state odd, never 0).
+std::uint32_t xorshift_next(std::uint32_t& state) {
+  state ^= state << 13;
+  state ^= state >> 17;
+  state ^= state << 5;
+  return state;
+}
+
+// bf16 bits of values uniform in [-1, 1), from xorshift_next.
 std::vector<std::uint16_t> random_bf16(std::size_t n, std::uint32_t seed) {
   std::vector<std::uint16_t> x(n);
   std::uint32_t state = seed | 1u;
   for (std::size_t i = 0; i < n; ++i) {
-    state ^= state << 13;
-    state ^= state >> 17;
-    state ^= state << 5;
-    const float f = static_cast<float>(state >> 8) / 8388608.0f - 1.0f;
+    const float f = static_cast<float>(xorshift_next(state) >> 8) / 8388608.0f - 1.0f;
     std::uint32_t u;
     std::memcpy(&u, &f, 4);
     x[i] = static_cast<std::uint16_t>(u >> 16);
@@ -68,10 +73,7 @@ std::vector<std::uint8_t> random_e4m3(std::size_t n, std::uint32_t seed) {
   std::vector<std::uint8_t> x(n);
   std::uint32_t state = seed | 1u;
   for (std::size_t i = 0; i < n; ++i) {
-    state ^= state << 13;
-    state ^= state >> 17;
-    state ^= state << 5;
-    const std::uint32_t r = state >> 8;
+    const std::uint32_t r = xorshift_next(state) >> 8;
     x[i] = static_cast<std::uint8_t>(((r & 1u) << 7) | ((1u + (r >> 1) % 7u) << 3) | ((r >> 4) & 7u));
   }
   return x;
