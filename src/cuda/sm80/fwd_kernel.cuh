@@ -17,11 +17,11 @@
 //
 // Everything that does not change a tile shape (masks, softcap, ALiBi, dropout, GQA,
 // varlen, KV cache, paged KV) is a uniform run-time branch.
+//
+// The global addressing and the K/V tile loaders are a fragment of the kernel's text,
+// fwd_kernel_loaders.inc, included in place; the host side (launch_fwd, run_fwd's tile
+// choice) is fwd_run.cuh, which the generated translation units include.
 #pragma once
-
-#include <string>
-
-#include "flashattn/error.hpp"
 
 #include <cuda_runtime.h>
 
@@ -30,16 +30,13 @@
 #include <type_traits>
 
 #include "core/params.hpp"
-#include "cuda/runtime/cuda_check.hpp"
 #include "cuda/collective/dropout.cuh"
 #include "cuda/collective/mask.cuh"
-#include "cuda/collective/work_estimate.hpp"
 #include "cuda/arch/sm80.cuh"
 #include "cuda/collective/online_softmax.cuh"
 #include "cuda/collective/smem_layout.cuh"
 #include "cuda/collective/tile_copy.cuh"
 #include "cuda/sm80/tile_size.hpp"
-#include "cuda/sm80/fwd_launch.hpp"
 #include "cuda/sm80/fwd_traits.cuh"
 
 namespace flashattn::detail::cuda::sm80 {
@@ -154,111 +151,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
     }
   };
 
-  // ---- global addressing
-  const Element* const q_rows = static_cast<const Element*>(p.q) + p.q_offset(b) +
-                                std::int64_t(h) * p.q_head_stride +
-                                std::int64_t(m0) * p.q_row_stride;
-  const Element* const k_base = static_cast<const Element*>(p.k);
-  const Element* const v_base = static_cast<const Element*>(p.v);
-  const bool paged = p.block_table != nullptr;
-  // Dense, varlen and dense-cache rows are an affine function of j; paged rows go
-  // through the block table.
-  const std::int64_t k_row0 =
-      (paged ? 0 : p.kv_row_offset(b, 0, p.k_batch_stride, p.k_row_stride)) +
-      std::int64_t(g) * p.k_head_stride;
-  const std::int64_t v_row0 =
-      (paged ? 0 : p.kv_row_offset(b, 0, p.v_batch_stride, p.v_row_stride)) +
-      std::int64_t(g) * p.v_head_stride + v_col0();
-
-  // `parts`: which of the tile's K (kLoadK) and V (kLoadV) to copy; the staggered pipeline
-  // (Tr::kStaggered) copies them at different points of the key loop. A constant at every
-  // call, so the unused half folds away.
-  auto load_kv_dense = [&](int stage, int tile, int parts) {
-    const int n0 = tile * kBlockN;
-    Element* sK = sKV + stage * (Tr::kStageBytes / 2);
-    Element* sV = sK + KTile::kElements;
-    if (parts & kLoadK) {
-      load_tile_strided<KTile, Tr::kThreads>(sK, k_base + k_row0 + std::int64_t(n0) * p.k_row_stride,
-                                             p.k_row_stride, s_k - n0, p.d, p.k, tid);
-    }
-    if (parts & kLoadV) {
-      load_tile_strided<VTile, Tr::kThreads>(sV, v_base + v_row0 + std::int64_t(n0) * p.v_row_stride,
-                                             p.v_row_stride, s_k - n0, p.d_v - v_col0(), p.v, tid);
-    }
-  };
-  // Key tiles below the last are full, which is every tile the main loop refills.
-  using FullK = FullTileCopy<KTile, Tr::kThreads>;
-  using FullV = FullTileCopy<VTile, Tr::kThreads>;
-  // Columns past d (K) or d_v (V) of the bucket's tile are zero-filled.
-  const bool k_col_ok = FullK::col(tid) < p.d, v_col_ok = FullV::col(tid) < p.d_v - v_col0();
-  const Element* const k_full =
-      k_base + k_row0 + std::int64_t(FullK::row(tid)) * p.k_row_stride + (k_col_ok ? FullK::col(tid) : 0);
-  const Element* const v_full =
-      v_base + v_row0 + std::int64_t(FullV::row(tid)) * p.v_row_stride + (v_col_ok ? FullV::col(tid) : 0);
-  std::uint32_t k_full_dst[FullK::kDstVariants], v_full_dst[FullV::kDstVariants];
-#pragma unroll
-  for (int v = 0; v < FullK::kDstVariants; ++v) {
-    k_full_dst[v] = smem_u32(sKV) + FullK::dst_bytes(tid, v);
-  }
-#pragma unroll
-  for (int v = 0; v < FullV::kDstVariants; ++v) {
-    v_full_dst[v] = smem_u32(sKV) + FullV::dst_bytes(tid, v);
-  }
-  auto load_kv_full = [&](int stage, int tile, int parts) {
-    if constexpr (FullK::kApplies && FullV::kApplies) {
-      const std::int64_t n0 = std::int64_t(tile) * kBlockN;
-      const std::uint32_t base = stage * Tr::kStageBytes;
-      if (parts & kLoadK) {
-        FullK::issue(k_full_dst, base, k_full + n0 * p.k_row_stride, p.k_row_stride, k_col_ok);
-      }
-      if (parts & kLoadV) {
-        FullV::issue(v_full_dst, base + KTile::kBytes, v_full + n0 * p.v_row_stride,
-                     p.v_row_stride, v_col_ok);
-      }
-    } else {
-      load_kv_dense(stage, tile, parts);
-    }
-  };
-  auto load_kv = [&](int stage, int tile, int parts) {
-    if (!paged) {
-      load_kv_dense(stage, tile, parts);
-      return;
-    }
-    // Paged rows: one block-table lookup (a load and a division) per chunk serves K and V
-    // (apart where their tiles differ in width: a sliced V).
-    const int n0 = tile * kBlockN;
-    const std::uint32_t sK = smem_u32(sKV + stage * (Tr::kStageBytes / 2));
-    const std::uint32_t sV = sK + KTile::kBytes;
-    auto load_paged = [&](auto tile_tag, int parts_here) {
-      using Tile = typename decltype(tile_tag)::type;
-      constexpr int kChunksPerRow = Tile::kCols / 8;
-      constexpr int kChunks = Tile::kRows * kChunksPerRow;
-#pragma unroll
-      for (int idx = tid; idx < kChunks; idx += Tr::kThreads) {
-        const int row = idx / kChunksPerRow;
-        const int col = (idx % kChunksPerRow) * 8;
-        const int j = n0 + row;
-        const bool k_valid = j < s_k && col < p.d, v_valid = j < s_k && col < p.d_v - v_col0();
-        const Element* k_src = k_base;
-        const Element* v_src = v_base;
-        if (j < s_k) {
-          const std::int64_t blk = p.block_id(b, j / p.block_size);  // clamped (params.hpp)
-          const int in_block = j % p.block_size;
-          if (k_valid) k_src = k_base + k_row0 + blk * p.k_batch_stride + std::int64_t(in_block) * p.k_row_stride + col;
-          if (v_valid) v_src = v_base + v_row0 + blk * p.v_batch_stride + std::int64_t(in_block) * p.v_row_stride + col;
-        }
-        const std::uint32_t off = 2 * Tile::offset(row, col);
-        if (parts_here & kLoadK) cp_async_16(sK + off, k_src, k_valid);
-        if (parts_here & kLoadV) cp_async_16(sV + off, v_src, v_valid);
-      }
-    };
-    if constexpr (std::is_same_v<KTile, VTile>) {
-      load_paged(std::type_identity<KTile>{}, parts);
-    } else {
-      if (parts & kLoadK) load_paged(std::type_identity<KTile>{}, kLoadK);
-      if (parts & kLoadV) load_paged(std::type_identity<VTile>{}, kLoadV);
-    }
-  };
+  // ---- global addressing and the K/V tile loaders (fwd_kernel_loaders.inc): q_rows,
+  // paged, load_kv (any tile, paged too), load_kv_full (full tiles).
+#include "cuda/sm80/fwd_kernel_loaders.inc"
 
   // ---- score mode: raw dot products with the scale folded into exp2 (the common
   // case), or explicitly scaled (softcap, ALiBi, non-positive scale) then log2(e).
@@ -645,83 +540,6 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, Element, kKind>::kThreads,
         if (row < rows_here) lse_row[row] = lse[2 * mt + half];
       }
   }
-}
-
-template <int kHeadDim, typename Element, int kKind>
-void launch_fwd(const FwdParams& p) {
-  using Tr = FwdTraits<kHeadDim, Element, kKind>;
-  auto kernel = fwd_kernel<kHeadDim, Element, kKind, false>;
-  // Staggered tiles have no block-sparse copy (run_fwd gives such calls the large tile, or
-  // declines them in the 512 bucket).
-  if constexpr (!Tr::kStaggered) {
-    if (p.block_kinds != nullptr) kernel = fwd_kernel<kHeadDim, Element, kKind, true>;
-  }
-  constexpr int kSmem = Tr::kSmemBytes;
-  // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
-  if (p.block_kinds != nullptr && (p.bs_block_q % Tr::kBlockM != 0 || p.bs_block_k % Tr::kBlockN != 0)) {
-    throw Unsupported("forward", "opts.block_sparse",
-                      "block_size_q a multiple of " + std::to_string(Tr::kBlockM) + " and block_size_k a multiple of " +
-                          std::to_string(Tr::kBlockN) + " (the CUDA forward's tile at head dim " +
-                          std::to_string(kHeadDim) + ")",
-                      "block sizes " + std::to_string(p.bs_block_q) + " x " + std::to_string(p.bs_block_k));
-  }
-  if constexpr (kSmem > 48 * 1024) {
-    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  }
-  const unsigned m_tiles = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-  // Sliced V: the d_v slices of a query tile (or head) side by side in grid x (fwd_kernel).
-  const unsigned slices = Tr::kVSliced ? (p.d_v + Tr::kVCols - 1) / Tr::kVCols : 1;
-  const dim3 grid = fwd_tile_major(p) ? dim3(p.h_q * slices, p.batch, m_tiles)
-                                      : dim3(m_tiles * slices, p.h_q, p.batch);
-  kernel<<<grid, Tr::kThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
-  FLASHATTN_CUDA_CHECK(cudaGetLastError());
-}
-
-template <int kHeadDim, typename Element>
-void run_fwd(const FwdParams& p) {
-  if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
-  // The largest of the bucket's tiles that fits in p.smem_limit (the device's opt-in shared
-  // memory per block, or the caller's cap): the large / staggered tiles on H100 / H200, the
-  // base tile on A100-class parts, the 99 KiB tile on sm86 / sm89.
-  const int limit = p.smem_limit;
-  if constexpr (FwdTraits<kHeadDim, Element>::kVSliced) {
-    if (p.block_kinds != nullptr) {
-      throw Unsupported("forward", "opts.block_sparse",
-                        "no block-sparse mask at head dims above 256 (CUDA: the forward's 512 bucket "
-                        "has no block-sparse kernel)",
-                        "a mask with d = " + std::to_string(p.d) + ", d_v = " + std::to_string(p.d_v));
-    }
-  }
-  if constexpr (has_large_fwd_tile(kHeadDim)) {
-    if (limit >= FwdTraits<kHeadDim, Element, kFwdLarge>::kSmemBytes) {
-      // Block-sparse calls keep the large tile: the staggered tile's sparse copy spilled
-      // 350 / 612 B (ptxas sm_90, bf16 hdim 256), the large tile's 4 / 12.
-      if (p.block_kinds == nullptr &&
-          mean_visible_keys(p.seqlen_q, p.seqlen_k, p.mask) >= double(kFwdStaggeredMinKeys)) {
-        launch_fwd<kHeadDim, Element, kFwdStaggered>(p);
-      } else {
-        launch_fwd<kHeadDim, Element, kFwdLarge>(p);
-      }
-      return;
-    }
-  }
-  constexpr int kSmem = FwdTraits<kHeadDim, Element>::kSmemBytes;
-  if (limit >= kSmem) {
-    launch_fwd<kHeadDim, Element, kFwdBase>(p);
-    return;
-  }
-  if constexpr (has_small_fwd_tile(kHeadDim)) {
-    if (limit >= FwdTraits<kHeadDim, Element, kFwdSmall>::kSmemBytes) {
-      launch_fwd<kHeadDim, Element, kFwdSmall>(p);
-      return;
-    }
-  }
-  throw Unsupported("forward", "q",
-                    "at least " + std::to_string(fwd_smem_bytes(fwd_tile_small(kHeadDim), kHeadDim)) +
-                        " bytes of shared memory per block for head dim d = " + std::to_string(p.d) +
-                        (p.d_v != p.d ? ", d_v = " + std::to_string(p.d_v) : std::string()) +
-                        " (head-dim bucket " + std::to_string(kHeadDim) + ")",
-                    std::to_string(limit) + " bytes (the device's limit or opts.smem_cap)");
 }
 
 }  // namespace flashattn::detail::cuda::sm80

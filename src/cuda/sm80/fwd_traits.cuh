@@ -1,8 +1,8 @@
 // The sm80 forward's compile-time configuration: FwdTileKind (which of a head-dim bucket's
 // tiles, tile_size.hpp) and FwdTraits (block shape, warps, pipeline stages, per-warp MMA
 // tiles, shared-memory tiles and bytes of one instantiation). Used by fwd_kernel.cuh (the
-// kernel, its launch and the tile choice of run_fwd); the static_asserts check the tile
-// against tile_size.hpp's shared-memory formula.
+// kernel) and fwd_run.cuh (its launch and the tile choice of run_fwd); the static_asserts
+// check the tile against tile_size.hpp's shared-memory formula.
 #pragma once
 
 #include <type_traits>
