@@ -187,6 +187,21 @@ DecodePlan plan_decode(const FwdParams& p) {
   const std::int64_t rows = std::int64_t(p.seqlen_q) * p.h_ratio;
   if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows)) return plan;
   const TileFacts tf = tile_facts(p.d, fp8, use_t8(p), p.smem_limit);
+  if (!tf.fits) {
+    // No decode configuration within p.smem_limit (16-bit K/V at d >= 160 on a 99 KiB
+    // GPU): the fused forward serves the call as it serves those with more packed rows
+    // (num_splits, a speed hint, is not used there). fp8 caches and draft-tree masks only
+    // the decode kernel runs: an error here, before the call appends to the caches.
+    if (!fp8 && p.tree_mask == nullptr) return plan;
+    throw Unsupported("kvcache_forward", p.tree_mask != nullptr ? "tree_mask" : "k_cache",
+                      "at least " + std::to_string(tf.smem + kDecodeStaticSmem) +
+                          " bytes of shared memory per block for the decode kernel of head dim " +
+                          std::to_string(p.d) + (fp8 ? " (fp8 K/V)" : " (16-bit K/V)") +
+                          (p.tree_mask != nullptr ? ", which draft-tree masks need (the fused forward serves "
+                                                    "KV-cache calls without one)"
+                                                  : ", which fp8 caches need"),
+                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  }
   plan.use = true;
   plan.small = tf.small;
   plan.row_chunks = static_cast<int>((rows + 15) / 16);
@@ -237,16 +252,9 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
+  // plan_decode's configuration (it declines or rejects the calls that none fits); its
+  // tile geometry is the same in both.
   const TileFacts tf = tile_facts(p.d, fp8, a.t8, p.smem_limit);
-  // No decode configuration for that little shared memory (16-bit K/V at d >= 160 within
-  // 99 KiB).
-  if (!tf.fits) {
-    throw Unsupported("kvcache_forward", "q",
-                      "at least " + std::to_string(tf.smem + kDecodeStaticSmem) +
-                          " bytes of shared memory per block for the decode kernel of head dim " +
-                          std::to_string(p.d),
-                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
-  }
   const bool small = plan.small;
   plan_tma(p, tf, a);
 #define FLASHATTN_DECODE_BUCKET(D)                               \

@@ -20,7 +20,10 @@ struct DecodePlan {
 
 // A pure function of p's shapes and bounds and p.smem_limit (never device memory): the
 // workspace sizing (dispatch.cu: forward_workspace_size) resolves p.smem_limit as the call
-// does, so both see the same plan.
+// does, so both see the same plan. A KV-cache call that no decode configuration within
+// p.smem_limit fits (16-bit K/V at d >= 160 on a 99 KiB GPU) is left to the fused forward
+// (use = false), or, with a draft-tree mask (or an fp8 cache), is Unsupported here, naming
+// tree_mask (k_cache), the bytes needed and the limit.
 DecodePlan plan_decode(const FwdParams& p);
 void run_decode_path(const FwdParams& p, const DecodePlan& plan);
 
