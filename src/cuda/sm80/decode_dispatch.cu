@@ -19,6 +19,7 @@
 #include <limits>
 #include <string>
 
+#include "core/backend.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
@@ -270,3 +271,16 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
 
 }  // namespace flashattn::detail::cuda::sm80
 
+namespace flashattn::detail::cuda {
+
+bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept {
+  if (!supports_head_dim(d)) return false;
+  return sm80::tile_facts(d, fp8_cache, false, smem_limit).fits && sm80::tile_facts(d, fp8_cache, true, smem_limit).fits;
+}
+
+bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept {
+  if (!supports_head_dim(d)) return false;
+  return decode_fits(d, fp8_cache, smem_limit) || (!fp8_cache && !tree_mask);
+}
+
+}  // namespace flashattn::detail::cuda
