@@ -2,7 +2,7 @@
 // (block sizes 1..256, shuffled and shared blocks, NaN-filled spare blocks and unused
 // slots), dense caches with cache_batch_idx, append positions, split counts (1, the
 // heuristic 0, and explicit ones beyond the number of key tiles), GQA ratios 1/4/8/32,
-// s_q 1..40, causal / window / softcap / ALiBi, draft-tree masks, fp8 e4m3 caches
+// s_q 1..40, causal / window / softcap / ALiBi, draft-tree masks (also at every head dim), fp8 e4m3 caches
 // with per-head and per-(block, head) scales. Every case runs on the device and on the
 // CPU backend (same call, host tensors; kvcache_runs.hpp: check_case): the caches after
 // the append must be bitwise equal (fp8: the same e4m3 bytes), and the outputs are
@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -116,6 +117,46 @@ TEST(CudaKVCache, TreeMasks) {
     check_case(c);
   }
 }
+
+// Draft trees at every head dim up to the largest bucket, 16-bit and fp8 caches, under the
+// process's kernel family and shared-memory cap (FLASHATTN_KERNEL_FAMILY / _SMEM_CAP):
+// where no decode configuration fits (a 16-bit cache at d >= 160 with
+// FLASHATTN_SMEM_CAP=101376, as on a 99 KiB GPU) the case skips, saying why
+// (test_cuda_smem_cap.cpp checks that error).
+class CudaKVCacheTreeHeadDim : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(CudaKVCacheTreeHeadDim, MatchesOracle) {
+  FA_REQUIRE_GPU();
+  const auto [d, fp8] = GetParam();
+  if (!detail::cuda::supports_head_dim(d)) GTEST_SKIP() << "head dim " << d << " above this build's buckets";
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 2; ++it) {
+    KVCacheConfig cfg;
+    cfg.dtype = it ? DType::kBFloat16 : DType::kFloat16;
+    cfg.fp8 = fp8;
+    cfg.batch = 2;
+    cfg.h_k = 2;
+    cfg.h_q = cfg.h_k * (it ? 4 : 1);
+    cfg.s_q = it ? 33 : 4;
+    cfg.s_new = cfg.s_q;
+    cfg.d = d;
+    cfg.max_cache_len = 300;
+    cfg.block_size = it ? 16 : 0;
+    cfg.tree = it ? KVCacheConfig::Tree::kRandom : KVCacheConfig::Tree::kLinear;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    FA_SKIP_UNLESS_KVCACHE_FITS(d, fp8, true, c.opts);
+    c.opts.causal = it == 0;
+    c.num_splits = it ? 0 : 3;
+    check_case(c);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKVCacheTreeHeadDim,
+                         ::testing::Combine(::testing::Values(32, 64, 96, 128, 160, 192, 224, 256), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& i) {
+                           return "d" + std::to_string(std::get<0>(i.param)) +
+                                  (std::get<1>(i.param) ? "_fp8" : "_16bit");
+                         });
 
 // ---------------------------------------------------------------- splits
 
