@@ -45,8 +45,9 @@ fi
 # tests: every family the H200 runs: auto (the sm90 forward, sm80 elsewhere), the sm80
 # family forced, and the sm80 family under a 99 KiB shared-memory cap (sm86 / sm89 parts:
 # their forward, backward and decode configurations; the tests of what such a part lacks,
-# the backward above head dim 160 and the 512 forward bucket, check the error instead, and
-# the fp8 forward, the sm90 family's, skips). One process per test
+# the backward above head dim 160, the 512 forward bucket and draft trees over 16-bit caches
+# above 128, check the error or skip with the test that checks it, and the fp8 forward, the
+# sm90 family's, skips). One process per test
 # suite, so that a crash (2026-12-05: a segfault in CudaIndexGuards) names its test and the
 # other suites still run; the failing tests' output goes to the log.
 run_suites() {  # name [filter]: one process per suite (or one for the filter); sets passed / failed / crashed
