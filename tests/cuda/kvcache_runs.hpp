@@ -89,6 +89,26 @@ struct DeviceCase {
   }
 };
 
+// dev's call captured on stream s into a CUDA graph (the workspace size asked for under
+// capture must be ws_bytes, the size asked for eagerly) and replayed once; out and lse of
+// the replay downloaded into out / lse.
+inline void capture_and_replay(DeviceCase& dev, const Options& opts, void* ws, std::size_t ws_bytes,
+                               cudaStream_t s, HostTensor& out, HostTensor& lse) {
+  cudaGraph_t graph;
+  FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
+  EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+  FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FA_CUDA_OK(cudaGraphLaunch(exec, s));
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  dev.out->download(out);
+  dev.lse->download(lse);
+  FA_CUDA_OK(cudaGraphExecDestroy(exec));
+  FA_CUDA_OK(cudaGraphDestroy(graph));
+}
+
 inline std::string describe_case(const KVCacheCase& c) {
   const KVCacheConfig& f = c.cfg;
   return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +

@@ -243,18 +243,8 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     dev.kc->download(k_direct);
 
     dev.reset(c);
-    cudaGraph_t graph;
-    FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
-    EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec;
-    FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    FA_CUDA_OK(cudaGraphLaunch(exec, s));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
     HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    dev.out->download(out_graph);
-    dev.lse->download(lse_graph);
+    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
     dev.kc->download(k_graph);
     EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
     EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
@@ -262,8 +252,6 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     c.out = out_graph;
     c.lse = lse_graph;
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
     if (ws) cudaFree(ws);
   }

@@ -310,18 +310,8 @@ TEST(CudaSmemCap, WorkspaceAndGraphCapture) {
 
       dev.reset(c);
       FA_CUDA_OK(cudaDeviceSynchronize());
-      cudaGraph_t graph;
-      FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-      EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
-      EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-      FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
-      cudaGraphExec_t exec;
-      FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      FA_CUDA_OK(cudaGraphLaunch(exec, s));
-      FA_CUDA_OK(cudaStreamSynchronize(s));
       HostTensor out_graph = c.out, lse_graph = c.lse;
-      dev.out->download(out_graph);
-      dev.lse->download(lse_graph);
+      capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
       EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
       EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
       c.out = out_graph;
@@ -330,8 +320,6 @@ TEST(CudaSmemCap, WorkspaceAndGraphCapture) {
       EXPECT_TRUE(fully_written("out", got.out));
       EXPECT_TRUE(fully_written("lse", got.lse));
       expect_forward_matches(c.problem(), c.cfg.dtype, got);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
       cudaStreamDestroy(s);
       if (ws) cudaFree(ws);
     }
