@@ -3,7 +3,7 @@
 // products, pipeline stages, shared-memory bytes, with static_asserts on the shared-memory
 // and register budgets), the warp groups of the named barriers between the P / dS stores
 // and their readers (bwd_key_group*, bwd_named_barriers) and the bar.sync wrappers they
-// use. Used by bwd_kernel.cuh (the main kernel and its launch).
+// use. Used by bwd_kernel.cuh (the main kernel) and bwd_run.cuh (its launch).
 #pragma once
 
 #include <cstdint>

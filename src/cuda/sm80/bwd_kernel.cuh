@@ -19,19 +19,16 @@
 #pragma once
 
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <utility>
 
 #include <cuda_runtime.h>
 
-#include "cuda/runtime/device_attribute.hpp"
 #include "cuda/arch/sm80.cuh"
 #include "cuda/collective/smem_layout.cuh"
 #include "cuda/collective/tile_copy.cuh"
 #include "cuda/collective/warp_gemm.cuh"
 #include "core/params.hpp"
-#include "flashattn/error.hpp"
 #include "flashattn/semantics.hpp"
 #include "cuda/sm80/bwd_config.cuh"
 #include "cuda/sm80/bwd_launch.hpp"
@@ -612,93 +609,6 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
           }
         }
       }
-}
-
-// The kernel; a variant sized for sm90's shared memory traps if it ever ran below sm90
-// (the host only launches it on devices that grant its shared memory), so its sm80
-// compilation is empty.
-template <typename Element, int kHeadDim, int kSmemLimit, bool kSparse = false>
-__global__ void __launch_bounds__(BwdTileConfig<kHeadDim, kSmemLimit>::kNThreads, 1)
-    bwd_main_kernel(const __grid_constant__ BwdParams p, const BwdWorkspace ws) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  if constexpr (kSmemLimit > kSm80SmemLimit) {
-    __trap();
-  } else
-#endif
-  {
-    bwd_main_block<Element, kHeadDim, kSmemLimit, kSparse>(p, ws);
-  }
-}
-
-template <typename Element, int kHeadDim, int kSmemLimit>
-void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
-  auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, false>;
-  if (p.block_kinds != nullptr) {
-    // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
-    if (p.bs_block_q % Cfg::kBlockM != 0 || p.bs_block_k % Cfg::kBlockN != 0) {
-      throw Unsupported("backward", "opts.block_sparse",
-                        "block_size_q a multiple of " + std::to_string(Cfg::kBlockM) +
-                            " and block_size_k a multiple of " + std::to_string(Cfg::kBlockN) +
-                            " (the CUDA backward's tile at head dim " + std::to_string(kHeadDim) + ")",
-                        "block sizes " + std::to_string(p.bs_block_q) + " x " + std::to_string(p.bs_block_k));
-    }
-    kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, true>;
-  }
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Cfg::kSmemBytes);
-  if (err != cudaSuccess) {
-    throw CudaError(std::string("flashattn::backward: cannot reserve ") +
-                    std::to_string(Cfg::kSmemBytes) +
-                    " bytes of shared memory: " + cudaGetErrorString(err));
-  }
-  const dim3 grid((p.seqlen_k + Cfg::kBlockN - 1) / Cfg::kBlockN, p.h_k, p.batch);
-  kernel<<<grid, Cfg::kNThreads, Cfg::kSmemBytes, stream>>>(p, ws);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    throw CudaError(std::string("flashattn::backward: main kernel launch failed: ") +
-                    cudaGetErrorString(err));
-  }
-}
-
-// Whether the call takes the bucket's sm90 configuration: an sm90-or-newer device (the
-// configuration's sm80 compilation traps) whose shared-memory limit for the call
-// (p.smem_limit: opt-in, or the caller's cap) holds it, and it differs from sm80's.
-// (kHasSm90Config false: the bucket has one configuration, compiled once.)
-template <int kHeadDim>
-inline constexpr bool kHasSm90Config =
-    BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes != BwdTileConfig<kHeadDim>::kSmemBytes;
-
-template <int kHeadDim>
-bool bwd_sm90_config_launches(const BwdParams& p) {
-  return kHasSm90Config<kHeadDim> &&
-         device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) >= 9 &&
-         p.smem_limit >= BwdTileConfig<kHeadDim, kSm90SmemLimit>::kSmemBytes;
-}
-
-template <typename Element, int kHeadDim>
-bool bwd_main_runs_tall(const BwdParams& p) {
-  return BwdTileConfig<kHeadDim, kSm90SmemLimit>::kTall && bwd_sm90_config_launches<kHeadDim>(p);
-}
-
-template <typename Element, int kHeadDim>
-void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  if constexpr (kHasSm90Config<kHeadDim>) {
-    if (bwd_sm90_config_launches<kHeadDim>(p)) {
-      launch_bwd_main<Element, kHeadDim, kSm90SmemLimit>(p, ws, stream);
-      return;
-    }
-  }
-  // No configuration for less shared memory yet (sm86 / sm89: 99 KiB): a clear error.
-  constexpr int kSmem = BwdTileConfig<kHeadDim>::kSmemBytes;
-  if (p.smem_limit < kSmem) {
-    throw Unsupported("backward", "q",
-                      "at least " + std::to_string(kSmem) +
-                          " bytes of shared memory per block for head-dim bucket " +
-                          std::to_string(kHeadDim),
-                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
-  }
-  launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
 }
 
 }  // namespace flashattn::detail::cuda::sm80

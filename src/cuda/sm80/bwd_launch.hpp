@@ -15,7 +15,7 @@
 namespace flashattn::detail::cuda::sm80 {
 
 // The main kernel for one bucket: grid (key tiles, h_k, batch); dK, dV written, dQ
-// accumulated into ws.dq_accum. Defined in bwd_kernel.cuh, instantiated per bucket.
+// accumulated into ws.dq_accum. Defined in bwd_run.cuh, instantiated per bucket.
 template <typename Element, int kHeadDim>
 void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream);
 // Whether run_bwd_main<Element, kHeadDim> runs the bucket's 128-row sm90 tile (BwdTileConfig
