@@ -130,13 +130,13 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                                : "dtype float16 or bfloat16 (CUDA backend)",
                       dtype_name(dtype));
   }
-  const std::string max_d = std::to_string(fwd ? kMaxHeadDimFwd : kMaxHeadDim);
+  const int max_d = fwd ? kMaxHeadDimFwd : kMaxHeadDim;
   const char* const which = fwd ? "(CUDA backend)"
                             : call == CudaCall::kBackward
                                 ? "(CUDA backward; the CUDA forward takes head dims up to 512)"
                                 : "(CUDA KV-cache calls; the dense and varlen CUDA forward take head dims up to 512)";
-  if (d < 1 || d % 8 != 0 || d > (fwd ? kMaxHeadDimFwd : kMaxHeadDim)) {
-    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + max_d + " " + which,
+  if (d < 1 || d % 8 != 0 || d > max_d) {
+    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + std::to_string(max_d) + " " + which,
                       "d = " + std::to_string(d));
   }
   if (d_v != d && call == CudaCall::kKVCache) {
@@ -144,8 +144,8 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                                " (CUDA KV-cache calls; d_v != d runs on the CPU backend)",
                       "d_v = " + std::to_string(d_v));
   }
-  if (d_v < 1 || d_v % 8 != 0 || d_v > (fwd ? kMaxHeadDimFwd : kMaxHeadDim)) {
-    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + max_d + " " + which,
+  if (d_v < 1 || d_v % 8 != 0 || d_v > max_d) {
+    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + std::to_string(max_d) + " " + which,
                       "d_v = " + std::to_string(d_v));
   }
   // The kernels run d_v != d in the bucket of the larger head dim.

@@ -51,11 +51,17 @@ inline Options device_options(Options opts, const std::vector<float>& alibi, con
   return opts;
 }
 
+// The ALiBi slopes and a learnable sink (when c has them) are copied to the device.
 inline void cuda_forward(DenseCase& c, KernelFamily family) {
   c.poison_forward();
   DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse);
-  std::unique_ptr<DeviceCopy> alibi;
-  const Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
+  std::unique_ptr<DeviceCopy> alibi, sink;
+  Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
+  opts.learnable_sink_grad = Tensor{};  // the forward takes no gradient
+  if (!c.sink.logits.empty()) {
+    sink = std::make_unique<DeviceCopy>(c.sink.tensor);
+    opts.learnable_sink = sink->view();
+  }
   ASSERT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), opts));
   FA_CUDA_OK(cudaDeviceSynchronize());
   out.download(c.out);

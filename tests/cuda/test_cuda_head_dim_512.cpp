@@ -44,24 +44,6 @@ bool fits_env_cap_512() {
   return cap == 0 || cap >= detail::cuda::fwd_smem_bytes(detail::cuda::fwd_tile_small(512), 512);
 }
 
-// The forward of a dense case on the device with `family` forced: out / lse poisoned; the
-// ALiBi slopes and the learnable sink copied to the device.
-void run_forward(DenseCase& c, KernelFamily family) {
-  c.poison_forward();
-  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse);
-  std::unique_ptr<DeviceCopy> alibi, sink;
-  Options opts = device_options(c.call_options(), c.alibi, c.alibi_tensor, family, alibi);
-  opts.learnable_sink_grad = Tensor{};
-  if (!c.sink.logits.empty()) {
-    sink = std::make_unique<DeviceCopy>(c.sink.tensor);
-    opts.learnable_sink = sink->view();
-  }
-  ASSERT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), opts));
-  FA_CUDA_OK(cudaDeviceSynchronize());
-  out.download(c.out);
-  lse.download(c.lse);
-}
-
 struct Dims {
   const char* name;
   int b, s_q, s_k, h_q, h_k, d, d_v;
@@ -96,7 +78,7 @@ TEST_P(CudaHeadDim512, ForwardMatchesOracle) {
       if (f.sink) c.sink.set(random_sink(rng, f.h_q));
       SCOPED_TRACE(std::string(family_str(family)) + " " + c.shape.str() + " " + dtype_name(dtype) + " " +
                    describe(c.call_options()));
-      run_forward(c, family);
+      cuda_forward(c, family);
       const ForwardResults got = forward_results(c);
       EXPECT_TRUE(fully_written("out", got.out));
       EXPECT_TRUE(fully_written("lse", got.lse));
