@@ -32,6 +32,17 @@ int compute_capability(int device) noexcept;
 bool supports_head_dim(int d) noexcept;
 // The same for the dense and varlen forward, whose buckets reach further (512).
 bool supports_forward_head_dim(int d) noexcept;
+// Whether the KV-cache decode kernel (sm80 family, every GPU) has a configuration for head
+// dim d (a compiled bucket) with a 16-bit or an fp8 cache within smem_limit bytes of shared
+// memory per block (the device's opt-in limit or Options::smem_cap; <= 0: no limit), for
+// every query-row count: within 99 KiB (sm86 / sm89) fp8 caches at every head dim, 16-bit
+// ones up to d = 128.
+bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept;
+// Whether a KV-cache call of head dim d runs within smem_limit: on the decode kernel where
+// it fits, else, without an fp8 cache or a draft-tree mask, on the fused forward. False:
+// the call is Unsupported (naming tree_mask), e.g. a tree mask over a 16-bit cache at
+// d >= 160 on a 99 KiB GPU; tests skip those cases by it.
+bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept;
 void forward(const FwdParams& p);
 std::size_t forward_workspace_size(const FwdParams& p);
 void backward(const BwdParams& p);

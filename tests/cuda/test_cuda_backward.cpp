@@ -19,6 +19,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/device_runs.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
 #include "support/compare.hpp"
@@ -123,6 +124,10 @@ TEST(CudaBackward, HeadDims) {
   FA_SEEDED_RNG(rng);
   for (int d : {32, 40, 64, 72, 96, 128, 136, 160, 192, 200, 224, 248, 256}) {
     if (!detail::cuda::supports_head_dim(d)) continue;
+    if (backward_over_cap(d)) {  // a 99 KiB part: no backward above d = 160
+      expect_backward_declined(d);
+      continue;
+    }
     for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
       DenseCase c = DenseCase::random(rng, shape_of(1, 83, 141, 2, 1, d), dtype);
       c.opts.causal = d % 64 == 0;

@@ -155,6 +155,10 @@ TEST_P(CudaBlockSparse, BackwardMatchesOracle) {
   FA_REQUIRE_GPU();
   const Config& f = GetParam();
   if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim not in this build";
+  if (backward_over_cap(f.d)) {  // a 99 KiB part: no backward above d = 160
+    expect_backward_declined(f.d);
+    return;
+  }
   FA_SEEDED_RNG(rng);
   for_each_case(rng, f, [&](DenseCase& c, const HostBlockMask& m, KernelFamily family) {
     check_forward_backward(c, m, family);
@@ -218,6 +222,10 @@ TEST(CudaBlockSparseRule, UnlistedKeysAreNeverRead) {
   FA_SEEDED_RNG(rng);
   for (int d : built_head_dims({64, 128, 256})) {
     SCOPED_TRACE("d " + std::to_string(d));
+    if (backward_over_cap(d)) {  // a 99 KiB part: no backward above d = 160
+      expect_backward_declined(d);
+      continue;
+    }
     const int s_q = 384, s_k = 512;
     DenseCase c = DenseCase::random(rng, Shape{1, s_q, s_k, 2, 2, d}, DType::kBFloat16);
     c.opts.deterministic = true;
@@ -272,6 +280,10 @@ TEST(CudaBlockSparseRule, DeterministicBackwardIsReproducible) {
   FA_REQUIRE_GPU();
   FA_SEEDED_RNG(rng);
   for (int d : built_head_dims({64, 128, 256})) {
+    if (backward_over_cap(d)) {  // a 99 KiB part: no backward above d = 160
+      expect_backward_declined(d);
+      continue;
+    }
     for (bool causal : {false, true}) {
       DenseCase c = DenseCase::random(rng, Shape{2, 600, 777, 4, 2, d}, DType::kBFloat16);
       c.opts.causal = causal;

@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -27,13 +28,23 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/device_runs.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
 #include "support/describe.hpp"
 #include "support/fp8_bound.hpp"
 #include "support/random.hpp"
 
-// The fp8 forward is the sm90 family's: compute capability 9.x.
+#define FA_SKIP_UNDER_SM80_ENV()                                                                \
+  do {                                                                                          \
+    const char* f_ = std::getenv("FLASHATTN_KERNEL_FAMILY");                                   \
+    if (f_ != nullptr && std::string(f_) == "sm80")                                             \
+      GTEST_SKIP() << "FLASHATTN_KERNEL_FAMILY=sm80: the fp8 forward is the sm90 family's";    \
+    if (env_smem_cap() > 0) GTEST_SKIP() << "FLASHATTN_SMEM_CAP: the fp8 forward is the sm90 family's"; \
+  } while (0)
+
+// The fp8 forward is the sm90 family's: compute capability 9.x, and not where gpu.sh's
+// reruns force the sm80 family or emulate a 99 KiB part through the environment.
 #define FA_REQUIRE_SM90()                                                                       \
   do {                                                                                          \
     FA_REQUIRE_GPU();                                                                           \
@@ -42,6 +53,7 @@
       GTEST_SKIP() << "the fp8 forward runs on sm90 (compute capability 9.x); this GPU is "   \
                    << cc_ / 10 << "." << cc_ % 10;                                              \
     }                                                                                           \
+    FA_SKIP_UNDER_SM80_ENV();                                                                   \
   } while (0)
 
 namespace flashattn::test {
@@ -273,6 +285,7 @@ class CudaFp8Rules : public ::testing::Test {
   static constexpr int b = 2, s = 8, h_q = 2, h_k = 1, d = 128;
   void SetUp() override {
     FA_REQUIRE_GPU();
+    FA_SKIP_UNDER_SM80_ENV();
     Rng rng(0xF8C0);
     c_ = std::make_unique<DenseCase>(DenseCase::random(rng, {b, s, s, h_q, h_k, d}, DType::kFloat32));
     q8_ = quantize_fp8(*c_);

@@ -59,6 +59,10 @@ TEST_P(CudaHeadDimV, ForwardAndBackwardMatchOracle) {
       const ForwardResults fwd = forward_results(c);
       EXPECT_TRUE(fully_written("out", fwd.out));
       expect_forward_matches(p, dtype, fwd);
+      if (backward_over_cap(std::max(f.d, f.d_v))) {  // a 99 KiB part: no backward above d = 160
+        expect_backward_declined(std::max(f.d, f.d_v));
+        continue;
+      }
       cuda_backward(c);
       expect_backward_written_and_matching(c, p, dtype, fwd);
     }
@@ -93,6 +97,10 @@ TEST(CudaHeadDimV, VarlenWithSeqused) {
       const RefProblem p = c.problem();
       const ForwardResults fwd = forward_results(c);
       expect_forward_matches(p, dtype, fwd);
+      if (backward_over_cap(192)) {  // a 99 KiB part: no backward above d = 160
+        expect_backward_declined(192);
+        continue;
+      }
       cuda_varlen_backward(c, family);
       expect_backward_written_and_matching(c, p, dtype, fwd, false);
       for (double x : c.dkv_unused_rows()) ASSERT_EQ(x, 0.0) << "dk / dv beyond seqused_k";

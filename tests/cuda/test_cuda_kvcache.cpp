@@ -2,14 +2,14 @@
 // (block sizes 1..256, shuffled and shared blocks, NaN-filled spare blocks and unused
 // slots), dense caches with cache_batch_idx, append positions, split counts (1, the
 // heuristic 0, and explicit ones beyond the number of key tiles), GQA ratios 1/4/8/32,
-// s_q 1..40, causal / window / softcap / ALiBi, draft-tree masks, fp8 e4m3 caches with
-// per-head and per-(block, head) scales. Every case runs on the device and on the CPU
-// backend (same call, host tensors): the caches after the append must be bitwise equal
-// (fp8: the same e4m3 bytes), and the outputs are checked against the fp64 oracle under
-// the suite's tolerance rule; outputs are NaN-poisoned before every call. Splits must
-// agree with no split, a call captured in a CUDA graph (caller workspace) must replay to
-// the same bits as the direct call, and the split merge must not depend on what the
-// workspace held before.
+// s_q 1..40, causal / window / softcap / ALiBi, draft-tree masks (also at every head dim), fp8 e4m3 caches
+// with per-head and per-(block, head) scales. Every case runs on the device and on the
+// CPU backend (same call, host tensors; kvcache_runs.hpp: check_case): the caches after
+// the append must be bitwise equal (fp8: the same e4m3 bytes), and the outputs are
+// checked against the fp64 oracle under the suite's tolerance rule; outputs are
+// NaN-poisoned before every call. Splits must agree with no split, a call captured in a
+// CUDA graph (caller workspace) must replay to the same bits as the direct call, and the
+// split merge must not depend on what the workspace held before.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/kvcache_runs.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
 #include "support/compare.hpp"
@@ -32,112 +34,6 @@
 
 namespace flashattn::test {
 namespace {
-
-// All device buffers of one KV-cache case and the API arguments over them.
-struct DeviceCase {
-  std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi;
-  KVCacheArgs args;
-  Options opts;
-
-  explicit DeviceCase(const KVCacheCase& c) {
-    q = std::make_unique<DeviceCopy>(c.q);
-    kc = std::make_unique<DeviceCopy>(c.k_cache);
-    vc = std::make_unique<DeviceCopy>(c.v_cache);
-    lens = std::make_unique<DeviceCopy>(c.cache_lens_t);
-    table = std::make_unique<DeviceCopy>(c.block_table_t);
-    idx = std::make_unique<DeviceCopy>(c.batch_idx_t);
-    kn = std::make_unique<DeviceCopy>(c.k_new);
-    vn = std::make_unique<DeviceCopy>(c.v_new);
-    out = std::make_unique<DeviceCopy>(c.out);
-    lse = std::make_unique<DeviceCopy>(c.lse);
-    args = c.args();
-    args.q = q->view();
-    args.k_cache = kc->view();
-    args.v_cache = vc->view();
-    args.cache_seqlens = lens->view();
-    if (args.block_table.defined()) args.block_table = table->view();
-    if (args.cache_batch_idx.defined()) args.cache_batch_idx = idx->view();
-    if (args.k_new.defined()) {
-      args.k_new = kn->view();
-      args.v_new = vn->view();
-    }
-    if (c.cfg.fp8) {
-      ks = std::make_unique<DeviceCopy>(c.k_scale);
-      vs = std::make_unique<DeviceCopy>(c.v_scale);
-      args.k_scale = ks->view();
-      args.v_scale = vs->view();
-    }
-    if (args.tree_mask.defined()) {
-      tree = std::make_unique<DeviceCopy>(c.tree_mask);
-      Tensor t = args.tree_mask;
-      t.data = tree->data();
-      t.device = Device::cuda(0);
-      args.tree_mask = t;
-    }
-    opts = c.call_options();
-    if (!c.alibi.empty()) {
-      alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
-      opts.alibi_slopes = alibi->view();
-    }
-  }
-  // Restores the caches (before the append) and poisons out / lse on the device.
-  void reset(const KVCacheCase& c) {
-    kc->upload(c.k_cache);
-    vc->upload(c.v_cache);
-    HostTensor o = c.out, l = c.lse;
-    o.fill_nan();
-    l.fill_nan();
-    out->upload(o);
-    lse->upload(l);
-  }
-};
-
-std::string describe_case(const KVCacheCase& c) {
-  const KVCacheConfig& f = c.cfg;
-  return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
-         std::to_string(f.s_q) + " s_new " + std::to_string(f.s_new) + " h " + std::to_string(f.h_q) +
-         "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) + " block_size " +
-         std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
-         (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + " splits " + std::to_string(c.num_splits) +
-         " " + describe(c.call_options());
-}
-
-// Runs c on the device (num_splits = c.num_splits) and on the CPU backend; checks the
-// appended caches bitwise and the device output against the oracle. Leaves the device
-// results in c.out / c.lse.
-void check_case(KVCacheCase& c) {
-  SCOPED_TRACE(describe_case(c));
-  DeviceCase dev(c);
-  dev.reset(c);
-  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), dev.opts));
-  FA_CUDA_OK(cudaDeviceSynchronize());
-
-  // The CPU backend: the same call on host tensors.
-  KVCacheCase cpu = c;
-  cpu.poison_outputs();
-  ASSERT_NO_THROW(cpu.run());
-  EXPECT_TRUE(cpu.k_cache.bitwise_equal(c.k_cache_expected)) << "CPU k_cache after the append";
-
-  HostTensor k_after = c.k_cache, v_after = c.v_cache;
-  dev.kc->download(k_after);
-  dev.vc->download(v_after);
-  EXPECT_TRUE(k_after.bitwise_equal(cpu.k_cache)) << "k_cache after the append (device vs CPU)";
-  EXPECT_TRUE(v_after.bitwise_equal(cpu.v_cache)) << "v_cache after the append (device vs CPU)";
-  dev.out->download(c.out);
-  dev.lse->download(c.lse);
-  const ForwardResults got = forward_results(c);
-  EXPECT_TRUE(fully_written("out", got.out));
-  EXPECT_TRUE(fully_written("lse", got.lse));
-  const RefProblem prob = c.problem();
-  const ForwardExpectation expect = ForwardExpectation::of(prob, c.cfg.dtype);
-  expect_forward_matches(prob, c.cfg.dtype, got, &expect);
-  // The CPU backend's own result under the same rule (the two backends agree through it).
-  expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
-}
-
-int pick(Rng& rng, std::initializer_list<int> v) {
-  return *(v.begin() + uniform_int(rng, 0, static_cast<int>(v.size()) - 1));
-}
 
 // ---------------------------------------------------------------- randomized layouts
 
@@ -221,6 +117,46 @@ TEST(CudaKVCache, TreeMasks) {
     check_case(c);
   }
 }
+
+// Draft trees at every head dim up to the largest bucket, 16-bit and fp8 caches, under the
+// process's kernel family and shared-memory cap (FLASHATTN_KERNEL_FAMILY / _SMEM_CAP):
+// where no decode configuration fits (a 16-bit cache at d >= 160 with
+// FLASHATTN_SMEM_CAP=101376, as on a 99 KiB GPU) the case skips, saying why
+// (test_cuda_smem_cap.cpp checks that error).
+class CudaKVCacheTreeHeadDim : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(CudaKVCacheTreeHeadDim, MatchesOracle) {
+  FA_REQUIRE_GPU();
+  const auto [d, fp8] = GetParam();
+  if (!detail::cuda::supports_head_dim(d)) GTEST_SKIP() << "head dim " << d << " above this build's buckets";
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 2; ++it) {
+    KVCacheConfig cfg;
+    cfg.dtype = it ? DType::kBFloat16 : DType::kFloat16;
+    cfg.fp8 = fp8;
+    cfg.batch = 2;
+    cfg.h_k = 2;
+    cfg.h_q = cfg.h_k * (it ? 4 : 1);
+    cfg.s_q = it ? 33 : 4;
+    cfg.s_new = cfg.s_q;
+    cfg.d = d;
+    cfg.max_cache_len = 300;
+    cfg.block_size = it ? 16 : 0;
+    cfg.tree = it ? KVCacheConfig::Tree::kRandom : KVCacheConfig::Tree::kLinear;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    FA_SKIP_UNLESS_KVCACHE_FITS(d, fp8, true, c.opts);
+    c.opts.causal = it == 0;
+    c.num_splits = it ? 0 : 3;
+    check_case(c);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKVCacheTreeHeadDim,
+                         ::testing::Combine(::testing::Values(32, 64, 96, 128, 160, 192, 224, 256), ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& i) {
+                           return "d" + std::to_string(std::get<0>(i.param)) +
+                                  (std::get<1>(i.param) ? "_fp8" : "_16bit");
+                         });
 
 // ---------------------------------------------------------------- splits
 
@@ -307,18 +243,8 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     dev.kc->download(k_direct);
 
     dev.reset(c);
-    cudaGraph_t graph;
-    FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
-    EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
-    cudaGraphExec_t exec;
-    FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    FA_CUDA_OK(cudaGraphLaunch(exec, s));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
     HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    dev.out->download(out_graph);
-    dev.lse->download(lse_graph);
+    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
     dev.kc->download(k_graph);
     EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
     EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
@@ -326,8 +252,6 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     c.out = out_graph;
     c.lse = lse_graph;
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
     if (ws) cudaFree(ws);
   }

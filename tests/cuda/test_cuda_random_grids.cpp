@@ -59,6 +59,10 @@ TEST(CudaBackward, RandomGrid) {
     random_features(rng, c, s.batch, s.h_q);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + s.str() + " " + dtype_name(dtype) + " " +
                  describe(c.call_options()));
+    if (backward_over_cap(std::max(s.d, s.dv()))) {  // a 99 KiB part: no backward above d = 160
+      expect_backward_declined(std::max(s.d, s.dv()));
+      continue;
+    }
     ASSERT_NO_THROW(c.run_forward());  // CPU forward: the out / lse being differentiated
     const RefProblem p = c.problem();
     const ForwardResults fwd = forward_results(c);
@@ -123,6 +127,10 @@ TEST(CudaVarlen, RandomGridBackward) {
   for (int trial = 0; trial < 24; ++trial) {
     VarlenCase c = random_varlen(rng);
     SCOPED_TRACE("trial " + std::to_string(trial) + ": " + describe_varlen(c));
+    if (backward_over_cap(c.d)) {  // a 99 KiB part: no backward above d = 160
+      expect_backward_declined(c.d);
+      continue;
+    }
     ASSERT_NO_THROW(c.run_forward());  // CPU forward
     const RefProblem p = c.problem();
     const ForwardResults fwd = forward_results(c);

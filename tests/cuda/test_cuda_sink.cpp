@@ -17,6 +17,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/device_runs.hpp"
 #include "flashattn/error.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
@@ -167,6 +168,10 @@ TEST_P(CudaSinkFeature, BackwardWithSinkGradientMatchesOracle) {
   FA_REQUIRE_GPU();
   const Feature& f = GetParam();
   if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim " << f.d << " not in this build";
+  if (backward_over_cap(f.d)) {  // a 99 KiB part: no backward above d = 160
+    expect_backward_declined(f.d);
+    return;
+  }
   for (KernelFamily family : kFamilies) {
     if (!family_runs(family)) continue;
     FA_SEEDED_RNG(rng);

@@ -24,7 +24,11 @@ namespace flashattn::detail::cuda::sm80 {
 // its accumulators (S + dP 128, dK + dV 64) to the d = 128 footprint. The workspace stays
 // in 64-row tiles (kBwdBlockM), so a 128-row query tile covers two of them.
 // Opt-in shared memory per block: sm80's 163 KiB (the default build target) and sm90's
-// 227 KiB, which gives the d = 224 bucket a second Q / dO stage and d = 256 its tall tile.
+// 227 KiB, which gives the d = 224 bucket a second Q / dO stage and d = 256 its tall tile;
+// sm86 / sm89's 99 KiB, where every bucket takes 64 query rows and the buckets above
+// d = 64 64 keys (d <= 160 fit; d >= 192 do not: their K / V and one Q / dO stage alone
+// need 112.5 KiB at 64 x 64, so those GPUs have no backward above d = 160).
+inline constexpr int kSm86SmemLimit = 99 * 1024;
 inline constexpr int kSm80SmemLimit = 163 * 1024;
 inline constexpr int kSm90SmemLimit = 227 * 1024;
 
@@ -42,8 +46,10 @@ struct BwdTileConfig {
   // its 64-row kernel, while the d = 256 tall kernel runs d = 224 1.20-1.25x faster (the
   // dispatch sends it there, bwd_main_runs_tall).
   static constexpr bool kTall = kHeadDim > 128 && kHeadDim != 224 && kSmemLimit >= kSm90SmemLimit;
-  static constexpr int kBlockM = kHeadDim <= 64 || kTall ? 2 * kBwdBlockM : kBwdBlockM;
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  // kSmall: a 99 KiB part (sm86 / sm89): 64 query rows always, 128 keys only up to d = 64.
+  static constexpr bool kSmall = kSmemLimit < kSm80SmemLimit;
+  static constexpr int kBlockM = (kHeadDim <= 64 && !kSmall) || kTall ? 2 * kBwdBlockM : kBwdBlockM;
+  static constexpr int kBlockN = kHeadDim <= (kSmall ? 64 : 128) ? 128 : 64;
   static constexpr int kWorkspaceTilesPerM = kBlockM / kBwdBlockM;  // dq_accum tiles per Q tile
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
@@ -116,6 +122,9 @@ struct BwdTileConfig {
   // kSmemLimit; otherwise one, refilled as soon as dK's product has consumed it.
   static constexpr int kStages = kSmemKV + kSmemPdS + 2 * kSmemQdOStage <= kSmemLimit ? 2 : 1;
   static constexpr int kSmemBytes = kSmemKV + kSmemPdS + kStages * kSmemQdOStage;
+  // Whether the bucket has a configuration within kSmemLimit (only the 99 KiB tiles of
+  // d >= 192 do not: run_bwd_main declines those calls, and never instantiates them).
+  static constexpr bool kFits = kSmemBytes <= kSmemLimit;
 
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "BwdTileConfig: head-dim bucket");
   static_assert(kWarpNsdp % 16 == 0 && kWarpDdkv % 16 == 0 && kWarpDdq % 16 == 0 &&
@@ -123,11 +132,19 @@ struct BwdTileConfig {
                 "BwdTileConfig: warp tiles must be whole m16 / n16 pairs");
   static_assert(kBlockM % kBwdBlockM == 0 && kBwdBlockM % kWarpMdq == 0,
                 "BwdTileConfig: a query tile is whole workspace tiles, a dQ warp tile in one");
-  static_assert(kSmemBytes <= kSmemLimit, "BwdTileConfig: shared memory beyond the limit");
+  static_assert(kFits || kSmall, "BwdTileConfig: shared memory beyond the limit");
   static_assert(kWarpsDdkv > 0, "BwdTileConfig: no whole-tile split of the dK / dV products");
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,
                 "BwdTileConfig: accumulators would not fit in registers");
 };
+
+// The shared memory per block the bucket's smallest configuration needs (the 99 KiB one
+// where it fits, else sm80's): the backward declines a call whose limit is below it
+// before it launches anything (sm80::backward, through bwd_smem_need).
+template <int kHeadDim>
+inline constexpr int kBwdSmemNeed = BwdTileConfig<kHeadDim, kSm86SmemLimit>::kFits
+                                        ? BwdTileConfig<kHeadDim, kSm86SmemLimit>::kSmemBytes
+                                        : BwdTileConfig<kHeadDim>::kSmemBytes;
 
 // Named barriers between the P / dS stores and their readers. S / dP warp
 // w = wm * kWarpsNsdp + wn writes P / dS rows wm, keys wn (kWarpNsdp wide). dV / dK warps

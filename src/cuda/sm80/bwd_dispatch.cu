@@ -12,6 +12,7 @@
 #include "core/backend.hpp"  // alloc_async, free_async
 #include "cuda/arch/pack.cuh"
 #include "cuda/runtime/cuda_check.hpp"
+#include "cuda/sm80/bwd_config.cuh"
 #include "cuda/sm80/bwd_launch.hpp"
 #include "cuda/sm80/family.hpp"
 #include "flashattn/error.hpp"
@@ -186,6 +187,14 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
 
 std::size_t backward_workspace_size(const BwdParams& p) { return bwd_workspace_layout(p).total(); }
 
+int bwd_smem_need(int head_dim) {
+#define FLASHATTN_BWD_SMEM_NEED(D) \
+  if (head_dim <= D) return kBwdSmemNeed<D>;
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_SMEM_NEED)
+#undef FLASHATTN_BWD_SMEM_NEED
+  return 0;
+}
+
 void launch_sink_grad(const BwdParams& p, const float* dpsum, std::int64_t rows_total, void* stream) {
   bwd_sink_grad_kernel<<<p.h_q, kSinkThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, dpsum,
                                                                                     rows_total);
@@ -194,6 +203,15 @@ void launch_sink_grad(const BwdParams& p, const float* dpsum, std::int64_t rows_
 
 void backward(const BwdParams& p, BwdMainKernel main) {
   if (p.batch == 0 || p.h_q == 0) return;
+  // A bucket without a configuration within the call's shared memory (d > 160 on a 99 KiB
+  // GPU): declined before anything is enqueued.
+  const int kd = std::max(p.d, p.d_v);
+  if (main == nullptr && p.seqlen_k > 0 && p.smem_limit < bwd_smem_need(kd)) {
+    throw Unsupported("backward", "q",
+                      "at least " + std::to_string(bwd_smem_need(kd)) +
+                          " bytes of shared memory per block for the backward at head dim " + std::to_string(kd),
+                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  }
   const auto stream = static_cast<cudaStream_t>(p.stream);
   const BwdWorkspaceLayout layout = bwd_workspace_layout(p);
 

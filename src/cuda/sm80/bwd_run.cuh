@@ -1,8 +1,8 @@
 // The host side of the sm80 backward's main kernel (bwd_kernel.cuh): the __global__ entry
 // per (element type, head-dim bucket, shared-memory limit, block-sparse), its launch
 // (dynamic shared memory, grid of key tiles x KV heads x sequences) and run_bwd_main, which
-// picks the bucket's configuration for the call's shared-memory limit or declines.
-// Included by the generated translation units (bwd.inst.cu.in).
+// picks the bucket's configuration for the call's shared-memory limit (sm90's, sm80's or the
+// 99 KiB one) or declines. Included by the generated translation units (bwd.inst.cu.in).
 #pragma once
 
 #include <string>
@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(BwdTileConfig<kHeadDim, kSmemLimit>::kNThreads
 template <typename Element, int kHeadDim, int kSmemLimit>
 void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
+  static_assert(Cfg::kFits, "launch_bwd_main: a configuration beyond its shared-memory limit");
   auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, false>;
   if (p.block_kinds != nullptr) {
     // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
@@ -93,16 +94,21 @@ void run_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t strea
       return;
     }
   }
-  // No configuration for less shared memory yet (sm86 / sm89: 99 KiB): a clear error.
-  constexpr int kSmem = BwdTileConfig<kHeadDim>::kSmemBytes;
-  if (p.smem_limit < kSmem) {
-    throw Unsupported("backward", "q",
-                      "at least " + std::to_string(kSmem) +
-                          " bytes of shared memory per block for head-dim bucket " +
-                          std::to_string(kHeadDim),
-                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  if (p.smem_limit >= BwdTileConfig<kHeadDim>::kSmemBytes) {
+    launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
+    return;
   }
-  launch_bwd_main<Element, kHeadDim, kSm80SmemLimit>(p, ws, stream);
+  // 99 KiB parts (sm86 / sm89): the small tiles, where the bucket has them.
+  if constexpr (BwdTileConfig<kHeadDim, kSm86SmemLimit>::kFits) {
+    if (p.smem_limit >= BwdTileConfig<kHeadDim, kSm86SmemLimit>::kSmemBytes) {
+      launch_bwd_main<Element, kHeadDim, kSm86SmemLimit>(p, ws, stream);
+      return;
+    }
+  }
+  throw Unsupported("backward", "q",
+                    "at least " + std::to_string(kBwdSmemNeed<kHeadDim>) +
+                        " bytes of shared memory per block for head-dim bucket " + std::to_string(kHeadDim),
+                    std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
 }
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -1,7 +1,9 @@
-// The KV-cache decode path on the host: which calls take it, the split count
-// (num_splits = 0: a heuristic from the SM count and the work), the exact workspace need
-// (from upper bounds only, never device memory: the same during CUDA graph capture), and
-// the launch of the decode kernel (with splits, its last block per row chunk merges them).
+// The KV-cache decode path on the host: which calls take it, its configuration (the
+// default, or the small one where p.smem_limit does not hold the default: 99 KiB GPUs),
+// the split count (num_splits = 0: a heuristic from the SM count and the work), the exact
+// workspace need (from upper bounds and p.smem_limit only, never device memory: the same
+// during CUDA graph capture), and the launch of the decode kernel (with splits, its last
+// block per row chunk merges them).
 #include <cuda.h>  // CUtensorMap and its enums (the encoder comes through the runtime)
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -14,8 +16,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 
+#include "core/backend.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
@@ -39,21 +43,42 @@ std::size_t round_up(std::size_t x) { return (x + kAlign - 1) / kAlign * kAlign;
 int sm_count(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device, 108); }
 int cc_major(int device) { return device_attribute<cudaDevAttrComputeCapabilityMajor>(device, 0); }
 
+// The configuration of the decode kernel a call takes within a shared-memory limit: the
+// default where it fits, else the small one (fewer stages; the same kernel where their
+// stage counts agree); `fits` false when neither does (smem then is the small one's need).
 struct TileFacts {
   int block_n = 64;
-  int smem = 0;
+  int smem = 0;        // dynamic shared memory per block
   int seg_elems = 64;  // elements per 128-byte segment of a key row (the TMA box width)
   int segs = 2;        // 128-byte segments of the bucket's key row
+  bool small = false;
+  bool fits = true;
 };
 
+// The decode kernel's static shared memory (the split merge's flag, padded to the dynamic
+// buffer's 128-byte alignment; ptxas -v), which the device's limit per block counts too.
+constexpr int kDecodeStaticSmem = 128;
+
 template <class Tr>
-TileFacts facts_of() {
-  return {Tr::kBlockN, Tr::kSmemBytes, Tr::kSegElems, Tr::kSegs};
+TileFacts facts_of(bool small, int limit) {
+  return {Tr::kBlockN, Tr::kSmemBytes, Tr::kSegElems, Tr::kSegs, small, Tr::kSmemBytes + kDecodeStaticSmem <= limit};
+}
+template <int D, bool kFp8, bool kT8>
+TileFacts facts_within(int limit) {
+  using Default = DecodeTraits<D, kFp8, kT8>;
+  using Small = DecodeTraits<D, kFp8, kT8, true>;
+  // What the 99 KiB GPUs rely on: fp8 K/V fit at every head dim up to 256, 16-bit K/V up
+  // to 128 (beyond, KV-cache calls without a tree mask take the fused forward).
+  constexpr int kSmallNeed = Small::kSmemBytes + kDecodeStaticSmem;
+  static_assert(D > 256 || !kFp8 || kSmallNeed <= kDecodeSmallSmemBytes, "fp8 decode above 99 KiB");
+  static_assert(D > 128 || kSmallNeed <= kDecodeSmallSmemBytes, "16-bit decode above 99 KiB");
+  if (Default::kSmemBytes + kDecodeStaticSmem <= limit) return facts_of<Default>(false, limit);
+  return facts_of<Small>(kDecodeHasSmall<D, kFp8, kT8>, limit);
 }
 template <int D>
-TileFacts facts_for(bool fp8, bool t8) {
-  if (fp8) return t8 ? facts_of<DecodeTraits<D, true, true>>() : facts_of<DecodeTraits<D, true, false>>();
-  return t8 ? facts_of<DecodeTraits<D, false, true>>() : facts_of<DecodeTraits<D, false, false>>();
+TileFacts facts_for(bool fp8, bool t8, int limit) {
+  if (fp8) return t8 ? facts_within<D, true, true>(limit) : facts_within<D, true, false>(limit);
+  return t8 ? facts_within<D, false, true>(limit) : facts_within<D, false, false>(limit);
 }
 
 // At most 8 GQA-packed rows per KV head: the transposed kernel (decode_kernel.cuh: kT8).
@@ -144,9 +169,11 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   }
 }
 
-TileFacts tile_facts(int d, bool fp8, bool t8) {
+// smem_limit <= 0: not resolved (no limit; the dispatch always resolves it).
+TileFacts tile_facts(int d, bool fp8, bool t8, int smem_limit) {
+  const int limit = smem_limit > 0 ? smem_limit : std::numeric_limits<int>::max();
 #define FLASHATTN_DECODE_FACTS(D) \
-  if (d <= D) return facts_for<D>(fp8, t8);
+  if (d <= D) return facts_for<D>(fp8, t8, limit);
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_FACTS)
 #undef FLASHATTN_DECODE_FACTS
   return {};
@@ -160,9 +187,25 @@ DecodePlan plan_decode(const FwdParams& p) {
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const std::int64_t rows = std::int64_t(p.seqlen_q) * p.h_ratio;
   if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows)) return plan;
+  const TileFacts tf = tile_facts(p.d, fp8, use_t8(p), p.smem_limit);
+  if (!tf.fits) {
+    // No decode configuration within p.smem_limit (16-bit K/V at d >= 160 on a 99 KiB
+    // GPU): the fused forward serves the call as it serves those with more packed rows
+    // (num_splits, a speed hint, is not used there). fp8 caches and draft-tree masks only
+    // the decode kernel runs: an error here, before the call appends to the caches.
+    if (!fp8 && p.tree_mask == nullptr) return plan;
+    throw Unsupported("kvcache_forward", p.tree_mask != nullptr ? "tree_mask" : "k_cache",
+                      "at least " + std::to_string(tf.smem + kDecodeStaticSmem) +
+                          " bytes of shared memory per block for the decode kernel of head dim " +
+                          std::to_string(p.d) + (fp8 ? " (fp8 K/V)" : " (16-bit K/V)") +
+                          (p.tree_mask != nullptr ? ", which draft-tree masks need (the fused forward serves "
+                                                    "KV-cache calls without one)"
+                                                  : ", which fp8 caches need"),
+                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  }
   plan.use = true;
+  plan.small = tf.small;
   plan.row_chunks = static_cast<int>((rows + 15) / 16);
-  const TileFacts tf = tile_facts(p.d, fp8, use_t8(p));
   const std::int64_t max_tiles = (std::int64_t(p.seqlen_k) + tf.block_n - 1) / tf.block_n;
   int splits = p.num_splits;
   if (splits == 0) {
@@ -210,25 +253,34 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;
-  const TileFacts tf = tile_facts(p.d, fp8, a.t8);
-  // No decode configuration for less shared memory yet (sm86 / sm89: 99 KiB at d > 64).
-  if (tf.smem > p.smem_limit) {
-    throw Unsupported("kvcache_forward", "q",
-                      "at least " + std::to_string(tf.smem) +
-                          " bytes of shared memory per block for the decode kernel of head dim " +
-                          std::to_string(p.d),
-                      std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
-  }
+  // plan_decode's configuration (it declines or rejects the calls that none fits); its
+  // tile geometry is the same in both.
+  const TileFacts tf = tile_facts(p.d, fp8, a.t8, p.smem_limit);
+  const bool small = plan.small;
   plan_tma(p, tf, a);
-#define FLASHATTN_DECODE_BUCKET(D)                          \
-  if (p.d <= D) {                                           \
-    if (fp8) run_decode_fp8<D>(p, a);                       \
-    else if (bf16) run_decode<D, __nv_bfloat16>(p, a);      \
-    else run_decode<D, __half>(p, a);                       \
-    return;                                                 \
+#define FLASHATTN_DECODE_BUCKET(D)                               \
+  if (p.d <= D) {                                                \
+    if (fp8) run_decode_fp8<D>(p, a, small);                     \
+    else if (bf16) run_decode<D, __nv_bfloat16>(p, a, small);    \
+    else run_decode<D, __half>(p, a, small);                     \
+    return;                                                      \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_BUCKET)
 #undef FLASHATTN_DECODE_BUCKET
 }
 
 }  // namespace flashattn::detail::cuda::sm80
+
+namespace flashattn::detail::cuda {
+
+bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept {
+  if (!supports_head_dim(d)) return false;
+  return sm80::tile_facts(d, fp8_cache, false, smem_limit).fits && sm80::tile_facts(d, fp8_cache, true, smem_limit).fits;
+}
+
+bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept {
+  if (!supports_head_dim(d)) return false;
+  return decode_fits(d, fp8_cache, smem_limit) || (!fp8_cache && !tree_mask);
+}
+
+}  // namespace flashattn::detail::cuda

@@ -9,6 +9,7 @@ namespace flashattn::detail::cuda::sm80 {
 
 struct DecodePlan {
   bool use = false;  // the call takes the decode kernel
+  bool small = false;  // its small configuration (decode_launch.hpp: fewer stages, 99 KiB)
   int splits = 1;
   int row_chunks = 1;
   std::size_t o_bytes = 0;          // partial O, at workspace offset 0
@@ -17,7 +18,12 @@ struct DecodePlan {
   std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival counters; 0 without splits
 };
 
-// A pure function of p's shapes and bounds (never device memory).
+// A pure function of p's shapes and bounds and p.smem_limit (never device memory): the
+// workspace sizing (dispatch.cu: forward_workspace_size) resolves p.smem_limit as the call
+// does, so both see the same plan. A KV-cache call that no decode configuration within
+// p.smem_limit fits (16-bit K/V at d >= 160 on a 99 KiB GPU) is left to the fused forward
+// (use = false), or, with a draft-tree mask (or an fp8 cache), is Unsupported here, naming
+// tree_mask (k_cache), the bytes needed and the limit.
 DecodePlan plan_decode(const FwdParams& p);
 void run_decode_path(const FwdParams& p, const DecodePlan& plan);
 

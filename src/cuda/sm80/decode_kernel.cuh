@@ -60,11 +60,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // kT8 (at most 8 packed rows): the transposed products S^T = K Q^T and O^T = V^T P^T, keys
 // and dims as the MMAs' 16 rows and the query rows as their 8 columns: half the MMAs and
-// half the O registers of the 16-row form (decode with GQA ratios up to 8).
-template <int kHeadDim, typename Element, bool kFp8, bool kT8>
-__global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8>::kThreads, DecodeTraits<kHeadDim, kFp8, kT8>::kMinBlocks)
+// half the O registers of the 16-row form (decode with GQA ratios up to 8). kSmall: fewer
+// pipeline stages, for 99 KiB of shared memory per block (decode_launch.hpp).
+template <int kHeadDim, typename Element, bool kFp8, bool kT8, bool kSmall>
+__global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kThreads,
+                                  DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kMinBlocks)
     decode_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ DecodeArgs a) {
-  using Tr = DecodeTraits<kHeadDim, kFp8, kT8>;
+  using Tr = DecodeTraits<kHeadDim, kFp8, kT8, kSmall>;
   using namespace decode_detail;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kSub = Tr::kSub;

@@ -1,7 +1,7 @@
 // The KV-cache decode / split-KV path (decode_kernel.cuh): tile traits shared by the
-// host-side plan (split count, workspace size) and the kernel, and the entry points of
-// the instantiations (decode.inst.cu.in: one translation unit per head-dim bucket x dtype,
-// the fp16 one also holding the fp8-cache variant).
+// host-side plan (split count, workspace size, configuration) and the kernel, and the
+// entry points of the instantiations (decode.inst.cu.in: one translation unit per head-dim
+// bucket x dtype, the fp16 one also holding the fp8-cache variant).
 #pragma once
 
 #include <cstddef>
@@ -11,9 +11,18 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
+// The shared memory per block of the smallest GPUs the sm80 family runs on (sm86, sm89:
+// 99 KiB), which the small configuration (DecodeTraits' kSmall) fits where it can.
+inline constexpr int kDecodeSmallSmemBytes = 99 * 1024;
+
 // kT8: the transposed kernel for at most 8 packed rows (decode_kernel.cuh), which needs
-// fewer registers and so fits more blocks per SM.
-template <int kHeadDim, bool kFp8, bool kT8 = false>
+// fewer registers and so fits more blocks per SM. kSmall: the same kernel with as many
+// stages as fit in 99 KiB (at least 2, at most the default's), for GPUs whose shared
+// memory per block does not hold the default configuration (decode_dispatch.cu chooses
+// it from p.smem_limit); only the stage count differs (kMinBlocks, and so
+// __launch_bounds__, stay the default's). A distinct kernel only where its stage count
+// differs (kDecodeHasSmall).
+template <int kHeadDim, bool kFp8, bool kT8 = false, bool kSmall = false>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
@@ -46,16 +55,29 @@ struct DecodeTraits {
   // blocks (16-bit: 2 stages, 248.5 against 254.4 us at 2 x 3; fp8: 4 stages, 141.0 us,
   // against 190.8 at 4 blocks, 32 B of spills). d > 128: 2 blocks.
   static constexpr int kMinBlocks = kHeadDim <= 128 && (kFp8 || kT8) ? 3 : 2;
+  static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 tensor copies)
   static constexpr int kFitStages = (220 * 1024 / kMinBlocks - kQBytes - 1024 - 64) / kStageBytes;
-  static constexpr int kStages = kFitStages < 2 ? 2 : (kFitStages > 8 ? 8 : kFitStages);
+  static constexpr int kDefaultStages = kFitStages < 2 ? 2 : (kFitStages > 8 ? 8 : kFitStages);
+  // The small configuration: as many stages as fit in 99 KiB beside q, the barriers and
+  // the alignment slack; 2 at least (16-bit K/V at d >= 160 do not fit even so: 3 or 4
+  // 128-byte segments per key row, 64 keys, K and V), the default's at most.
+  static constexpr int kSmallFitStages = (kDecodeSmallSmemBytes - kQBytes - kBarBytes - 1024) / kStageBytes;
+  static constexpr int kStages =
+      !kSmall ? kDefaultStages
+              : (kSmallFitStages < 2 ? 2 : (kSmallFitStages > kDefaultStages ? kDefaultStages : kSmallFitStages));
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
   static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;
-  static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 tensor copies)
   // + 1024: the pipeline starts at the first 1024-byte boundary (the swizzle's period).
   static constexpr int kSmemBytes =
       kQBytes + kBarBytes + 1024 + (kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes);
 };
+
+// Whether the small configuration is a kernel of its own (fewer stages than the default):
+// 16-bit K/V at d 64 .. 128 (16-row form: 3 stages -> 2), fp8 K/V at d > 128 (3 -> 2).
+template <int kHeadDim, bool kFp8, bool kT8>
+inline constexpr bool kDecodeHasSmall =
+    DecodeTraits<kHeadDim, kFp8, kT8, true>::kStages != DecodeTraits<kHeadDim, kFp8, kT8>::kStages;
 
 // A CUtensorMap (cuda.h), kept opaque here: 128 bytes, 64-byte aligned.
 struct alignas(64) TensorMapBytes {
@@ -86,9 +108,11 @@ struct DecodeArgs {
   unsigned int* ws_count = nullptr;
 };
 
+// small: the small configuration (DecodeTraits' kSmall), where the default does not fit in
+// p.smem_limit (decode_dispatch.cu); the default where the two are the same kernel.
 template <int kHeadDim, typename Element>
-void run_decode(const FwdParams& p, const DecodeArgs& a);
+void run_decode(const FwdParams& p, const DecodeArgs& a, bool small);
 template <int kHeadDim>
-void run_decode_fp8(const FwdParams& p, const DecodeArgs& a);
+void run_decode_fp8(const FwdParams& p, const DecodeArgs& a, bool small);
 
 }  // namespace flashattn::detail::cuda::sm80

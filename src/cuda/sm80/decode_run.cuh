@@ -1,7 +1,9 @@
 // The host side of the decode kernel (decode_kernel.cuh): launch_decode sets the dynamic
 // shared memory and launches one instantiation with its grid (row chunks x splits, KV
 // heads, sequences) and, when asked, programmatic dependent launch; run_decode /
-// run_decode_fp8 pick the transposed (kT8) or 16-row form; FLASHATTN_DECODE_INSTANTIATE is
+// run_decode_fp8 pick the transposed (kT8) or 16-row form and the default or small
+// (99 KiB) configuration, instantiating the small one only where it is a kernel of its
+// own (decode_launch.hpp: kDecodeHasSmall); FLASHATTN_DECODE_INSTANTIATE is
 // what the generated translation units (decode.inst.cu.in) expand. Called from
 // decode_dispatch.cu through decode_launch.hpp's declarations.
 #pragma once
@@ -17,10 +19,10 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
-template <int kHeadDim, typename Element, bool kFp8, bool kT8>
+template <int kHeadDim, typename Element, bool kFp8, bool kT8, bool kSmall>
 void launch_decode(const FwdParams& p, const DecodeArgs& a) {
-  using Tr = DecodeTraits<kHeadDim, kFp8, kT8>;
-  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8>;
+  using Tr = DecodeTraits<kHeadDim, kFp8, kT8, kSmall>;
+  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8, kSmall>;
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
@@ -39,21 +41,33 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
 }
 
+// The small configuration where asked for and a kernel of its own, else the default.
+template <int kHeadDim, typename Element, bool kFp8, bool kT8>
+void launch_decode_config(const FwdParams& p, const DecodeArgs& a, bool small) {
+  if constexpr (kDecodeHasSmall<kHeadDim, kFp8, kT8>) {
+    if (small) {
+      launch_decode<kHeadDim, Element, kFp8, kT8, true>(p, a);
+      return;
+    }
+  }
+  launch_decode<kHeadDim, Element, kFp8, kT8, false>(p, a);
+}
+
 template <int kHeadDim, typename Element>
-void run_decode(const FwdParams& p, const DecodeArgs& a) {
+void run_decode(const FwdParams& p, const DecodeArgs& a, bool small) {
   if (a.t8) {
-    launch_decode<kHeadDim, Element, false, true>(p, a);
+    launch_decode_config<kHeadDim, Element, false, true>(p, a, small);
   } else {
-    launch_decode<kHeadDim, Element, false, false>(p, a);
+    launch_decode_config<kHeadDim, Element, false, false>(p, a, small);
   }
 }
 
 template <int kHeadDim>
-void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
+void run_decode_fp8(const FwdParams& p, const DecodeArgs& a, bool small) {
   if (a.t8) {
-    launch_decode<kHeadDim, __half, true, true>(p, a);
+    launch_decode_config<kHeadDim, __half, true, true>(p, a, small);
   } else {
-    launch_decode<kHeadDim, __half, true, false>(p, a);
+    launch_decode_config<kHeadDim, __half, true, false>(p, a, small);
   }
 }
 
@@ -61,8 +75,8 @@ void run_decode_fp8(const FwdParams& p, const DecodeArgs& a) {
 
 // One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
 #define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
-  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&);                    \
-  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&);
+  template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&, bool);              \
+  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&, bool);
 #define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
-  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&);
+  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&, bool);
 #define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)

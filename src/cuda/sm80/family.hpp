@@ -20,6 +20,9 @@ std::size_t forward_workspace_size(const FwdParams& p);
 using BwdMainKernel = void (*)(const BwdParams& p, const BwdWorkspace& ws, void* stream);
 void backward(const BwdParams& p, BwdMainKernel main = nullptr);
 std::size_t backward_workspace_size(const BwdParams& p);
+// The shared memory per block the backward of head dim d needs at least (its bucket's
+// smallest configuration; 0 past the compiled buckets).
+int bwd_smem_need(int head_dim);
 
 // The learnable sink's gradient for a backward that has D = rowsum(dO * O) in
 // dpsum[h * rows_total + row] (row: the packed row cu_seqlens_q[b] + i when varlen, else

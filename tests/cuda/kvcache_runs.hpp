@@ -1,0 +1,189 @@
+// What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp):
+// the device copies of a KV-cache case (DeviceCase), its description, and check_case,
+// which runs a case on the device and on the CPU backend and checks the appended caches
+// bitwise and the device output against the fp64 oracle; and the shared memory per block
+// that this process's CUDA calls may use (smem_limit_of), for skipping what a capped run
+// (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <initializer_list>
+#include <memory>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "core/backend.hpp"
+#include "core/kernel_family.hpp"
+#include "cuda/device_copy.hpp"
+#include "support/cases.hpp"
+#include "support/checks.hpp"
+#include "support/compare.hpp"
+#include "support/describe.hpp"
+#include "support/random.hpp"
+
+namespace flashattn::test {
+
+// All device buffers of one KV-cache case and the API arguments over them.
+struct DeviceCase {
+  std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi, sink;
+  KVCacheArgs args;
+  Options opts;
+
+  explicit DeviceCase(const KVCacheCase& c) {
+    q = std::make_unique<DeviceCopy>(c.q);
+    kc = std::make_unique<DeviceCopy>(c.k_cache);
+    vc = std::make_unique<DeviceCopy>(c.v_cache);
+    lens = std::make_unique<DeviceCopy>(c.cache_lens_t);
+    table = std::make_unique<DeviceCopy>(c.block_table_t);
+    idx = std::make_unique<DeviceCopy>(c.batch_idx_t);
+    kn = std::make_unique<DeviceCopy>(c.k_new);
+    vn = std::make_unique<DeviceCopy>(c.v_new);
+    out = std::make_unique<DeviceCopy>(c.out);
+    lse = std::make_unique<DeviceCopy>(c.lse);
+    args = c.args();
+    args.q = q->view();
+    args.k_cache = kc->view();
+    args.v_cache = vc->view();
+    args.cache_seqlens = lens->view();
+    if (args.block_table.defined()) args.block_table = table->view();
+    if (args.cache_batch_idx.defined()) args.cache_batch_idx = idx->view();
+    if (args.k_new.defined()) {
+      args.k_new = kn->view();
+      args.v_new = vn->view();
+    }
+    if (c.cfg.fp8) {
+      ks = std::make_unique<DeviceCopy>(c.k_scale);
+      vs = std::make_unique<DeviceCopy>(c.v_scale);
+      args.k_scale = ks->view();
+      args.v_scale = vs->view();
+    }
+    if (args.tree_mask.defined()) {
+      tree = std::make_unique<DeviceCopy>(c.tree_mask);
+      Tensor t = args.tree_mask;
+      t.data = tree->data();
+      t.device = Device::cuda(0);
+      args.tree_mask = t;
+    }
+    opts = c.call_options();
+    if (!c.alibi.empty()) {
+      alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
+      opts.alibi_slopes = alibi->view();
+    }
+    opts.learnable_sink_grad = Tensor{};  // a forward: no gradient
+    if (!c.sink.logits.empty()) {
+      sink = std::make_unique<DeviceCopy>(c.sink.tensor);
+      opts.learnable_sink = sink->view();
+    }
+  }
+  // Restores the caches (before the append) and poisons out / lse on the device.
+  void reset(const KVCacheCase& c) {
+    kc->upload(c.k_cache);
+    vc->upload(c.v_cache);
+    HostTensor o = c.out, l = c.lse;
+    o.fill_nan();
+    l.fill_nan();
+    out->upload(o);
+    lse->upload(l);
+  }
+};
+
+// dev's call captured on stream s into a CUDA graph (the workspace size asked for under
+// capture must be ws_bytes, the size asked for eagerly) and replayed once; out and lse of
+// the replay downloaded into out / lse.
+inline void capture_and_replay(DeviceCase& dev, const Options& opts, void* ws, std::size_t ws_bytes,
+                               cudaStream_t s, HostTensor& out, HostTensor& lse) {
+  cudaGraph_t graph;
+  FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  EXPECT_EQ(kvcache_workspace_size(dev.args, opts), ws_bytes);
+  EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+  FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  FA_CUDA_OK(cudaGraphLaunch(exec, s));
+  FA_CUDA_OK(cudaStreamSynchronize(s));
+  dev.out->download(out);
+  dev.lse->download(lse);
+  FA_CUDA_OK(cudaGraphExecDestroy(exec));
+  FA_CUDA_OK(cudaGraphDestroy(graph));
+}
+
+inline std::string describe_case(const KVCacheCase& c) {
+  const KVCacheConfig& f = c.cfg;
+  return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
+         std::to_string(f.s_q) + " s_new " + std::to_string(f.s_new) + " h " + std::to_string(f.h_q) +
+         "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) + " block_size " +
+         std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
+         (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + (c.sink.logits.empty() ? "" : " sink") +
+         " splits " + std::to_string(c.num_splits) +
+         " " + describe(c.call_options());
+}
+
+// Runs c on the device (num_splits = c.num_splits) and on the CPU backend; checks the
+// appended caches bitwise and the device output against the oracle. Leaves the device
+// results in c.out / c.lse.
+inline void check_case(KVCacheCase& c) {
+  SCOPED_TRACE(describe_case(c));
+  DeviceCase dev(c);
+  dev.reset(c);
+  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), dev.opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+
+  // The CPU backend: the same call on host tensors.
+  KVCacheCase cpu = c;
+  cpu.poison_outputs();
+  ASSERT_NO_THROW(cpu.run());
+  EXPECT_TRUE(cpu.k_cache.bitwise_equal(c.k_cache_expected)) << "CPU k_cache after the append";
+
+  HostTensor k_after = c.k_cache, v_after = c.v_cache;
+  dev.kc->download(k_after);
+  dev.vc->download(v_after);
+  EXPECT_TRUE(k_after.bitwise_equal(cpu.k_cache)) << "k_cache after the append (device vs CPU)";
+  EXPECT_TRUE(v_after.bitwise_equal(cpu.v_cache)) << "v_cache after the append (device vs CPU)";
+  dev.out->download(c.out);
+  dev.lse->download(c.lse);
+  const ForwardResults got = forward_results(c);
+  EXPECT_TRUE(fully_written("out", got.out));
+  EXPECT_TRUE(fully_written("lse", got.lse));
+  const RefProblem prob = c.problem();
+  const ForwardExpectation expect = ForwardExpectation::of(prob, c.cfg.dtype);
+  expect_forward_matches(prob, c.cfg.dtype, got, &expect);
+  // The CPU backend's own result under the same rule (the two backends agree through it).
+  expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
+}
+
+inline int pick(Rng& rng, std::initializer_list<int> v) {
+  return *(v.begin() + uniform_int(rng, 0, static_cast<int>(v.size()) - 1));
+}
+
+// The shared memory per block a CUDA call with options o may use on device 0: the
+// device's opt-in limit, capped by o.smem_cap or, where that is 0, FLASHATTN_SMEM_CAP
+// (what the dispatch resolves; core/kernel_family.hpp).
+inline int smem_limit_of(const Options& o) {
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0) != cudaSuccess) {
+    cudaGetLastError();
+    optin = 0;
+  }
+  int cap = o.smem_cap;
+  if (cap == 0) {
+    const detail::KernelEnv& env = detail::kernel_env();
+    if (env.smem_cap.ok) cap = env.request.smem_cap;
+  }
+  return cap > 0 && (optin == 0 || cap < optin) ? cap : optin;
+}
+
+// Skips the current test where a KV-cache call of head dim d (fp8 cache, tree mask) cannot
+// run within the shared memory the process's calls may use (a tree mask over a 16-bit
+// cache at d >= 160 on a 99 KiB GPU or under FLASHATTN_SMEM_CAP=101376), saying why.
+#define FA_SKIP_UNLESS_KVCACHE_FITS(d, fp8, tree, opts)                                                     \
+  do {                                                                                                     \
+    const int fa_limit_ = smem_limit_of(opts);                                                             \
+    if (!detail::cuda::kvcache_fits((d), (fp8), (tree), fa_limit_))                                       \
+      GTEST_SKIP() << "a KV-cache call of head dim " << (d) << ((fp8) ? " (fp8 cache)" : " (16-bit cache)") \
+                   << ((tree) ? " with a tree mask" : "") << " needs more than " << fa_limit_              \
+                   << " bytes of shared memory per block (FLASHATTN_SMEM_CAP or the device's limit)";    \
+  } while (0)
+
+}  // namespace flashattn::test
