@@ -16,6 +16,9 @@
 # UnsupportedError: build all eight buckets for a fair count. Writes
 # build-py/upstream-{junit.xml,pytest.log}.
 #
+# UPSTREAM_TIME_LIMIT=S: stop the tests after S seconds (SIGINT to pytest) and count those
+# that ran.
+#
 # UPSTREAM_CPU=1: no GPU needed. A copy of the test file with its CUDA device strings
 # turned into "cpu" (and compute capability 9.0) runs on CPU tensors with the drop-in's
 # CUDA-tensor paths forced on (flashattn.interface._EMULATE_CUDA: head-dim padding,
@@ -70,7 +73,11 @@ PY
 set +e
 # From the test file's folder, with no config file: its own conftest.py (if any) applies,
 # this repository's pytest settings do not.
-(cd "$(dirname "$test_file")" && "$PYTHON" -m pytest "$test_file" -c /dev/null \
+# UPSTREAM_TIME_LIMIT=S: pytest gets SIGINT after S seconds, stops at the test it is in and
+# still writes its summary and junit report, so the count below covers the tests that ran.
+limit=()
+if [[ -n ${UPSTREAM_TIME_LIMIT:-} ]]; then limit=(timeout -s INT -k 30 "$UPSTREAM_TIME_LIMIT"); fi
+(cd "$(dirname "$test_file")" && "${limit[@]}" "$PYTHON" -m pytest "$test_file" -c /dev/null \
    --rootdir "$(dirname "$test_file")" -p upstream_sample --upstream-sample "$sample" \
    --upstream-seed "$seed" -q -p no:cacheprovider --junitxml "$junit" -o junit_family=xunit2 \
    "$@" > "$log" 2>&1)
