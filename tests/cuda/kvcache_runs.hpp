@@ -25,6 +25,18 @@
 
 namespace flashattn::test {
 
+// The random suites' cache layout, from cfg.block_size (set before): paged, with sequence
+// 1 sharing sequence 0's prefix blocks when `share`; or dense through cache_batch_idx over
+// batch + 2 cache rows, each 9 rows longer than the longest sequence needs (cache rows
+// that no sequence uses, and keys past every sequence's end).
+inline void random_cache_layout(KVCacheConfig& cfg, bool share) {
+  const bool dense = cfg.block_size == 0;
+  cfg.share_blocks = !dense && share;
+  cfg.use_batch_idx = dense;
+  cfg.cache_rows = dense ? cfg.batch + 2 : 0;
+  cfg.s_cache = dense ? cfg.max_cache_len + cfg.s_new + 9 : 0;
+}
+
 // All device buffers of one KV-cache case and the API arguments over them.
 struct DeviceCase {
   std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi, sink;

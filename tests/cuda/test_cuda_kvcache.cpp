@@ -52,10 +52,7 @@ TEST(CudaKVCache, RandomPagedLayouts) {
     cfg.d = pick(rng, {64, 128, 40, 72});
     cfg.max_cache_len = pick(rng, {0, 37, 300, 1500});
     cfg.block_size = it % 6 == 5 ? 0 : pick(rng, {1, 3, 8, 16, 32, 64, 256});
-    cfg.share_blocks = cfg.block_size > 0 && it % 3 == 0;
-    cfg.use_batch_idx = cfg.block_size == 0;
-    cfg.cache_rows = cfg.block_size == 0 ? cfg.batch + 2 : 0;
-    cfg.s_cache = cfg.block_size == 0 ? cfg.max_cache_len + cfg.s_new + 9 : 0;
+    random_cache_layout(cfg, it % 3 == 0);
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
     if (it % 7 == 3) c.opts.window_left = uniform_int(rng, 0, 200);

@@ -112,10 +112,7 @@ TEST_P(CudaSmemCapKVCache, MatchesOracle) {
     cfg.s_new = pick(rng, {0, 1, cfg.s_q});
     cfg.max_cache_len = pick(rng, {0, 37, 300, 1100});
     cfg.block_size = it % 3 == 0 ? 0 : pick(rng, {1, 3, 16, 64, 256});
-    cfg.share_blocks = cfg.block_size > 0 && it % 4 == 1;
-    cfg.use_batch_idx = cfg.block_size == 0;
-    cfg.cache_rows = cfg.block_size == 0 ? cfg.batch + 2 : 0;
-    cfg.s_cache = cfg.block_size == 0 ? cfg.max_cache_len + cfg.s_new + 9 : 0;
+    random_cache_layout(cfg, it % 4 == 1);
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
     if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
