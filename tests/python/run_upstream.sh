@@ -73,8 +73,7 @@ PY
 set +e
 # From the test file's folder, with no config file: its own conftest.py (if any) applies,
 # this repository's pytest settings do not.
-# UPSTREAM_TIME_LIMIT=S: pytest gets SIGINT after S seconds, stops at the test it is in and
-# still writes its summary and junit report, so the count below covers the tests that ran.
+# SIGINT, not TERM: pytest stops at its current test and still writes the junit report.
 limit=()
 if [[ -n ${UPSTREAM_TIME_LIMIT:-} ]]; then limit=(timeout -s INT -k 30 "$UPSTREAM_TIME_LIMIT"); fi
 (cd "$(dirname "$test_file")" && "${limit[@]}" "$PYTHON" -m pytest "$test_file" -c /dev/null \
