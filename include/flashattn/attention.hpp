@@ -312,16 +312,21 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts 
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available() noexcept;
 
-// CUDA index tensors checked on the device. A varlen or KV-cache call checks cu_seqlens_q /
-// _k, seqused_k, cache_seqlens, cache_batch_idx and block_table on the host (a copy and a
-// stream synchronisation) unless its stream is being captured into a CUDA graph, or the
-// environment sets FLASHATTN_DEVICE_INDEX_CHECKS=1: then a small kernel checks them in
-// stream order, the kernels clamp bad values (docs/semantics.md, "Index tensors the host
-// could not check"), and the first bad value found on a device is raised as an
-// InvalidArgumentError, naming the tensor, entry, expected range and value, by the next
-// CUDA call on that device or by check_errors(). check_errors raises it for `device` (-1:
-// any device) and clears it; it does not synchronise, so synchronise the stream first to
-// see the checks of the calls on it.
+// CUDA index tensors are checked on the device. A CUDA varlen, KV-cache or block-sparse
+// call does not copy its index tensors (cu_seqlens_q / _k, seqused_k, seqused_q,
+// cache_seqlens, cache_batch_idx, block_table, the block-sparse lists) to the host and
+// never synchronises: a small kernel checks them in stream order before the call's kernels
+// (also inside a captured CUDA graph, at every replay), the kernels clamp bad values
+// (docs/semantics.md, "Index tensors checked on the device"), and a KV-cache append whose
+// targets conflict (a block or cache row written twice, or written where another
+// sequence reads cached keys) writes nothing. The first bad value found on a device is
+// raised as an InvalidArgumentError, naming the tensor, entry, expected range and value,
+// by the next CUDA call on that device or by check_errors(). check_errors raises it for
+// `device` (-1: any device) and clears it; it does not synchronise, so synchronise the
+// stream first to see the checks of the calls on it. Without CUDA it does nothing.
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 in the environment restores the host check of eager
+// calls: a copy to the host and a stream synchronisation per index tensor, and the error
+// raised by the call itself (captured calls still check on the device).
 void check_errors(int device = -1);
 
 // Library version, e.g. "0.1.0".

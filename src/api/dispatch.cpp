@@ -192,9 +192,10 @@ std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target targ
   const std::int32_t* src = static_cast<const std::int32_t*>(t.data);
   std::vector<std::int32_t> staged;
   if (target == Target::kCUDA) {
-    // FLASHATTN_DEVICE_INDEX_CHECKS=1: no host copy, no synchronisation; the call checks
-    // its indices on the device (cuda::check_indices_on_device), as under graph capture.
-    if (cuda::device_index_checks_only()) return std::nullopt;
+    // By default no host copy, no synchronisation: the call checks its indices on the
+    // device (cuda::check_indices_on_device), as under graph capture. With
+    // FLASHATTN_DEVICE_INDEX_CHECKS=0 they are copied here, outside capture.
+    if (cuda::eager_index_checks_on_device()) return std::nullopt;
     // One copy of the span from the first to the last element, then gather on the host.
     staged.resize(static_cast<std::size_t>((rows - 1) * row_stride + cols));
     if (!cuda::copy_to_host_for_validation(staged.data(), t.data,
@@ -287,9 +288,9 @@ void run_backward(Target target, const BwdParams& p) {
   }
 }
 
-void run_append_kv(Target target, const AppendParams& p) {
+void run_append_kv(Target target, const AppendParams& p, cuda::AppendVerdict verdict) {
   if (target == Target::kCUDA) {
-    cuda::append_kv(p);
+    cuda::append_kv(p, verdict);
   } else {
     cpu::append_kv(p);
   }

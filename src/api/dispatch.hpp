@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "api/check.hpp"
+#include "core/backend.hpp"
 #include "core/params.hpp"
 #include "flashattn/attention.hpp"
 
@@ -49,8 +50,10 @@ void check_cuda_layout(const Check& check, std::string_view name, const Tensor& 
 void check_cuda_layouts(const Check& check, Target target, std::initializer_list<Arg> tensors);
 
 // The values of an int32 tensor of rank 1 or 2, row-major, read on the host (through a
-// stream-ordered copy for CUDA tensors). nullopt while the stream is captured into a
-// CUDA graph: the caller then skips content checks.
+// stream-ordered copy and a synchronisation for CUDA tensors, which only
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 asks for). nullopt for CUDA tensors by default and while
+// the stream is captured into a CUDA graph: the caller then skips content checks, and the
+// call checks them on the device (cuda::check_indices_on_device).
 std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target target,
                                                     void* stream);
 
@@ -85,6 +88,7 @@ void check_cuda_forward_rows(const Check& check, Target target, const FwdParams&
 
 void run_forward(Target target, const FwdParams& p);
 void run_backward(Target target, const BwdParams& p);
-void run_append_kv(Target target, const AppendParams& p);
+// verdict: the device check's on the append (CUDA), if any.
+void run_append_kv(Target target, const AppendParams& p, cuda::AppendVerdict verdict = {});
 
 }  // namespace flashattn::detail::api

@@ -271,9 +271,10 @@ void check_append_targets(const Check& c, const KVCacheArgs& a, const CacheDims&
   }
 }
 
-// Index contents: cache lengths, cache rows, used block-table entries. Returns the
-// longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents could not
-// be read (CUDA graph capture).
+// Index contents: cache lengths, cache rows, used block-table entries, append targets.
+// Returns the longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents
+// were not read (CUDA tensors: checked on the device instead, unless
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture).
 std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                                     Target target, void* stream) {
   const auto seqlens = detail::api::read_int32(a.cache_seqlens, target, stream);
@@ -350,8 +351,9 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 }
 
 // Everything after the shapes; fills p for the forward over the cache.
-// contents_read: false when the index contents could not be read (a captured CUDA stream,
-// or device checks only): the call then checks them on the device.
+// contents_read: false when the index contents were not read (CUDA tensors, unless
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture): the call then checks them on the
+// device.
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                       const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
   // With qv the score is one dot product over d + d_v (FlashAttention-3's default scale).
@@ -475,11 +477,18 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   }
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
-  detail::api::attach_workspace(c, target, workspace,
-                                detail::api::forward_workspace_size(target, p), p, scratch);
+  const std::size_t ws_bytes = detail::api::forward_workspace_size(target, p);
+  detail::api::attach_workspace(c, target, workspace, ws_bytes, p, scratch);
+  detail::cuda::AppendVerdict verdict;
   if (target == Target::kCUDA && !contents_read) {
     // Before the append, in stream order (the append and the kernels clamp regardless).
-    detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward);
+    // An append's conflicts (what check_append_targets rejects on the host) are found there
+    // too: the verdict, in the last append_check_bytes of the workspace, stops the append.
+    const std::size_t verdict_bytes = args.k_new.defined() ? detail::cuda::append_check_bytes(p) : 0;
+    int* flags = verdict_bytes > 0
+                     ? reinterpret_cast<int*>(static_cast<char*>(p.workspace) + ws_bytes - verdict_bytes)
+                     : nullptr;
+    verdict = detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward, flags);
   }
 
   if (args.k_new.defined()) {
@@ -498,7 +507,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     ap.cache = p;
     ap.stream = p.stream;
     ap.device_index = p.device_index;
-    detail::api::run_append_kv(target, ap);
+    detail::api::run_append_kv(target, ap, verdict);
   }
   detail::api::run_forward(target, p);
 }

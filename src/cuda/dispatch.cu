@@ -165,12 +165,16 @@ void forward(const FwdParams& in) {
 // KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
 // computed from shapes and upper bounds only (the same during CUDA graph capture). The
 // decode plan (route, configuration, split count) depends on the shared-memory limit:
-// resolved here as forward resolves it, so that the size is that of the call's plan.
+// resolved here as forward resolves it, so that the size is that of the call's plan. A
+// KV-cache append that the device index check may stop ends with the check's verdict
+// (append_check_bytes; kvcache_forward finds it at the end of this size).
 std::size_t forward_workspace_size(const FwdParams& in) {
   FwdParams p = in;
   if (p.cache_seqlens != nullptr) p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
   if (p.q_dtype == DType::kFloat8E4M3) return fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
-  return block_kinds_offset(p) + block_kinds_bytes(p);
+  const std::size_t bytes = block_kinds_offset(p) + block_kinds_bytes(p);
+  const std::size_t verdict = append_check_bytes(p);
+  return verdict > 0 ? ((bytes + 255) & ~std::size_t(255)) + verdict : bytes;
 }
 
 void backward(const BwdParams& in) {
