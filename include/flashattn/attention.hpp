@@ -236,7 +236,10 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 
 // Inference against a KV cache.
 //   q [b, s_q, h_q, d]; out [b, s_q, h_q, d_v]; v_cache and v_new have d_v, k_cache and
-//                 k_new d (d_v == d unless v_cache says otherwise)
+//                 k_new d (d_v == d unless v_cache says otherwise; on CUDA d_v != d runs
+//                 the fused forward, not the split-KV decode kernel, so num_splits is unused
+//                 there, and an fp8 cache or a tree_mask with d_v != d is Unsupported
+//                 naming v_cache)
 //   dense cache:  k_cache, v_cache [b_cache, s_cache, h_k, d]
 //   paged cache:  k_cache, v_cache [num_blocks, block_size, h_k, d] and
 //                 block_table int32 [b, max_blocks_per_seq]; key t of sequence i lives in

@@ -368,6 +368,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   // fp8 q over an fp8 cache runs on the CPU backend only (on CUDA: Unsupported naming q).
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
                                detail::api::CudaCall::kKVCache, "v_cache");
+  detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8, a.tree_mask.defined());
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "

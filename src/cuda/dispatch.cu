@@ -21,6 +21,12 @@
 // the epilogues (sm80 forward and decode, sm90 forward) or the split merge; the sm80
 // backward adds a small kernel for its gradient (BwdParams::dsink).
 //
+// v with its own head dim (d_v != d) runs in the bucket of the larger in every family. A
+// KV-cache call with d_v != d never takes the decode kernel (it has one head dim;
+// sm80::plan_decode declines it): the sm90 forward where it takes the call, else the sm80
+// fused forward, so an fp8 cache or a draft-tree mask with d_v != d is Unsupported (the
+// API says so naming v_cache before the append).
+//
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"

@@ -725,8 +725,11 @@ namespace {
 
 // One thread per 16-byte chunk of a new (sequence, row, KV head) row of k_new and v_new;
 // the destination row is cache position cache_seqlens[b] + r through the cache layout
-// (dense with cache_batch_idx, or paged through the block table).
+// (dense with cache_batch_idx, or paged through the block table). kSplitWidths: v has its
+// own head dim (d_v != d): the chunks span the wider of the two rows, K's copied where
+// col < d, V's where col < d_v.
 // `skip`: the device check's verdict (AppendVerdict), one word per check block, or null.
+template <bool kSplitWidths>
 __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const int* skip, int skip_count) {
   if (skip != nullptr) {
     // Any append conflict found: no row is written (before the bounds return below, so
@@ -735,7 +738,7 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const i
     if (__syncthreads_or(found)) return;
   }
   const int b = blockIdx.y;
-  const int chunks_per_row = p.d / 8;
+  const int chunks_per_row = (kSplitWidths ? max(p.d, p.d_v) : p.d) / 8;
   const std::int64_t idx = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t total = std::int64_t(p.seqlen_new) * p.h_k * chunks_per_row;
   if (idx >= total) return;
@@ -759,6 +762,7 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const i
     if (blk < 0 || blk >= p.cache.kv_cache_rows) return;
   }
   const int col = chunk * 8;
+  const bool k_col = !kSplitWidths || col < p.d, v_col = !kSplitWidths || col < p.d_v;
   const auto* kn = static_cast<const std::uint16_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
                    std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;
   const auto* vn = static_cast<const std::uint16_t*>(p.v_new) + std::int64_t(b) * p.vn_batch_stride +
@@ -791,16 +795,16 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const i
                p.cache.k_offset(b, j, head) + col;
     auto* vc = const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(p.cache.v)) +
                p.cache.v_offset(b, j, head) + col;
-    *reinterpret_cast<uint2*>(kc) = quantize(kn, ks);
-    *reinterpret_cast<uint2*>(vc) = quantize(vn, vs);
+    if (k_col) *reinterpret_cast<uint2*>(kc) = quantize(kn, ks);
+    if (v_col) *reinterpret_cast<uint2*>(vc) = quantize(vn, vs);
     return;
   }
   auto* kc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.k)) +
              p.cache.k_offset(b, j, head) + col;
   auto* vc = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(p.cache.v)) +
              p.cache.v_offset(b, j, head) + col;
-  *reinterpret_cast<uint4*>(kc) = *reinterpret_cast<const uint4*>(kn);
-  *reinterpret_cast<uint4*>(vc) = *reinterpret_cast<const uint4*>(vn);
+  if (k_col) *reinterpret_cast<uint4*>(kc) = *reinterpret_cast<const uint4*>(kn);
+  if (v_col) *reinterpret_cast<uint4*>(vc) = *reinterpret_cast<const uint4*>(vn);
 }
 
 }  // namespace
@@ -815,13 +819,19 @@ void append_kv(const AppendParams& p, AppendVerdict verdict) {
     throw Unsupported("flashattn::kvcache_forward", "k_new", "head dim d % 8 == 0 on CUDA",
                       std::to_string(p.d));
   }
+  if (p.d_v % 8 != 0 || p.d_v <= 0) {
+    throw Unsupported("flashattn::kvcache_forward", "v_new", "head dim d_v % 8 == 0 on CUDA",
+                      std::to_string(p.d_v));
+  }
   DeviceGuard guard(p.device_index);
   constexpr int kThreads = 256;
-  const std::int64_t total = std::int64_t(p.seqlen_new) * p.h_k * (p.d / 8);
+  const bool split = p.d_v != p.d;
+  const std::int64_t total = std::int64_t(p.seqlen_new) * p.h_k * (std::max(p.d, p.d_v) / 8);
   const dim3 grid(static_cast<unsigned>((total + kThreads - 1) / kThreads),
                   static_cast<unsigned>(p.batch));
   static_assert(kThreads >= kMaxCheckBlocks, "one verdict word per thread");
-  append_kv_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p, verdict.flags, verdict.count);
+  const auto kernel = split ? append_kv_kernel<true> : append_kv_kernel<false>;
+  kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p, verdict.flags, verdict.count);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
 }
 
