@@ -308,6 +308,9 @@ struct KVCacheArgs {
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
                      const Options& opts = {}, Workspace workspace = {});
 
+// Bytes of workspace kvcache_forward needs for these arguments: from shapes only (the
+// index tensors' contents of a CUDA call are not read, so no host copy or synchronisation;
+// kvcache_forward checks them).
 std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts = {});
 
 // ------------------------------------------------------------------ utilities

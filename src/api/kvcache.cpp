@@ -353,9 +353,11 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 // Everything after the shapes; fills p for the forward over the cache.
 // contents_read: false when the index contents were not read (CUDA tensors, unless
 // FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture): the call then checks them on the
-// device.
+// device. read_cuda_contents false (kvcache_workspace_size): CUDA index tensors are not
+// read at all (a size depends on shapes only; no host copy, no synchronisation).
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
-                      const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
+                      const Options& opts, FwdParams& p, bool* contents_read = nullptr,
+                      bool read_cuda_contents = true) {
   // With qv the score is one dot product over d + d_v (FlashAttention-3's default scale).
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
@@ -378,7 +380,9 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
-  const std::int64_t longest = check_kvcache_contents(c, a, dims, target, opts.stream);
+  const std::int64_t longest = read_cuda_contents || target != Target::kCUDA
+                                   ? check_kvcache_contents(c, a, dims, target, opts.stream)
+                                   : -1;
   if (contents_read) *contents_read = longest >= 0;
   detail::api::fill_probs(c, opts, target == Target::kCPU, a.q.device,
                           {dims.b, dims.h_q, dims.s_q, longest}, p);
@@ -517,7 +521,7 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts)
   const Check c("kvcache_workspace_size");
   const CacheDims dims = check_kvcache_shapes(c, args, opts);
   FwdParams p;
-  const Target target = check_and_fill(c, args, dims, opts, p);
+  const Target target = check_and_fill(c, args, dims, opts, p, nullptr, /*read_cuda_contents=*/false);
   // fp8 q computes in out's type, bfloat16 or float16: both fp32 compute, one size.
   if (dims.fp8_q) p.dtype = DType::kBFloat16;
   return detail::api::forward_workspace_size(target, p);

@@ -353,7 +353,10 @@ __device__ void walk_table(const IndexCheckArgs& a, int* claim, bool check_range
 
 __global__ void __launch_bounds__(kCheckThreads, 1) index_check_kernel(const __grid_constant__ IndexCheckArgs a) {
   __shared__ int claim;
-  __shared__ AppendHash hash;
+  // The append hash in dynamic shared memory, launched with it only when appends are
+  // checked: a call without one (a decode step) runs with 4 bytes of shared memory.
+  extern __shared__ __align__(16) unsigned char check_smem[];
+  AppendHash& hash = *reinterpret_cast<AppendHash*>(check_smem);
   if (threadIdx.x == 0) claim = 0;
   __syncthreads();
   // Per sequence: cu_seqlens, seqused, cache_seqlens, cache_batch_idx (spread over the grid).
@@ -577,7 +580,8 @@ AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* a
   const long long work = std::max<long long>(static_cast<long long>(a.walk_chunks) * a.batch,
                                              (static_cast<long long>(a.batch) + kWalkChunk) / kWalkChunk);
   const int blocks = static_cast<int>(std::clamp<long long>(work, 1, kMaxCheckBlocks));
-  index_check_kernel<<<blocks, kCheckThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
+  const std::size_t smem = a.append_per_seq > 0 ? sizeof(AppendHash) : 0;
+  index_check_kernel<<<blocks, kCheckThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
   if (a.append_flags == nullptr) return {};
   return {a.append_flags, blocks};
