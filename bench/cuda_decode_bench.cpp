@@ -17,6 +17,18 @@
 // "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
 // BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
 // the sink's epilogue / merge terms against the same grid without one).
+//
+// BENCH_EAGER=1: instead, the eager decode-step latency (issue 25): a serving loop without
+// graphs, BENCH_EAGER_STEPS (default 200) direct kvcache_forward calls on one stream, each a
+// decode step that appends one new token (k_new / v_new) at the next position of every
+// sequence (a dense and a paged-16 cache, contexts 4k and 32k; BENCH_ONLY narrows them as
+// above), the host clock around the loop with one stream synchronisation at its end; the
+// mean per step, median of 5 loops after a warm-up. One line per configuration:
+//   eager <config> ctx <n> host_us_per_step <x> enqueue_us_per_step <y> steps <N> index_checks <device|host>
+// host_us_per_step: loop wall time / steps (the steady step rate of an eager loop);
+// enqueue_us_per_step: the part before the final synchronisation (the calls' host time).
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 runs the host copy + synchronisation path of the index
+// checks (main's before issue 25's change): run both for the before / after comparison.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -193,6 +205,93 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   return res;
 }
 
+// BENCH_EAGER=1: `steps` direct decode steps of cfg (one new token appended per sequence
+// and step, cache_seqlens advancing by one: step i's lengths are their own device buffer,
+// uploaded before the loop), timed on the host.
+struct EagerResult {
+  double host_us = 0, enqueue_us = 0;
+};
+
+EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
+  const std::size_t elem = cfg.fp8 ? 1 : 2;
+  const std::size_t kv_bytes = std::size_t(kB) * cfg.ctx * kHk * kD * 2 * elem;
+  const DType kv_dtype = cfg.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
+  const Device dev = Device::cuda(0);
+  Buffer q(std::size_t(kB) * kHq * kD * 2), out(std::size_t(kB) * kHq * kD * 2);
+  Buffer kn(std::size_t(kB) * kHk * kD * 2), vn(std::size_t(kB) * kHk * kD * 2);
+  Buffer k(kv_bytes / 2), v(kv_bytes / 2), scales(kHk * sizeof(float));
+  {
+    std::vector<float> s(kHk, 0.02f);
+    BENCH_CHECK(cudaMemcpy(scales.p, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  // Lengths of step i: ctx - steps + i for every sequence (the last step appends at ctx - 1).
+  Buffer lens(std::size_t(steps) * kB * sizeof(int));
+  {
+    std::vector<int> all(std::size_t(steps) * kB);
+    for (int i = 0; i < steps; ++i)
+      for (int b = 0; b < kB; ++b) all[std::size_t(i) * kB + b] = cfg.ctx - steps + i;
+    upload_ints(lens, all);
+  }
+  std::unique_ptr<Buffer> table;
+  flashattn::KVCacheArgs a;
+  a.q = Tensor::contiguous(q.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {kB, 1, kHk, kD}, dev);
+  a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {kB, 1, kHk, kD}, dev);
+  if (cfg.block_size > 0) {
+    const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * kB;
+    std::vector<int> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::mt19937 rng(1234);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table = std::make_unique<Buffer>(ids.size() * sizeof(int));
+    upload_ints(*table, ids);
+    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+    a.block_table = Tensor::contiguous(table->p, DType::kInt32, {kB, per_seq}, dev);
+  } else {
+    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+  }
+  if (cfg.fp8) {
+    a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
+    a.v_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
+  }
+  a.num_splits = std::getenv("BENCH_SPLITS") ? std::atoi(std::getenv("BENCH_SPLITS")) : 0;
+  auto step_args = [&](int i) {
+    flashattn::KVCacheArgs s = a;
+    s.cache_seqlens =
+        Tensor::contiguous(static_cast<int*>(lens.p) + std::size_t(i) * kB, DType::kInt32, {kB}, dev);
+    return s;
+  };
+  flashattn::Options opts;
+  opts.stream = stream;
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
+  // One workspace for every step (the size does not depend on the lengths), as a serving
+  // loop keeps one.
+  const std::size_t ws_bytes = flashattn::kvcache_workspace_size(step_args(0), opts);
+  Buffer ws(ws_bytes);
+  std::vector<flashattn::KVCacheArgs> per_step;
+  for (int i = 0; i < steps; ++i) per_step.push_back(step_args(i));
+  auto loop = [&](EagerResult& r) {
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) flashattn::kvcache_forward(per_step[std::size_t(i)], out_t, Tensor{}, opts, {ws.p, ws.bytes});
+    const auto t1 = std::chrono::steady_clock::now();
+    BENCH_CHECK(cudaStreamSynchronize(stream));
+    const auto t2 = std::chrono::steady_clock::now();
+    r.enqueue_us = std::chrono::duration<double, std::micro>(t1 - t0).count() / steps;
+    r.host_us = std::chrono::duration<double, std::micro>(t2 - t0).count() / steps;
+  };
+  EagerResult warm;
+  loop(warm);  // loads the kernels, fills the caches' positions once
+  std::vector<EagerResult> runs(5);
+  for (auto& r : runs) loop(r);
+  flashattn::check_errors(0);  // valid indices: nothing to raise (it would throw)
+  std::sort(runs.begin(), runs.end(), [](const EagerResult& x, const EagerResult& y) { return x.host_us < y.host_us; });
+  return runs[runs.size() / 2];
+}
+
 // One 200k-token sequence: prefill (append into an empty cache + causal attention of
 // all its tokens) and one decode step at 200k keys.
 void long_context(FILE* csv, cudaStream_t stream) {
@@ -275,7 +374,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
-  if (csv) std::fprintf(csv, "config,ctx,block_size,fp8,us,tbps,tokens_per_s\n");
+  const bool eager = std::getenv("BENCH_EAGER") != nullptr && std::string(std::getenv("BENCH_EAGER")) == "1";
+  if (csv) {
+    std::fprintf(csv, eager ? "config,ctx,block_size,fp8,host_us_per_step,enqueue_us_per_step,index_checks\n"
+                            : "config,ctx,block_size,fp8,us,tbps,tokens_per_s\n");
+  }
   cudaStream_t stream;
   BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::vector<Config> grid = {
@@ -284,8 +387,10 @@ int main(int argc, char** argv) {
       {"paged256", 4096, 256, false},  {"paged256", 32768, 256, false},  {"paged256", 131072, 256, false},
       {"fp8", 4096, 0, true},          {"fp8", 32768, 0, true},          {"fp8", 131072, 0, true},
   };
-  std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
-  std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
+  if (!eager) {
+    std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
+    std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
+  }
   // BENCH_ONLY: "grid" (no long context), a name ("dense"), or a comma list of names or
   // name:context, run in the list's order ("dense:131072,paged16:4096,dense:4096").
   const char* only = std::getenv("BENCH_ONLY");
@@ -308,8 +413,28 @@ int main(int argc, char** argv) {
       }
       pos = end + 1;
     }
+  } else if (eager) {
+    order = {grid[0], grid[1], grid[3], grid[4]};  // dense and paged16 at 4k and 32k
   } else {
     order = grid;
+  }
+  if (eager) {
+    const char* checks_env = std::getenv("FLASHATTN_DEVICE_INDEX_CHECKS");
+    const char* checks = checks_env != nullptr && std::string(checks_env) == "0" ? "host" : "device";
+    const int steps = std::getenv("BENCH_EAGER_STEPS") ? std::max(1, std::atoi(std::getenv("BENCH_EAGER_STEPS"))) : 200;
+    std::printf("eager decode steps (append 1 token + attend), bf16, b %d, h %d/%d, d %d, index checks on the %s\n",
+                kB, kHq, kHk, kD, checks);
+    for (const Config& c : order) {
+      const EagerResult r = run_eager(c, stream, steps);
+      std::printf("eager %s ctx %d host_us_per_step %.1f enqueue_us_per_step %.1f steps %d index_checks %s\n", c.name,
+                  c.ctx, r.host_us, r.enqueue_us, steps, checks);
+      std::fflush(stdout);
+      if (csv) std::fprintf(csv, "eager_%s,%d,%d,%d,%.2f,%.2f,%s\n", c.name, c.ctx, c.block_size, c.fp8, r.host_us,
+                            r.enqueue_us, checks);
+    }
+    if (csv) std::fclose(csv);
+    cudaStreamDestroy(stream);
+    return 0;
   }
   for (const Config& c : order) {
     const Result r = run_decode(c, stream);

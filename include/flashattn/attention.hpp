@@ -236,7 +236,10 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 
 // Inference against a KV cache.
 //   q [b, s_q, h_q, d]; out [b, s_q, h_q, d_v]; v_cache and v_new have d_v, k_cache and
-//                 k_new d (d_v == d unless v_cache says otherwise)
+//                 k_new d (d_v == d unless v_cache says otherwise; on CUDA d_v != d runs
+//                 the fused forward, not the split-KV decode kernel, so num_splits is unused
+//                 there, and an fp8 cache or a tree_mask with d_v != d is Unsupported
+//                 naming v_cache)
 //   dense cache:  k_cache, v_cache [b_cache, s_cache, h_k, d]
 //   paged cache:  k_cache, v_cache [num_blocks, block_size, h_k, d] and
 //                 block_table int32 [b, max_blocks_per_seq]; key t of sequence i lives in
@@ -305,6 +308,9 @@ struct KVCacheArgs {
 void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& lse,
                      const Options& opts = {}, Workspace workspace = {});
 
+// Bytes of workspace kvcache_forward needs for these arguments: from shapes only (the
+// index tensors' contents of a CUDA call are not read, so no host copy or synchronisation;
+// kvcache_forward checks them).
 std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts = {});
 
 // ------------------------------------------------------------------ utilities
@@ -312,16 +318,21 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts 
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available() noexcept;
 
-// CUDA index tensors checked on the device. A varlen or KV-cache call checks cu_seqlens_q /
-// _k, seqused_k, cache_seqlens, cache_batch_idx and block_table on the host (a copy and a
-// stream synchronisation) unless its stream is being captured into a CUDA graph, or the
-// environment sets FLASHATTN_DEVICE_INDEX_CHECKS=1: then a small kernel checks them in
-// stream order, the kernels clamp bad values (docs/semantics.md, "Index tensors the host
-// could not check"), and the first bad value found on a device is raised as an
-// InvalidArgumentError, naming the tensor, entry, expected range and value, by the next
-// CUDA call on that device or by check_errors(). check_errors raises it for `device` (-1:
-// any device) and clears it; it does not synchronise, so synchronise the stream first to
-// see the checks of the calls on it.
+// CUDA index tensors are checked on the device. A CUDA varlen, KV-cache or block-sparse
+// call does not copy its index tensors (cu_seqlens_q / _k, seqused_k, seqused_q,
+// cache_seqlens, cache_batch_idx, block_table, the block-sparse lists) to the host and
+// never synchronises: a small kernel checks them in stream order before the call's kernels
+// (also inside a captured CUDA graph, at every replay), the kernels clamp bad values
+// (docs/semantics.md, "Index tensors checked on the device"), and a KV-cache append whose
+// targets conflict (a block or cache row written twice, or written where another
+// sequence reads cached keys) writes nothing. The first bad value found on a device is
+// raised as an InvalidArgumentError, naming the tensor, entry, expected range and value,
+// by the next CUDA call on that device or by check_errors(). check_errors raises it for
+// `device` (-1: any device) and clears it; it does not synchronise, so synchronise the
+// stream first to see the checks of the calls on it. Without CUDA it does nothing.
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 in the environment restores the host check of eager
+// calls: a copy to the host and a stream synchronisation per index tensor, and the error
+// raised by the call itself (captured calls still check on the device).
 void check_errors(int device = -1);
 
 // Library version, e.g. "0.1.0".

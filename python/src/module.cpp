@@ -444,6 +444,23 @@ NB_MODULE(_C, m) {
   m.def("cuda_available", &fa::cuda_available,
         "True when this build has the CUDA backend and a CUDA device is visible.");
   m.def(
+      "check_errors",
+      [](const PyInt& device) {
+        const Entry entry("check_errors");
+        const int d = int32_in(device, "device", -1);
+        fa::check_errors(d);
+      },
+      nb::arg("device") = -1,
+      "Raise the first bad index tensor value that the device checks of earlier CUDA calls "
+      "found on `device` (-1: any device) as an InvalidArgumentError naming the tensor, the "
+      "entry, the expected range and the value, and clear it; None when there is none. CUDA "
+      "calls check cu_seqlens, seqused, cache_seqlens, cache_batch_idx, block_table and "
+      "block-sparse lists on the device without synchronising (a KV-cache append whose "
+      "targets conflict writes nothing), so such an error is raised by the next CUDA call on "
+      "that device or by this function. It does not synchronise either: synchronise the "
+      "stream first (torch.cuda.synchronize()) to see the checks of the work on it. Without "
+      "CUDA (a CPU build, or no GPU) there is nothing to raise: it returns None.");
+  m.def(
       "set_kernel_family",
       [](const std::string& family, const PyInt& smem_cap) {
         const Entry entry("set_kernel_family");

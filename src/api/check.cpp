@@ -578,7 +578,7 @@ namespace {
 
 // An int32 CUDA tensor's elements copied to the host for the content checks: the span from
 // its first to its last element, viewed with the same strides. False while the stream is
-// captured into a CUDA graph or device-only index checks are on (the device then checks).
+// captured into a CUDA graph and unless FLASHATTN_DEVICE_INDEX_CHECKS=0 (the device checks).
 bool host_int32(const Tensor& t, void* stream, std::vector<std::int32_t>& buf, Tensor& view) {
   view = t;
   std::int64_t span = 1;
@@ -588,7 +588,7 @@ bool host_int32(const Tensor& t, void* stream, std::vector<std::int32_t>& buf, T
   if (span > 0) {
     for (int d = 0; d < t.rank; ++d) span += (t.shape[d] - 1) * t.stride[d];
   }
-  if (detail::cuda::device_index_checks_only()) return false;
+  if (detail::cuda::eager_index_checks_on_device()) return false;
   buf.assign(std::size_t(span), 0);
   if (!detail::cuda::copy_to_host_for_validation(buf.data(), t.data, buf.size() * sizeof(std::int32_t), stream)) {
     return false;

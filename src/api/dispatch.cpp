@@ -139,11 +139,6 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
     check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + std::to_string(max_d) + " " + which,
                       "d = " + std::to_string(d));
   }
-  if (d_v != d && call == CudaCall::kKVCache) {
-    check.unsupported(v_name, "head dim d_v == d = " + std::to_string(d) +
-                               " (CUDA KV-cache calls; d_v != d runs on the CPU backend)",
-                      "d_v = " + std::to_string(d_v));
-  }
   if (d_v < 1 || d_v % 8 != 0 || d_v > max_d) {
     check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + std::to_string(max_d) + " " + which,
                       "d_v = " + std::to_string(d_v));
@@ -154,6 +149,20 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                       "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
                       d_v > d ? "d_v = " + std::to_string(d_v) : "d = " + std::to_string(d));
   }
+}
+
+void check_kvcache_head_dim_v(const Check& check, Target target, int d, int d_v, bool fp8_cache,
+                              bool tree_mask) {
+  if (target != Target::kCUDA || d_v == d || (!fp8_cache && !tree_mask)) return;
+  const std::string with = fp8_cache && tree_mask ? "a float8_e4m3 cache and a draft-tree mask (tree_mask)"
+                           : fp8_cache            ? "a float8_e4m3 cache (k_cache, v_cache)"
+                                                  : "a draft-tree mask (tree_mask)";
+  check.unsupported("v_cache",
+                    "head dim d_v == d = " + std::to_string(d) + " with " + with +
+                        " on CUDA (only the decode kernel runs fp8 caches and draft-tree masks, "
+                        "and it has one head dim; d_v != d runs on CUDA with 16-bit caches and "
+                        "no tree mask, and on the CPU backend with both)",
+                    "d_v = " + std::to_string(d_v));
 }
 
 void check_cuda_layout(const Check& check, std::string_view name, const Tensor& t) {
@@ -192,9 +201,10 @@ std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target targ
   const std::int32_t* src = static_cast<const std::int32_t*>(t.data);
   std::vector<std::int32_t> staged;
   if (target == Target::kCUDA) {
-    // FLASHATTN_DEVICE_INDEX_CHECKS=1: no host copy, no synchronisation; the call checks
-    // its indices on the device (cuda::check_indices_on_device), as under graph capture.
-    if (cuda::device_index_checks_only()) return std::nullopt;
+    // By default no host copy, no synchronisation: the call checks its indices on the
+    // device (cuda::check_indices_on_device), as under graph capture. With
+    // FLASHATTN_DEVICE_INDEX_CHECKS=0 they are copied here, outside capture.
+    if (cuda::eager_index_checks_on_device()) return std::nullopt;
     // One copy of the span from the first to the last element, then gather on the host.
     staged.resize(static_cast<std::size_t>((rows - 1) * row_stride + cols));
     if (!cuda::copy_to_host_for_validation(staged.data(), t.data,
@@ -287,9 +297,9 @@ void run_backward(Target target, const BwdParams& p) {
   }
 }
 
-void run_append_kv(Target target, const AppendParams& p) {
+void run_append_kv(Target target, const AppendParams& p, cuda::AppendVerdict verdict) {
   if (target == Target::kCUDA) {
-    cuda::append_kv(p);
+    cuda::append_kv(p, verdict);
   } else {
     cpu::append_kv(p);
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "api/check.hpp"
+#include "core/backend.hpp"
 #include "core/params.hpp"
 #include "flashattn/attention.hpp"
 
@@ -26,21 +27,29 @@ Target resolve_target(const Check& check, const Options& opts, Device device);
 void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p);
 
 // Which CUDA kernels a call runs, for their head-dim limits: the forward (dense, varlen:
-// d and d_v up to 512), the backward (up to 256) or a KV-cache call (up to 256, d_v == d).
+// d and d_v up to 512), the backward (up to 256) or a KV-cache call (up to 256).
 enum class CudaCall { kForward, kBackward, kKVCache };
 
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
 // d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512]).
 // v_name names v's tensor in errors ("v", or "v_cache"). On CUDA both are % 8 == 0, at most
-// 512 for the forward and 256 for the backward, and may differ (the kernels run in the
-// bucket of the larger) except in KV-cache calls (their decode kernel has one head dim).
+// 512 for the forward and 256 for the backward and KV-cache calls, and may differ (the
+// kernels run in the bucket of the larger; KV-cache calls with d_v != d run the fused
+// forward, not the decode kernel: check_kvcache_head_dim_v).
 // float8_e4m3 q, k, v run on CUDA in the forward calls only (forward / varlen_forward: the
 // sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU other
 // than sm90, a head dim, ...); in a KV-cache call, Unsupported naming q (the backward entry
 // points reject fp8 q before).
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
                      int h_q, CudaCall call, std::string_view v_name = "v");
+
+// A CUDA KV-cache call with d_v != d runs the fused forward (sm80, or sm90 where it takes
+// the call), never the decode kernel, which has one head dim: an fp8 cache or a draft-tree
+// mask, which only the decode kernel runs, is Unsupported naming v_cache (called before
+// anything of the call runs, the append included). A no-op for the CPU, which runs both.
+void check_kvcache_head_dim_v(const Check& check, Target target, int d, int d_v, bool fp8_cache,
+                              bool tree_mask);
 
 // CUDA kernels load rows with 16-byte vectors: data 16-byte aligned and every
 // non-last stride (of a dimension with more than one element) a multiple of 8 elements.
@@ -49,8 +58,10 @@ void check_cuda_layout(const Check& check, std::string_view name, const Tensor& 
 void check_cuda_layouts(const Check& check, Target target, std::initializer_list<Arg> tensors);
 
 // The values of an int32 tensor of rank 1 or 2, row-major, read on the host (through a
-// stream-ordered copy for CUDA tensors). nullopt while the stream is captured into a
-// CUDA graph: the caller then skips content checks.
+// stream-ordered copy and a synchronisation for CUDA tensors, which only
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 asks for). nullopt for CUDA tensors by default and while
+// the stream is captured into a CUDA graph: the caller then skips content checks, and the
+// call checks them on the device (cuda::check_indices_on_device).
 std::optional<std::vector<std::int32_t>> read_int32(const Tensor& t, Target target,
                                                     void* stream);
 
@@ -85,6 +96,7 @@ void check_cuda_forward_rows(const Check& check, Target target, const FwdParams&
 
 void run_forward(Target target, const FwdParams& p);
 void run_backward(Target target, const BwdParams& p);
-void run_append_kv(Target target, const AppendParams& p);
+// verdict: the device check's on the append (CUDA), if any.
+void run_append_kv(Target target, const AppendParams& p, cuda::AppendVerdict verdict = {});
 
 }  // namespace flashattn::detail::api

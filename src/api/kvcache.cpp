@@ -271,9 +271,10 @@ void check_append_targets(const Check& c, const KVCacheArgs& a, const CacheDims&
   }
 }
 
-// Index contents: cache lengths, cache rows, used block-table entries. Returns the
-// longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents could not
-// be read (CUDA graph capture).
+// Index contents: cache lengths, cache rows, used block-table entries, append targets.
+// Returns the longest key count max_i(cache_seqlens[i] + s_new), or -1 when the contents
+// were not read (CUDA tensors: checked on the device instead, unless
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture).
 std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
                                     Target target, void* stream) {
   const auto seqlens = detail::api::read_int32(a.cache_seqlens, target, stream);
@@ -350,10 +351,13 @@ std::int64_t check_kvcache_contents(const Check& c, const KVCacheArgs& a, const 
 }
 
 // Everything after the shapes; fills p for the forward over the cache.
-// contents_read: false when the index contents could not be read (a captured CUDA stream,
-// or device checks only): the call then checks them on the device.
+// contents_read: false when the index contents were not read (CUDA tensors, unless
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture): the call then checks them on the
+// device. read_cuda_contents false (kvcache_workspace_size): CUDA index tensors are not
+// read at all (a size depends on shapes only; no host copy, no synchronisation).
 Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dims,
-                      const Options& opts, FwdParams& p, bool* contents_read = nullptr) {
+                      const Options& opts, FwdParams& p, bool* contents_read = nullptr,
+                      bool read_cuda_contents = true) {
   // With qv the score is one dot product over d + d_v (FlashAttention-3's default scale).
   detail::api::fill_options(c, opts, a.q.device, dims.b, dims.h_q,
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
@@ -366,6 +370,7 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   // fp8 q over an fp8 cache runs on the CPU backend only (on CUDA: Unsupported naming q).
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
                                detail::api::CudaCall::kKVCache, "v_cache");
+  detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8, a.tree_mask.defined());
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "
@@ -375,7 +380,9 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   detail::api::check_cuda_layouts(c, target,
                                   {{"q", a.q}, {"k_cache", a.k_cache}, {"v_cache", a.v_cache},
                                    {"k_new", a.k_new}, {"v_new", a.v_new}});
-  const std::int64_t longest = check_kvcache_contents(c, a, dims, target, opts.stream);
+  const std::int64_t longest = read_cuda_contents || target != Target::kCUDA
+                                   ? check_kvcache_contents(c, a, dims, target, opts.stream)
+                                   : -1;
   if (contents_read) *contents_read = longest >= 0;
   detail::api::fill_probs(c, opts, target == Target::kCPU, a.q.device,
                           {dims.b, dims.h_q, dims.s_q, longest}, p);
@@ -475,11 +482,18 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   }
   detail::api::check_cuda_forward_rows(c, target, p);
   Scratch scratch;
-  detail::api::attach_workspace(c, target, workspace,
-                                detail::api::forward_workspace_size(target, p), p, scratch);
+  const std::size_t ws_bytes = detail::api::forward_workspace_size(target, p);
+  detail::api::attach_workspace(c, target, workspace, ws_bytes, p, scratch);
+  detail::cuda::AppendVerdict verdict;
   if (target == Target::kCUDA && !contents_read) {
     // Before the append, in stream order (the append and the kernels clamp regardless).
-    detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward);
+    // An append's conflicts (what check_append_targets rejects on the host) are found there
+    // too: the verdict, in the last append_check_bytes of the workspace, stops the append.
+    const std::size_t verdict_bytes = args.k_new.defined() ? detail::cuda::append_check_bytes(p) : 0;
+    int* flags = verdict_bytes > 0
+                     ? reinterpret_cast<int*>(static_cast<char*>(p.workspace) + ws_bytes - verdict_bytes)
+                     : nullptr;
+    verdict = detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward, flags);
   }
 
   if (args.k_new.defined()) {
@@ -498,7 +512,7 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     ap.cache = p;
     ap.stream = p.stream;
     ap.device_index = p.device_index;
-    detail::api::run_append_kv(target, ap);
+    detail::api::run_append_kv(target, ap, verdict);
   }
   detail::api::run_forward(target, p);
 }
@@ -507,7 +521,7 @@ std::size_t kvcache_workspace_size(const KVCacheArgs& args, const Options& opts)
   const Check c("kvcache_workspace_size");
   const CacheDims dims = check_kvcache_shapes(c, args, opts);
   FwdParams p;
-  const Target target = check_and_fill(c, args, dims, opts, p);
+  const Target target = check_and_fill(c, args, dims, opts, p, nullptr, /*read_cuda_contents=*/false);
   // fp8 q computes in out's type, bfloat16 or float16: both fp32 compute, one size.
   if (dims.fp8_q) p.dtype = DType::kBFloat16;
   return detail::api::forward_workspace_size(target, p);

@@ -117,8 +117,9 @@ void check_seqused(const Check& c, std::string_view name, const std::vector<std:
   }
 }
 
-// Returns false when the contents could not be read (a captured CUDA stream, or device
-// checks only): the call then checks them on the device.
+// Returns false when the contents were not read (CUDA tensors, unless
+// FLASHATTN_DEVICE_INDEX_CHECKS=0 outside graph capture): the call then checks them on the
+// device.
 bool check_varlen_contents(const Check& c, const VarlenArgs& a, const VarlenDims& dims,
                            Target target, void* stream) {
   const auto cu_q = detail::api::read_int32(a.cu_seqlens_q, target, stream);

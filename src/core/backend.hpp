@@ -47,23 +47,39 @@ void forward(const FwdParams& p);
 std::size_t forward_workspace_size(const FwdParams& p);
 void backward(const BwdParams& p);
 std::size_t backward_workspace_size(const BwdParams& p);
-void append_kv(const AppendParams& p);
+// The device index check's verdict on a KV-cache append (check_indices_on_device): `count`
+// words at `flags`, one per check block, nonzero when that block found an append conflict;
+// append_kv then writes nothing. Empty: no verdict (the host checked, or nothing to check).
+struct AppendVerdict {
+  const int* flags = nullptr;
+  int count = 0;
+};
+void append_kv(const AppendParams& p, AppendVerdict verdict = {});
 // Copies device memory to the host for argument validation (cu_seqlens, block tables,
 // cache lengths), ordered on the stream and synchronising it. Returns false, copying
 // nothing, when the stream is being captured into a CUDA graph: validation of index
 // contents is then skipped and the kernels must stay in bounds on their own.
 bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, void* stream);
-// Device-side index checks, for the calls whose index tensors the host did not read (a
-// captured stream, or FLASHATTN_DEVICE_INDEX_CHECKS=1 for every call): a small kernel, in
+// Device-side index checks, for the calls whose index tensors the host did not read: every
+// eager call by default, and every call whose stream is captured (FLASHATTN_DEVICE_INDEX_CHECKS=0
+// makes eager calls copy them to the host and synchronise instead). A small kernel, in
 // stream order before the call's kernels, checks cu_seqlens_q / _k (and max_seqlen_q / _k),
-// seqused_k, seqused_q, cache_seqlens, cache_batch_idx and the used block_table entries as the host
-// would, and records the first bad value per device in mapped host memory. The kernels
-// clamp the values meanwhile (params.hpp). Not checked there: KV-cache append targets
-// written twice (the host's check_append_targets).
+// seqused_k, seqused_q, cache_seqlens, cache_batch_idx and the used block_table entries as
+// the host would, and records the first bad value per device in mapped host memory; the
+// kernels clamp the values meanwhile (params.hpp). With `append_flags` (a KV-cache call
+// that appends, append_check_bytes(p) bytes of its workspace) it also finds the append
+// conflicts the host's check_append_targets rejects (a block or cache row that two append
+// targets name, or that one appends to where another entry reads cached keys), records
+// them as errors of block_table / cache_batch_idx, and returns the verdict for append_kv.
 enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2, kForward = 3, kBackward = 4 };
-// Enqueues the check of p's index tensors on p.stream; false when it could not (no record
-// memory: the kernels' clamps still apply).
-bool check_indices_on_device(const FwdParams& p, IndexCall call);
+// Enqueues the check of p's index tensors on p.stream. Without the device's error record (a
+// captured call on a device no eager call has run on) it runs but records nothing.
+AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* append_flags = nullptr);
+// Bytes of the verdict at the end of a KV-cache call's forward workspace (included in
+// forward_workspace_size): kAppendVerdictBytes for an append (s_new > 0) to a paged cache or
+// through cache_batch_idx, else 0.
+inline constexpr std::size_t kAppendVerdictBytes = 256;
+std::size_t append_check_bytes(const FwdParams& p);
 // Block-sparse masks on CUDA: the bytes of the kinds table (FwdParams::block_kinds) and
 // its rows' lists (block_list, block_list_len) that build_block_kinds writes (0 without
 // p.bs_lists), and the build: one small kernel on p.stream writes them from p.bs_lists at
@@ -79,9 +95,14 @@ void raise_index_error(int device);
 // Allocates the device's error record if it is missing and `stream` is not being captured
 // (every CUDA call does this first; a captured call cannot allocate).
 void prepare_index_checks(int device, void* stream);
-// FLASHATTN_DEVICE_INDEX_CHECKS=1 (read once): eager calls skip the host copy and
-// synchronisation too, and check on the device.
-bool device_index_checks_only();
+// Whether eager calls (outside graph capture) check their index tensors on the device, with
+// no host copy and no synchronisation: yes unless FLASHATTN_DEVICE_INDEX_CHECKS=0 (read
+// once), or as set_index_check_path says.
+bool eager_index_checks_on_device();
+// Test hook: kHost / kDevice override the environment for every later eager call of the
+// process; kEnvironment restores it.
+enum class IndexCheckPath : int { kEnvironment = 0, kHost = 1, kDevice = 2 };
+void set_index_check_path(IndexCheckPath path);
 // Stream-ordered scratch allocation for calls given no workspace.
 void* alloc_async(std::size_t bytes, void* stream);
 void free_async(void* ptr, void* stream);

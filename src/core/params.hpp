@@ -188,12 +188,13 @@ struct FwdParams {
 
   // ---- index guards ----
   // The index tensors (cu_seqlens_q / _k, seqused_k, cache_seqlens, cache_batch_idx,
-  // block_table) are checked on the host before a call runs, except while its CUDA stream
-  // is captured into a graph (nothing can be read back then, and a graph's replays may
-  // see other contents). Every read of them, on the host and in the kernels, goes through
+  // block_table) are checked on the host before a CPU call runs; a CUDA call checks them
+  // on the device, in stream order before its kernels (core/backend.hpp,
+  // check_indices_on_device), so its kernels may see bad values (and a captured graph's
+  // replays other contents). Every read of them, on the host and in the kernels, goes through
   // the helpers below, which clamp each value into what the tensors hold, so that no
   // contents address memory outside q, k, v, out, lse and the caches. Checked values pass
-  // unchanged; docs/semantics.md ("Index tensors the host could not check") states what
+  // unchanged; docs/semantics.md ("Index tensors checked on the device") states what
   // clamped ones compute. A few integer operations per read, none per element.
   FA_HD static int clamp_index(std::int64_t v, std::int64_t lo, std::int64_t hi) {
     if (hi < lo) hi = lo;

@@ -21,6 +21,12 @@
 // the epilogues (sm80 forward and decode, sm90 forward) or the split merge; the sm80
 // backward adds a small kernel for its gradient (BwdParams::dsink).
 //
+// v with its own head dim (d_v != d) runs in the bucket of the larger in every family. A
+// KV-cache call with d_v != d never takes the decode kernel (it has one head dim;
+// sm80::plan_decode declines it): the sm90 forward where it takes the call, else the sm80
+// fused forward, so an fp8 cache or a draft-tree mask with d_v != d is Unsupported (the
+// API says so naming v_cache before the append).
+//
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"
@@ -165,12 +171,16 @@ void forward(const FwdParams& in) {
 // KV-cache calls on the decode path with splits > 1 need the fp32 partials (O, lse);
 // computed from shapes and upper bounds only (the same during CUDA graph capture). The
 // decode plan (route, configuration, split count) depends on the shared-memory limit:
-// resolved here as forward resolves it, so that the size is that of the call's plan.
+// resolved here as forward resolves it, so that the size is that of the call's plan. A
+// KV-cache append that the device index check may stop ends with the check's verdict
+// (append_check_bytes; kvcache_forward finds it at the end of this size).
 std::size_t forward_workspace_size(const FwdParams& in) {
   FwdParams p = in;
   if (p.cache_seqlens != nullptr) p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
   if (p.q_dtype == DType::kFloat8E4M3) return fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
-  return block_kinds_offset(p) + block_kinds_bytes(p);
+  const std::size_t bytes = block_kinds_offset(p) + block_kinds_bytes(p);
+  const std::size_t verdict = append_check_bytes(p);
+  return verdict > 0 ? ((bytes + 255) & ~std::size_t(255)) + verdict : bytes;
 }
 
 void backward(const BwdParams& in) {

@@ -24,14 +24,16 @@ void forward(const FwdParams&) { not_built(); }
 std::size_t forward_workspace_size(const FwdParams&) { return 0; }
 void backward(const BwdParams&) { not_built(); }
 std::size_t backward_workspace_size(const BwdParams&) { return 0; }
-void append_kv(const AppendParams&) { not_built(); }
+void append_kv(const AppendParams&, AppendVerdict) { not_built(); }
 bool copy_to_host_for_validation(void*, const void*, std::size_t, void*) { return false; }
-bool check_indices_on_device(const FwdParams&, IndexCall) { return false; }
+AppendVerdict check_indices_on_device(const FwdParams&, IndexCall, int*) { return {}; }
+std::size_t append_check_bytes(const FwdParams&) { return 0; }
 std::size_t block_kinds_bytes(const FwdParams&) { return 0; }
 void build_block_kinds(FwdParams&, std::uint8_t*, IndexCall) {}
 void raise_index_error(int) {}
 void prepare_index_checks(int, void*) {}
-bool device_index_checks_only() { return false; }
+bool eager_index_checks_on_device() { return false; }
+void set_index_check_path(IndexCheckPath) {}
 void* alloc_async(std::size_t, void*) { not_built(); }
 void free_async(void*, void*) {}
 

@@ -2,8 +2,9 @@
 // (192, 128) prefill), head dims up to 512, and MLA decode through FlashAttention-3's qv
 // (scores = scale * (q . k + qv . v), many query heads over one latent KV head, paged).
 // Forward, backward (dq, dk of d; dv, out, dout of d_v), varlen, KV cache (dense, paged,
-// split-KV, append, fp8) against the fp64 oracle (reference.hpp: v, out, dout of d_v; qv
-// joins the dot product); the default scale (1/sqrt(d), and 1/sqrt(d + d_v) with qv).
+// split-KV, append, fp8, sinks, softcap, ALiBi, windows, tree masks) against the fp64
+// oracle (reference.hpp: v, out, dout of d_v; qv joins the dot product); the default scale
+// (1/sqrt(d), and 1/sqrt(d + d_v) with qv).
 #include <cmath>
 #include <algorithm>
 #include <string>
@@ -285,6 +286,56 @@ TEST(CpuHeadDimsKVCache, Fp8CacheAndBatchIdx) {
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.opts.causal = true;
     check_kvcache(c);
+  }
+}
+
+// The CUDA suite's (d, d_v) pairs and features on the CPU backend (the specification that
+// test_cuda_kvcache_head_dim_v.cpp compares the device against): bf16 / fp16, dense through
+// cache_batch_idx over spare rows, paged with odd blocks, appends, windows, GQA, learnable
+// sinks, softcap with ALiBi, and a draft-tree mask (CPU only with d_v != d: CUDA's decode
+// kernel, which runs tree masks, has one head dim).
+TEST(CpuHeadDimsKVCache, SinksSoftcapAlibiWindowsAndTrees) {
+  FA_SEEDED_RNG(rng);
+  struct Pair {
+    int d, d_v;
+  };
+  int variant = 0;
+  for (const Pair hd : {Pair{192, 128}, Pair{64, 128}, Pair{96, 160}}) {
+    for (int it = 0; it < 4; ++it, ++variant) {
+      KVCacheConfig cfg;
+      cfg.dtype = it % 2 ? DType::kBFloat16 : DType::kFloat16;
+      cfg.batch = 3;
+      cfg.h_k = 2;
+      cfg.h_q = it == 1 ? 8 : 2;
+      cfg.d = hd.d;
+      cfg.d_v = hd.d_v;
+      cfg.s_q = it == 0 ? 1 : it == 1 ? 6 : it == 2 ? 13 : 5;
+      cfg.s_new = it == 3 ? cfg.s_q : it;
+      cfg.max_cache_len = 200;
+      cfg.cache_lens = {2 * uniform_int(rng, 0, 99) + 1, 0, 2 * uniform_int(rng, 40, 90) + 1};
+      cfg.block_size = it == 1 ? 5 : it == 3 ? 16 : 0;
+      if (it == 2) {
+        cfg.use_batch_idx = true;
+        cfg.cache_rows = cfg.batch + 2;
+        cfg.s_cache = cfg.max_cache_len + cfg.s_new + 9;
+      }
+      if (it == 3) cfg.tree = KVCacheConfig::Tree::kRandom;
+      KVCacheCase c = KVCacheCase::make(rng, cfg);
+      ASSERT_EQ(c.v_cache.size(3), hd.d_v);
+      c.opts.causal = it != 0;
+      if (it == 1) {
+        c.sink.want_grad = false;
+        c.sink.set(random_sink(rng, cfg.h_q));
+        c.opts.window_left = 61;
+      }
+      if (it == 2) {
+        c.opts.softcap = 5.0f;
+        c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, variant % 2 == 0), variant % 2 == 0);
+        c.opts.window_left = 2 * uniform_int(rng, 0, 40) + 1;
+      }
+      c.num_splits = it == 2 ? 3 : 0;
+      check_kvcache(c);
+    }
   }
 }
 

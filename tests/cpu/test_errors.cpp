@@ -575,14 +575,44 @@ TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
   }
 }
 
+// CUDA KV-cache calls take d_v != d (the fused forward runs them) within the KV-cache head
+// dims (up to 256), naming v_cache beyond; an fp8 cache or a draft-tree mask with d_v != d
+// (the decode kernel's alone, one head dim) is Unsupported naming v_cache.
 TEST(ErrorsCudaRules, KVCacheNamesVCache) {
-  const fa::detail::api::Check check("kvcache_forward");
+  namespace api = fa::detail::api;
+  const api::Check check("kvcache_forward");
+  if (fa::detail::cuda::supports_head_dim(192) && fa::detail::cuda::supports_head_dim(128)) {
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 192, 128, 2, 16,
+                                         api::CudaCall::kKVCache, "v_cache"));
+  }
   try {
-    fa::detail::api::check_supported(check, fa::detail::api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
-                                     fa::detail::api::CudaCall::kKVCache, "v_cache");
-    FAIL() << "d_v != d accepted for CUDA";
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16, api::CudaCall::kKVCache,
+                         "v_cache");
+    FAIL() << "d_v = 512 accepted for a CUDA KV-cache call";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 64 (CUDA KV-cache calls"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256 "
+                                    "(CUDA KV-cache calls"));
+    EXPECT_THAT(e.what(), HasSubstr("got d_v = 512"));
+  }
+  // 16-bit caches without a tree mask, d_v == d, and the CPU backend: no error.
+  EXPECT_NO_THROW(api::check_kvcache_head_dim_v(check, api::Target::kCUDA, 192, 128, false, false));
+  EXPECT_NO_THROW(api::check_kvcache_head_dim_v(check, api::Target::kCUDA, 128, 128, true, true));
+  EXPECT_NO_THROW(api::check_kvcache_head_dim_v(check, api::Target::kCPU, 192, 128, true, true));
+  struct Row {
+    bool fp8, tree;
+    const char* with;
+  };
+  for (const Row r : {Row{true, false, "with a float8_e4m3 cache (k_cache, v_cache) on CUDA"},
+                      Row{false, true, "with a draft-tree mask (tree_mask) on CUDA"},
+                      Row{true, true, "with a float8_e4m3 cache and a draft-tree mask (tree_mask) on CUDA"}}) {
+    try {
+      api::check_kvcache_head_dim_v(check, api::Target::kCUDA, 192, 128, r.fp8, r.tree);
+      FAIL() << "d_v != d accepted for CUDA with fp8 " << r.fp8 << ", tree " << r.tree;
+    } catch (const fa::Unsupported& e) {
+      EXPECT_EQ(e.argument(), "v_cache");
+      EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim d_v == d = 192 " + std::string(r.with)));
+      EXPECT_THAT(e.what(), HasSubstr("got d_v = 128"));
+    }
   }
 }
 

@@ -1,8 +1,8 @@
-// The index guards of FwdParams (src/core/params.hpp; docs/semantics.md, "Index tensors the
-// host could not check"): the clamps every kernel read of cu_seqlens, seqused_k,
+// The index guards of FwdParams (src/core/params.hpp; docs/semantics.md, "Index tensors
+// checked on the device"): the clamps every kernel read of cu_seqlens, seqused_k,
 // cache_seqlens, cache_batch_idx and block_table goes through, on bad and on valid values.
-// (The GPU suite, tests/cuda/test_cuda_index_guards.cpp, runs them in the kernels under
-// graph capture; the CPU API always checks the values first.)
+// (The GPU suite, tests/cuda/test_cuda_index_guards.cpp, runs them in the kernels, eagerly
+// and under graph capture; the CPU API always checks the values first.)
 #include <climits>
 #include <vector>
 

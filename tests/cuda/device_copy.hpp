@@ -21,6 +21,17 @@
 
 namespace flashattn::test {
 
+// Eager CUDA calls check their index tensors on the device by default (no host copy, no
+// synchronisation; FLASHATTN_DEVICE_INDEX_CHECKS=0 copies them to the host instead). A test
+// that needs one path sets it for its scope, whatever the environment says.
+class IndexCheckPathScope {
+ public:
+  explicit IndexCheckPathScope(detail::cuda::IndexCheckPath path) { detail::cuda::set_index_check_path(path); }
+  ~IndexCheckPathScope() { detail::cuda::set_index_check_path(detail::cuda::IndexCheckPath::kEnvironment); }
+  IndexCheckPathScope(const IndexCheckPathScope&) = delete;
+  IndexCheckPathScope& operator=(const IndexCheckPathScope&) = delete;
+};
+
 class DeviceCopy {
  public:
   explicit DeviceCopy(const HostTensor& h) : bytes_(h.bytes()) {

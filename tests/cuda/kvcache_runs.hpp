@@ -125,7 +125,8 @@ inline std::string describe_case(const KVCacheCase& c) {
   const KVCacheConfig& f = c.cfg;
   return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
          std::to_string(f.s_q) + " s_new " + std::to_string(f.s_new) + " h " + std::to_string(f.h_q) +
-         "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) + " block_size " +
+         "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) +
+         (f.dv() != f.d ? " d_v " + std::to_string(f.dv()) : "") + " block_size " +
          std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
          (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + (c.sink.logits.empty() ? "" : " sink") +
          " splits " + std::to_string(c.num_splits) +

@@ -359,11 +359,13 @@ HostTensor int32_tensor(std::vector<std::int64_t> shape, const std::vector<int>&
   return t;
 }
 
-// Bad lists are InvalidArgument naming them (the backward's device-built table too); block
+// With the host check of eager calls (FLASHATTN_DEVICE_INDEX_CHECKS=0): bad lists are
+// InvalidArgument of the call, naming them (the backward's device-built table too); block
 // sizes that split a tile are Unsupported naming opts.block_sparse, in the forward and the
 // backward; out, dq, dk, dv keep their poison.
 TEST(CudaBlockSparseRule, ErrorsNameTheArgument) {
   FA_REQUIRE_GPU();
+  const IndexCheckPathScope host(detail::cuda::IndexCheckPath::kHost);
   FA_SEEDED_RNG(rng);
   DenseCase c = DenseCase::random(rng, Shape{1, 130, 130, 2, 2, 64}, DType::kFloat16);
   c.poison_forward();
@@ -440,6 +442,68 @@ TEST(CudaBlockSparseRule, ErrorsNameTheArgument) {
     dev->download(g);
     EXPECT_EQ(g.count_nan(), g.numel()) << name << " was written";
   }
+}
+
+// By default (the device check of eager calls) the same bad lists are not errors of the
+// call: the call runs with each bad entry skipped, and check_errors() raises the first one,
+// naming the list, the (b, h, m) row and the value, once; the forward's and the backward's
+// table builds both check. Fresh random inputs; out, dq, dk, dv poisoned first.
+TEST(CudaBlockSparseRule, EagerBadListsRaisedByCheckErrors) {
+  FA_REQUIRE_GPU();
+  const IndexCheckPathScope device(detail::cuda::IndexCheckPath::kDevice);
+  FA_SEEDED_RNG(rng);
+  DenseCase c = DenseCase::random(rng, Shape{1, 130, 130, 2, 2, 64}, DType::kFloat16);
+  c.poison_forward();
+  c.poison_backward();
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+  EXPECT_NO_THROW(check_errors(0)) << "an error left pending before this test";
+  auto with_lists = [&](bool backward, const HostTensor& cnt, const HostTensor& idx) {
+    DeviceCopy dcnt(cnt), didx(idx);
+    Options o;
+    o.block_sparse.mask_block_cnt = dcnt.view();
+    o.block_sparse.mask_block_idx = didx.view();
+    if (backward) {
+      flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                          dv.view(), o);
+    } else {
+      flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o);
+    }
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the lists are freed
+  };
+  // Two 128 x 128 query blocks over N = 2 key blocks (rows 0 and 1 of the table).
+  struct Bad {
+    std::vector<int> cnt, idx;
+    const char* argument;
+    std::string text;
+  };
+  const Bad bads[] = {
+      {{1, 1}, {0, 0, 2, 0}, "opts.block_sparse.mask_block_idx", "expected values in [0, 1] (opts.block_sparse.mask_block_idx at (b, h, m) row 1, position 0), got 2"},
+      {{2, 1}, {1, 1, 0, 0}, "opts.block_sparse.mask_block_idx", "got key block 1 listed again (opts.block_sparse.mask_block_idx at (b, h, m) row 0, position 1)"},
+      {{1, 3}, {0, 0, 0, 1}, "opts.block_sparse.mask_block_cnt", "expected values in [0, 2] (opts.block_sparse.mask_block_cnt at (b, h, m) row 1), got 3"},
+  };
+  for (bool backward : {false, true}) {
+    for (const Bad& bad : bads) {
+      SCOPED_TRACE(std::string(backward ? "backward, " : "forward, ") + bad.text);
+      EXPECT_NO_THROW(with_lists(backward, int32_tensor({1, 1, 2}, bad.cnt), int32_tensor({1, 1, 2, 2}, bad.idx)))
+          << "the call raised its own bad list (the host check)";
+      std::string what;
+      try {
+        check_errors(0);
+      } catch (const InvalidArgument& e) {
+        what = e.what();
+        EXPECT_EQ(e.argument(), bad.argument) << what;
+        EXPECT_EQ(e.function(), backward ? "backward" : "forward") << what;
+      }
+      EXPECT_NE(what.find(bad.text), std::string::npos) << (what.empty() ? "check_errors() raised nothing" : what);
+      EXPECT_NO_THROW(check_errors(0)) << "raised once";
+    }
+  }
+  // Valid lists: nothing to raise.
+  EXPECT_NO_THROW(with_lists(false, int32_tensor({1, 1, 2}, {1, 2}), int32_tensor({1, 1, 2, 2}, {0, 0, 1, 0})));
+  EXPECT_NO_THROW(check_errors(0));
+  HostTensor got = c.out;
+  out.download(got);
+  EXPECT_EQ(got.count_nan(), 0) << "the valid call wrote out";
 }
 
 }  // namespace

@@ -1,21 +1,32 @@
-// CUDA: index tensors the host could not check (docs/semantics.md, "Index tensors the host
-// could not check"). Under CUDA graph capture the host skips its checks of cu_seqlens,
-// seqused_k, cache_seqlens, cache_batch_idx and block_table; these tests capture calls whose
-// index tensors hold out-of-range values and replay them. Each expects no CUDA error (run
-// under compute-sanitizer memcheck for the out-of-bounds proof), and the documented result:
-// the clamped indices compute exactly what an eager call with the clamped values computes
-// (bit for bit), an append whose destination is out of range writes nothing, and nothing
-// outside the valid sequences' outputs and append slots changes; and the device check of
-// the indices (flashattn::check_errors, core/backend.hpp) reports the bad value afterwards.
+// CUDA: index tensors checked on the device (docs/semantics.md, "Index tensors checked on
+// the device"). CUDA calls do not read cu_seqlens, seqused_k, cache_seqlens, cache_batch_idx
+// and block_table back to the host (by default eagerly, and always under CUDA graph
+// capture): a check kernel runs before the call's kernels. These tests pass out-of-range
+// values, eagerly and captured into graphs. Each expects no CUDA error (run under
+// compute-sanitizer memcheck for the out-of-bounds proof), and the documented result: the
+// clamped indices compute exactly what an eager call with the clamped values computes (bit
+// for bit), an append whose destination is out of range writes nothing, an append whose
+// targets conflict writes nothing at all, and nothing outside the valid sequences' outputs
+// and append slots changes; and the device check (flashattn::check_errors,
+// core/backend.hpp) reports the bad value afterwards, without the call waiting for its
+// stream. FLASHATTN_DEVICE_INDEX_CHECKS=0's host path (copy, synchronise, raise from the
+// call) is tested through the test hook (IndexCheckPathScope).
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstdio>
 #include <initializer_list>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
 #include "cuda/device_runs.hpp"
+#include "cuda/kvcache_runs.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
 #include "support/describe.hpp"
@@ -43,6 +54,33 @@ void replay_captured(Fn&& fn) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);
 }
+
+// Holds a stream (a host function enqueued on it) until open() or until `limit` passed: a
+// call enqueued behind it returns before the gate opens unless it waits for the stream (a
+// host copy and a synchronisation). Open it and synchronise the stream before it goes.
+class StreamGate {
+ public:
+  StreamGate(cudaStream_t s, std::chrono::milliseconds limit) : limit_(limit) {
+    EXPECT_EQ(cudaLaunchHostFunc(s, &StreamGate::hold, this), cudaSuccess);
+  }
+  void open() { open_ = true; }
+  bool timed_out() const { return timed_out_; }
+
+ private:
+  static void CUDART_CB hold(void* self) {
+    auto* g = static_cast<StreamGate*>(self);
+    const auto start = std::chrono::steady_clock::now();
+    while (!g->open_) {
+      if (std::chrono::steady_clock::now() - start > g->limit_) {
+        g->timed_out_ = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+  std::chrono::milliseconds limit_;
+  std::atomic<bool> open_{false}, timed_out_{false};
+};
 
 // The bad index a device check recorded, raised by check_errors() as an InvalidArgument of
 // `function` naming one of `arguments`; afterwards nothing is pending. Returns the error text.
@@ -357,14 +395,77 @@ TEST(CudaIndexGuards, SequsedQAndBlockListsUnderCapture) {
   cudaStreamDestroy(s);
 }
 
-// FLASHATTN_DEVICE_INDEX_CHECKS=1 (run the suite once with it): eager calls do not copy the
-// indices to the host nor synchronise; a bad value is not an error of the call itself but
-// of check_errors() after the stream's work, and the kernels clamp it meanwhile.
-TEST(CudaIndexGuards, EagerDeviceChecksWithTheEnvironmentSwitch) {
+// The default: an eager call neither copies its index tensors to the host nor waits for its
+// stream (it returns while a gate holds the stream), a bad value is no error of the call,
+// and check_errors() raises it after the stream's work, naming the tensor, the entry and the
+// value. The host path (FLASHATTN_DEVICE_INDEX_CHECKS=0) waits for the stream and raises
+// from the call: the gate detects that wait. Where kernel launches themselves wait for the
+// stream (a dense forward, which reads nothing back, does too: compute-sanitizer), the
+// gates would measure the tool: the calls then run ungated, the rest is checked.
+TEST(CudaIndexGuards, EagerCallsCheckOnTheDeviceByDefault) {
   FA_REQUIRE_GPU();
-  if (!detail::cuda::device_index_checks_only()) GTEST_SKIP() << "FLASHATTN_DEVICE_INDEX_CHECKS is not 1";
+  const char* env = std::getenv("FLASHATTN_DEVICE_INDEX_CHECKS");
+  EXPECT_EQ(detail::cuda::eager_index_checks_on_device(), env == nullptr || std::string(env) != "0")
+      << "eager calls check on the device unless FLASHATTN_DEVICE_INDEX_CHECKS=0";
+  const IndexCheckPathScope device(detail::cuda::IndexCheckPath::kDevice);
   FA_SEEDED_RNG(rng);
   const int d = built_head_dims({64, 128, 256}).front();
+  cudaStream_t s;
+  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  EXPECT_NO_THROW(check_errors(0)) << "an error left pending before this test";
+
+  bool gated = true;
+  {
+    DenseCase dc = DenseCase::random(rng, Shape{1, 64, 64, 2, 2, d}, DType::kBFloat16);
+    DeviceCopy q(dc.q), k(dc.k), v(dc.v), out(dc.out), lse(dc.lse);
+    Options o = dc.call_options();
+    o.stream = s;
+    EXPECT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o));  // loads it
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    StreamGate gate(s, std::chrono::seconds(2));
+    EXPECT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o));
+    gated = !gate.timed_out();
+    gate.open();
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+  }
+  if (!gated) std::printf("note: kernel launches wait for their stream here; the calls run ungated\n");
+  const auto gate_for = [&](std::chrono::milliseconds limit) {
+    return gated ? std::make_unique<StreamGate>(s, limit) : nullptr;
+  };
+
+  // Varlen: cu_seqlens_k[2] = 80 < cu_seqlens_k[1] = 90.
+  VarlenCase c = VarlenCase::make(rng, {0, 70, 70, 273, 285}, {0, 90, 130, 330, 346}, 4, 2, d, DType::kBFloat16);
+  {
+    VarlenCase first = c;  // loads the kernels and allocates the error record
+    cuda_varlen_forward(first, KernelFamily::kAuto);
+  }
+  {
+    DeviceVarlen dev(c);
+    dev.args.max_seqlen_k = 300;  // so that only cu_seqlens_k[2] is wrong
+    dev.cu_k.upload(int_tensor({0, 90, 80, 330, 346}));
+    VarlenCase got = c;
+    got.poison_forward();
+    DeviceCopy out(got.out), lse(got.lse);
+    Options opts = c.call_options();
+    opts.stream = s;
+    FA_CUDA_OK(cudaDeviceSynchronize());  // the uploads (legacy stream) before s uses them
+    const auto gate = gate_for(std::chrono::seconds(10));
+    EXPECT_NO_THROW(varlen_forward(dev.args, out.view(), lse.view(), opts));
+    if (gate) {
+      EXPECT_FALSE(gate->timed_out()) << "the eager call waited for its stream";
+      EXPECT_NO_THROW(check_errors(0)) << "raised before the check ran (the gate holds the stream)";
+      gate->open();
+    }
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    const std::string what = expect_recorded_index_error({"cu_seqlens_k"}, "varlen_forward");
+    EXPECT_NE(what.find("expected cu_seqlens_k[2] in [90, 346]"), std::string::npos) << what;
+    EXPECT_NE(what.find("got cu_seqlens_k[2] = 80 (found on cuda:0"), std::string::npos) << what;
+    out.download(got.out);
+    EXPECT_EQ(got.out.count_nan(), 0) << "the call ran (clamped) and wrote out";
+  }
+
+  // A paged decode step that appends, with split-KV partials in the caller's workspace:
+  // block_table[1][0] (read by sequence 1) past the cache.
   KVCacheConfig cfg;
   cfg.batch = 3;
   cfg.h_q = 4;
@@ -372,14 +473,244 @@ TEST(CudaIndexGuards, EagerDeviceChecksWithTheEnvironmentSwitch) {
   cfg.d = d;
   cfg.s_new = 1;
   cfg.dtype = DType::kFloat16;
-  cfg.cache_lens = {10, 20, 30};
+  cfg.cache_lens = {10 + uniform_int(rng, 0, 50), 20 + uniform_int(rng, 0, 50), 30 + uniform_int(rng, 0, 50)};
+  cfg.block_size = 16;
+  KVCacheCase kc = KVCacheCase::make(rng, cfg);
+  kc.num_splits = 3;
+  {
+    DeviceCase dev(kc);
+    dev.reset(kc);
+    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
+    void* ws = nullptr;
+    FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    Options opts = dev.opts;
+    opts.stream = s;
+    // Once with the valid table, ungated: loads the kernels (a lazily loaded module could
+    // wait for the device), appends (the caches are restored below).
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    EXPECT_NO_THROW(check_errors(0)) << "the valid call";
+    kc.block_table[std::size_t(kc.max_blocks)] = kc.num_blocks + 3;
+    kc.block_table_t = int_tensor(kc.block_table, {cfg.batch, kc.max_blocks});
+    dev.table->upload(kc.block_table_t);
+    dev.reset(kc);
+    FA_CUDA_OK(cudaDeviceSynchronize());  // the uploads (legacy stream) before s uses them
+    const auto gate = gate_for(std::chrono::seconds(10));
+    EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+    if (gate) {
+      EXPECT_FALSE(gate->timed_out()) << "the eager call waited for its stream";
+      gate->open();
+    }
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    const std::string what = expect_recorded_index_error({"block_table"}, "kvcache_forward");
+    EXPECT_NE(what.find("got block_table[1][0] = " + std::to_string(kc.num_blocks + 3)), std::string::npos) << what;
+    cudaFree(ws);
+  }
+
+  // The host path: the call waits for the stream (the gate times out first) and raises.
+  {
+    const IndexCheckPathScope host(detail::cuda::IndexCheckPath::kHost);
+    DeviceVarlen dev(c);
+    dev.args.max_seqlen_k = 300;
+    dev.cu_k.upload(int_tensor({0, 90, 80, 330, 346}));
+    VarlenCase got = c;
+    got.poison_forward();
+    DeviceCopy out(got.out), lse(got.lse);
+    Options opts = c.call_options();
+    opts.stream = s;
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    const auto gate = gate_for(std::chrono::milliseconds(500));
+    try {
+      varlen_forward(dev.args, out.view(), lse.view(), opts);
+      ADD_FAILURE() << "the host path did not raise the bad cu_seqlens_k";
+    } catch (const InvalidArgument& e) {
+      EXPECT_EQ(e.argument(), "cu_seqlens_k") << e.what();
+      EXPECT_NE(std::string(e.what()).find("cu_seqlens_k[2] = 80"), std::string::npos) << e.what();
+    }
+    if (gate) {
+      EXPECT_TRUE(gate->timed_out()) << "the host path returned without waiting for its stream";
+      gate->open();
+    }
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    EXPECT_NO_THROW(check_errors(0)) << "the host path records nothing";
+    out.download(got.out);
+    EXPECT_EQ(got.out.count_nan(), got.out.numel()) << "the rejected call wrote out";
+  }
+  cudaStreamDestroy(s);
+}
+
+// KV-cache appends whose targets conflict, which the host's check_append_targets rejects:
+// two sequences appending to one block (paged) or one cache row (dense, cache_batch_idx
+// naming a row twice), and a sequence appending to slots of a block that another sequence
+// reads cached keys from. On the device (eagerly by default, and under capture) the call
+// raises nothing, its append writes nothing (the caches keep every byte), and check_errors()
+// names block_table / cache_batch_idx with both targets; the host path raises from the
+// call. Blocks shared for reading only (prefix sharing) append as usual. Random contents,
+// out poisoned.
+TEST(CudaIndexGuards, AppendTargetsWrittenTwice) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  const int d = built_head_dims({64, 128, 256}).front();
+  EXPECT_NO_THROW(check_errors(0)) << "an error left pending before this test";
+  enum class Path { kEager, kCaptured, kHost };
+  enum class Conflict { kTwoAppendsOneBlock, kAppendWhereRead, kTwoAppendsOneRow, kNone };
+  for (Conflict conflict : {Conflict::kTwoAppendsOneBlock, Conflict::kAppendWhereRead, Conflict::kTwoAppendsOneRow,
+                            Conflict::kNone}) {
+    for (Path path : {Path::kEager, Path::kCaptured, Path::kHost}) {
+      const bool dense = conflict == Conflict::kTwoAppendsOneRow;
+      KVCacheConfig cfg;
+      cfg.batch = 4;
+      cfg.s_q = 2;
+      cfg.s_new = 2;
+      cfg.h_q = 4;
+      cfg.h_k = 2;
+      cfg.d = d;
+      cfg.dtype = coin(rng) ? DType::kBFloat16 : DType::kFloat16;
+      // Sequence 0 appends at 30..31 (block column 1, slots 14..15, after its cached keys
+      // there), 1 at 16..17 (column 1, slots 0..1), 2 at 40..41 (column 2) and reads
+      // columns 0 and 1 whole, 3 at 0..1 (column 0, slots 0..1).
+      cfg.cache_lens = {30, 16, 40, 0};
+      if (dense) {
+        cfg.use_batch_idx = true;
+        cfg.cache_rows = 6;
+      } else {
+        cfg.block_size = 16;
+        cfg.share_blocks = conflict == Conflict::kNone;  // sequence 1 reads sequence 0's block 0
+      }
+      KVCacheCase c = KVCacheCase::make(rng, cfg);
+      c.num_splits = 1 + static_cast<int>(uniform_int(rng, 0, 2));
+      const auto at = [&](int b, int t) -> int& { return c.block_table[std::size_t(b * c.max_blocks + t)]; };
+      std::vector<std::string> want;  // fragments of the device check's message
+      if (conflict == Conflict::kTwoAppendsOneBlock) {
+        at(3, 0) = at(1, 1);
+        const std::string blk = std::to_string(at(1, 1));
+        want = {"sequence 1 appends to block_table[1][1] = block " + blk + ", slots 0..1",
+                "sequence 3 appends to block_table[3][0] = block " + blk + ", slots 0..1"};
+      } else if (conflict == Conflict::kAppendWhereRead) {
+        at(2, 0) = at(0, 1);
+        const std::string blk = std::to_string(at(0, 1));
+        want = {"sequence 0 appends to block_table[0][1] = block " + blk + ", slots 14..15, and "
+                "sequence 2 reads block_table[2][0] = block " + blk + ", slots 0..15"};
+      } else if (conflict == Conflict::kTwoAppendsOneRow) {
+        c.batch_idx[3] = c.batch_idx[1];
+        const std::string row = std::to_string(c.batch_idx[1]);
+        want = {"sequence 1 appends to cache row " + row + ", slots 16..17",
+                "sequence 3 appends to cache row " + row + ", slots 0..1"};
+      } else {
+        ASSERT_EQ(at(1, 0), at(0, 0)) << "the case shares sequence 0's block 0 with sequence 1";
+      }
+      c.block_table_t = dense ? HostTensor() : int_tensor(c.block_table, {cfg.batch, c.max_blocks});
+      c.batch_idx_t = dense ? int_tensor(c.batch_idx) : HostTensor();
+      const char* argument = dense ? "cache_batch_idx" : "block_table";
+      SCOPED_TRACE(std::string(path == Path::kEager ? "eager" : path == Path::kCaptured ? "captured" : "host path") +
+                   ", " + argument + ", conflict " + std::to_string(static_cast<int>(conflict)));
+
+      const IndexCheckPathScope scope(path == Path::kHost ? detail::cuda::IndexCheckPath::kHost
+                                                          : detail::cuda::IndexCheckPath::kDevice);
+      DeviceCase dev(c);
+      dev.reset(c);  // out / lse poisoned
+      FA_CUDA_OK(cudaDeviceSynchronize());
+      const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
+      ASSERT_GE(ws_bytes, detail::cuda::kAppendVerdictBytes) << "the append check's verdict is in the workspace";
+      void* ws = nullptr;
+      FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+      FA_CUDA_OK(cudaMemset(ws, 0, ws_bytes));
+      cudaStream_t s;
+      FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      Options opts = dev.opts;
+      opts.stream = s;
+      bool raised = false;
+      if (path == Path::kCaptured) {
+        replay_captured([&](cudaStream_t cs) {
+          opts.stream = cs;
+          EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
+        });
+      } else {
+        try {
+          kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes});
+        } catch (const InvalidArgument& e) {
+          raised = true;
+          EXPECT_EQ(e.argument(), argument) << e.what();
+          EXPECT_NE(std::string(e.what()).find("expected append targets that no other append and no cached key use"),
+                    std::string::npos)
+              << e.what();
+        }
+        FA_CUDA_OK(cudaStreamSynchronize(s));
+      }
+      HostTensor k_got = c.k_cache, v_got = c.v_cache;
+      dev.kc->download(k_got);
+      dev.vc->download(v_got);
+      if (conflict == Conflict::kNone) {
+        EXPECT_FALSE(raised);
+        EXPECT_NO_THROW(check_errors(0)) << "prefix sharing for reading is valid";
+        EXPECT_TRUE(k_got.bitwise_equal(c.k_cache_expected)) << "k_cache: the append of a valid call";
+        EXPECT_TRUE(v_got.bitwise_equal(c.v_cache_expected)) << "v_cache: the append of a valid call";
+        dev.out->download(c.out);
+        dev.lse->download(c.lse);
+        expect_forward_matches(c.problem(), cfg.dtype, forward_results(c));
+      } else {
+        EXPECT_TRUE(k_got.bitwise_equal(c.k_cache)) << "k_cache changed: a conflicting append wrote";
+        EXPECT_TRUE(v_got.bitwise_equal(c.v_cache)) << "v_cache changed: a conflicting append wrote";
+        if (path == Path::kHost) {
+          EXPECT_TRUE(raised) << "the host path accepted the conflicting append";
+          EXPECT_NO_THROW(check_errors(0)) << "the host path records nothing";
+        } else {
+          EXPECT_FALSE(raised) << "the device path raised from the call";
+          const std::string what = expect_recorded_index_error({argument}, "kvcache_forward");
+          EXPECT_NE(what.find("expected append targets that no other append and no cached key use"),
+                    std::string::npos)
+              << what;
+          for (const std::string& w : want) EXPECT_NE(what.find(w), std::string::npos) << w << "\n" << what;
+          EXPECT_NE(what.find("the append wrote nothing"), std::string::npos) << what;
+        }
+      }
+      cudaStreamDestroy(s);
+      cudaFree(ws);
+    }
+  }
+}
+
+// A conflict found only across the device check's windows of kHashWindow = 1024 append
+// targets (a long append: 64 sequences of 300 new keys in blocks of 16, 20 targets each),
+// in a table whose walk spreads over several check blocks: the last sequence's last new
+// block is the first sequence's first one. The call appends nothing; check_errors names
+// both.
+TEST(CudaIndexGuards, AppendConflictAcrossCheckWindows) {
+  FA_REQUIRE_GPU();
+  const IndexCheckPathScope device(detail::cuda::IndexCheckPath::kDevice);
+  FA_SEEDED_RNG(rng);
+  EXPECT_NO_THROW(check_errors(0)) << "an error left pending before this test";
+  KVCacheConfig cfg;
+  cfg.batch = 64;
+  cfg.s_q = 1;
+  cfg.s_new = 300;
+  cfg.h_q = 2;
+  cfg.h_k = 1;
+  cfg.d = built_head_dims({64, 128, 256}).front();
+  cfg.dtype = DType::kBFloat16;
+  cfg.max_cache_len = 2000;  // about 144 block-table columns: 9216 entries, 5 check blocks
   cfg.block_size = 16;
   KVCacheCase c = KVCacheCase::make(rng, cfg);
-  c.block_table[std::size_t(c.max_blocks)] = c.num_blocks + 3;  // block_table[1][0], read by sequence 1
+  const int last = cfg.batch - 1;
+  const int t_last = (c.cache_lens[std::size_t(last)] + cfg.s_new - 1) / cfg.block_size;
+  const int t_first = c.cache_lens[0] / cfg.block_size;
+  c.block_table[std::size_t(last * c.max_blocks + t_last)] = c.block_table[std::size_t(t_first)];
   c.block_table_t = int_tensor(c.block_table, {cfg.batch, c.max_blocks});
-  EXPECT_NO_THROW(cuda_kvcache(c, KernelFamily::kAuto));  // synchronises after the call
+  DeviceCase dev(c);
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), dev.opts));
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  HostTensor k_got = c.k_cache;
+  dev.kc->download(k_got);
+  EXPECT_TRUE(k_got.bitwise_equal(c.k_cache)) << "k_cache changed: a conflicting append wrote";
   const std::string what = expect_recorded_index_error({"block_table"}, "kvcache_forward");
-  EXPECT_NE(what.find("block_table[1][0] = " + std::to_string(c.num_blocks + 3)), std::string::npos) << what;
+  const std::string blk = " = block " + std::to_string(c.block_table[std::size_t(t_first)]);
+  EXPECT_NE(what.find("block_table[0][" + std::to_string(t_first) + "]" + blk), std::string::npos) << what;
+  EXPECT_NE(what.find("block_table[" + std::to_string(last) + "][" + std::to_string(t_last) + "]" + blk),
+            std::string::npos)
+      << what;
 }
 
 }  // namespace

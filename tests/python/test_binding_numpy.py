@@ -268,6 +268,32 @@ def test_kvcache_without_new_keys(seed):
 # ------------------------------------------------------------------ errors
 
 
+def test_check_errors_without_cuda():
+    """flashattn.check_errors() raises what the device index checks of CUDA calls found; CPU
+    calls check their indices on the host and raise from the call, so it has nothing to
+    raise after them (and nothing at all in a build or on a machine without CUDA)."""
+    if _C.cuda_available():
+        try:
+            flashattn.check_errors()  # what an earlier GPU test may have left
+        except flashattn.InvalidArgumentError:
+            pass
+    assert flashattn.check_errors() is None
+    assert flashattn.check_errors(0) is None
+    assert flashattn.check_errors(device=5) is None
+    assert _C.check_errors is flashattn.check_errors
+    q, cache = np.zeros((1, 1, 2, 8)), np.zeros((2, 4, 2, 8))
+    table = np.array([[1, 7]], dtype=np.int32)  # 6 keys: entry [0][1] is used
+    with pytest.raises(flashattn.InvalidArgumentError, match=r"got block_table\[0\]\[1\] = 7"):
+        _C.kvcache_forward(q, cache, cache.copy(), np.array([6], dtype=np.int32), table, None, None, None, 0,
+                           poisoned(q.shape), None)
+    assert flashattn.check_errors() is None
+    for bad in (-2, 2 ** 31):
+        with pytest.raises(flashattn.InvalidArgumentError, match="check_errors: argument 'device'"):
+            flashattn.check_errors(bad)
+    with pytest.raises(TypeError):
+        flashattn.check_errors(0.5)
+
+
 def test_exception_hierarchy():
     assert issubclass(flashattn.InvalidArgumentError, ValueError)
     assert issubclass(flashattn.UnsupportedError, flashattn.InvalidArgumentError)

@@ -1,6 +1,7 @@
 """Model features on CUDA tensors through the flash_attn-style functions (issue 22): v with
-its own head dim (DeepSeek-V3's (192, 128)), forward and gradients; varlen seqused_q; a
-block-sparse mask (document masking within a packed row) in the forward. Each against the
+its own head dim (DeepSeek-V3's (192, 128)), forward and gradients, and in
+flash_attn_with_kvcache with an append; varlen seqused_q; a block-sparse mask (document
+masking within a packed row) in the forward. Each against the
 fp64 oracle under the FlashAttention tolerance rule (tolerance.py: twice the error of the
 unfused computation in the same precision, plus eps * max). Skipped without a GPU (CI);
 scripts/gpu.sh runs them (python step)."""
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 import flashattn  # noqa: E402
 from flashattn import block_sparse as bsm  # noqa: E402
-from flashattn import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from flashattn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: E402
 import reference as ref  # noqa: E402
 from tolerance import assert_within_rule, naive_attention  # noqa: E402
 
@@ -48,6 +49,34 @@ def test_cuda_head_dim_of_v_forward_and_gradients(seed, dtype, dims):
     assert_within_rule(out, naive, want["out"], dtype, "out")
     for name, got, base in zip(("dq", "dk", "dv"), grads, naive_grads):
         assert_within_rule(got, base, want[name], dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("s_q", [1, 7], ids=["decode", "chunk"])
+def test_cuda_kvcache_head_dim_of_v_with_append(seed, dtype, s_q):
+    """A dense cache with d_v != d (the fused forward runs it): the appended caches exactly
+    the new rows (K of d, V of d_v), out within the rule of the unfused computation over
+    each sequence's keys."""
+    g = gen(seed)
+    b, h_q, h_k, d, d_v, s_cache = 3, 8, 2, 192, 128, 300
+    lens = torch.tensor([int(torch.randint(1, 250, (), generator=g)), 0, 177], dtype=torch.int32)
+    q = torch.randn(b, s_q, h_q, d, generator=g).to(dtype)
+    k_new, v_new = (torch.randn(b, s_q, h_k, x, generator=g).to(dtype) for x in (d, d_v))
+    k_cache = torch.randn(b, s_cache, h_k, d, generator=g).to(dtype)
+    v_cache = torch.randn(b, s_cache, h_k, d_v, generator=g).to(dtype)
+    want, kc, vc = ref.kvcache_attention(np64(q), np64(k_cache), np64(v_cache), lens.numpy(),
+                                         np64(k_new), np64(v_new), causal=True,
+                                         softmax_scale=d ** -0.5)
+    kc_dev, vc_dev = k_cache.cuda(), v_cache.cuda()
+    out = flash_attn_with_kvcache(q.cuda(), kc_dev, vc_dev, k_new.cuda(), v_new.cuda(),
+                                  cache_seqlens=lens.cuda(), causal=True)
+    assert out.shape == (b, s_q, h_q, d_v)
+    assert torch.equal(kc_dev.cpu(), torch.from_numpy(kc).to(dtype))
+    assert torch.equal(vc_dev.cpu(), torch.from_numpy(vc).to(dtype))
+    naive = torch.cat([naive_attention(q[i:i + 1].cuda(), kc_dev[i:i + 1, :int(lens[i]) + s_q],
+                                       vc_dev[i:i + 1, :int(lens[i]) + s_q], d ** -0.5, causal=True)
+                       for i in range(b)])
+    assert_within_rule(out, naive, want["out"], dtype, "out")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -602,6 +602,53 @@ def test_cuda_graph_captures_kvcache(seed):
 
 
 @needs_cuda
+def test_cuda_bad_indices_are_raised_by_check_errors(seed):
+    """CUDA calls check their index tensors on the device and do not synchronise: a bad
+    block-table entry is no error of the call but of flashattn.check_errors() after the
+    stream's work; an append whose targets conflict (two sequences appending to one block)
+    writes nothing to the caches."""
+    g = gen(seed)
+    dtype = torch.float16
+    try:
+        flashattn.check_errors()  # what an earlier test may have left
+    except flashattn.InvalidArgumentError:
+        pass
+    q = randn(g, 2, 1, 4, 64, dtype=dtype, device="cuda")
+    kc, vc = randn(g, 8, 16, 2, 64, dtype=dtype, device="cuda"), randn(g, 8, 16, 2, 64, dtype=dtype, device="cuda")
+    kn, vn = randn(g, 2, 1, 2, 64, dtype=dtype, device="cuda"), randn(g, 2, 1, 2, 64, dtype=dtype, device="cuda")
+    lens = torch.tensor([20, 5], dtype=torch.int32, device="cuda")  # new keys: block column 1, 0
+    table = torch.tensor([[7, 2], [0, 6]], dtype=torch.int32, device="cuda")
+    try:
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, block_table=table)
+    except flashattn.UnsupportedError as e:
+        pytest.skip(f"CUDA KV cache not in this build: {e}")
+    torch.cuda.synchronize()
+    assert flashattn.check_errors() is None
+
+    bad = table.clone()
+    bad[0, 0] = 99  # read by sequence 0
+    out = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=lens, block_table=bad)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()  # the call ran, with the entry clamped
+    with pytest.raises(flashattn.InvalidArgumentError) as info:
+        flashattn.check_errors()
+    e = info.value
+    assert e.argument == "block_table" and "got block_table[0][0] = 99" in str(e), str(e)
+    assert "device check of an earlier kvcache_forward call" in str(e), str(e)
+    assert flashattn.check_errors() is None  # raised once
+
+    dup = torch.tensor([[7, 2], [2, 6]], dtype=torch.int32, device="cuda")  # both append to block 2
+    kc2, vc2 = kc.clone(), vc.clone()
+    flash_attn_with_kvcache(q, kc2, vc2, kn, vn, cache_seqlens=lens, block_table=dup)
+    torch.cuda.synchronize()
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc), "a conflicting append wrote"
+    with pytest.raises(flashattn.InvalidArgumentError, match="append targets") as info:
+        flashattn.check_errors(0)
+    assert info.value.argument == "block_table"
+    assert "block_table[0][1] = block 2" in str(info.value) and "block_table[1][0] = block 2" in str(info.value)
+
+
+@needs_cuda
 def test_cuda_kvcache_matches_oracle(seed):
     g = gen(seed)
     dtype = torch.float16

@@ -1,4 +1,5 @@
-// The KV-cache decode path on the host: which calls take it, its configuration (the
+// The KV-cache decode path on the host: which calls take it (those with d_v == d: the
+// kernel has one head dim; d_v != d takes the fused forward), its configuration (the
 // default, or the small one where p.smem_limit does not hold the default: 99 KiB GPUs),
 // the split count (num_splits = 0: a heuristic from the SM count and the work), the exact
 // workspace need (from upper bounds and p.smem_limit only, never device memory: the same
@@ -185,6 +186,19 @@ DecodePlan plan_decode(const FwdParams& p) {
   DecodePlan plan;
   if (p.cache_seqlens == nullptr) return plan;  // not a KV-cache call
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  if (p.d_v != p.d) {
+    // v with its own head dim: the decode kernel has one (d); the fused forward serves
+    // the call (sm80 in the bucket of max(d, d_v), or sm90 where it takes the call;
+    // num_splits, a speed hint, is not used there). fp8 caches and draft-tree masks only
+    // the decode kernel runs: the API rejects them naming v_cache before the append
+    // (api/dispatch.hpp: check_kvcache_head_dim_v); here for any other caller.
+    if (!fp8 && p.tree_mask == nullptr) return plan;
+    throw Unsupported("kvcache_forward", "v_cache",
+                      "head dim d_v == d = " + std::to_string(p.d) +
+                          (fp8 ? " with a float8_e4m3 cache" : " with a draft-tree mask") +
+                          " (the decode kernel, which alone runs them, has one head dim)",
+                      "d_v = " + std::to_string(p.d_v));
+  }
   const std::int64_t rows = std::int64_t(p.seqlen_q) * p.h_ratio;
   if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows)) return plan;
   const TileFacts tf = tile_facts(p.d, fp8, use_t8(p), p.smem_limit);

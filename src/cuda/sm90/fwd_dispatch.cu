@@ -35,14 +35,15 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
   }
   if (p.smem_limit > 0 && p.smem_limit < FwdHdim256::kSmemBytes) return "shared memory limit below the sm90 tiles";
   if (p.d > 256 || p.d % 8 != 0 || p.d_v > 256 || p.d_v % 8 != 0) return "head dim";
-  if (p.d_v != p.d && p.cache_seqlens != nullptr) return "d_v != d with a KV cache";
   if (p.block_kinds != nullptr) return "block-sparse mask";
   if (!fp8 && p.kv_dtype != p.dtype) return "fp8 KV cache";
   if (p.dropout_p > 0.0f) return "dropout";
   if (p.probs != nullptr) return "return_probs";
   if (p.block_table != nullptr && p.block_size % 8 != 0) return "paged KV cache with block_size % 8 != 0";
   if (p.tree_mask != nullptr) return "tree mask";
-  if (p.num_splits > 1) return "split-KV";
+  // Split-KV is the decode kernel's; a KV-cache call with d_v != d never takes it
+  // (sm80::plan_decode), so num_splits is a speed hint here as in the sm80 fused forward.
+  if (p.num_splits > 1 && p.d_v == p.d) return "split-KV";
   if (p.is_varlen() && (p.total_q <= 0 || p.total_k <= 0)) return "varlen without packed totals";
   if (p.is_varlen() != (p.cu_seqlens_k != nullptr)) return "mixed varlen layout";
   if (!p.is_varlen() && p.cache_seqlens == nullptr && p.seqlen_k == 0) return "no keys";
@@ -96,7 +97,11 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
     return launch_fwd<Cfg, Element, Out>(args);
   }
   // v has its own head dim (d_v != d: DeepSeek-V3's (192, 128)); the tile's columns past it
-  // are zero-filled by the copy, and out is stored for d_v columns.
+  // are zero-filled by the copy, and out is stored for d_v columns. The same with a KV cache
+  // (dense: rows of kv_cache_len, cache rows as batches; paged: rows of a block, blocks as
+  // batches): a box of V is as wide as K's (64 columns), so a paged chunk's transaction
+  // bytes (issue_tile: rows * kHeadDim) and the tail zeroing of the rows past the keys
+  // hold for V's tile as for K's, the columns past d_v included.
   const std::uint64_t v_dims[4] = {std::uint64_t(p.d_v), std::uint64_t(k_rows), std::uint64_t(p.h_k),
                                    std::uint64_t(k_batches)};
   args.tmap_v = make_tensor_map_4d(p.v, in, v_dims,
