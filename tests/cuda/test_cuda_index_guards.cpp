@@ -424,7 +424,9 @@ TEST(CudaIndexGuards, EagerCallsCheckOnTheDeviceByDefault) {
     FA_CUDA_OK(cudaDeviceSynchronize());
     StreamGate gate(s, std::chrono::seconds(2));
     EXPECT_NO_THROW(flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o));
-    gated = !gate.timed_out();
+    // FLASHATTN_TEST_UNGATED=1 (scripts/gpu.sh under compute-sanitizer): initcheck makes the
+    // varlen call below wait for its stream although the dense call here does not.
+    gated = !gate.timed_out() && std::getenv("FLASHATTN_TEST_UNGATED") == nullptr;
     gate.open();
     FA_CUDA_OK(cudaStreamSynchronize(s));
   }

@@ -288,6 +288,47 @@ __device__ void walk_table(const IndexCheckArgs& a, int* claim, bool check_range
   }
 }
 
+// Per sequence: cu_seqlens, seqused, cache_seqlens, cache_batch_idx (spread over the grid).
+__device__ void check_rows(const IndexCheckArgs& a, int* claim) {
+  const int threads = static_cast<int>(gridDim.x * blockDim.x);
+  for (int b = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); b <= a.batch; b += threads) {
+    if (a.cu_q) check_cu(a, claim, a.cu_q, a.total_q, a.max_q, kCuQ, kMaxQ, b);
+    if (a.cu_k) check_cu(a, claim, a.cu_k, a.total_k, a.max_k, kCuK, kMaxK, b);
+    if (b == a.batch) continue;
+    if (a.seqused_k) {
+      const long long len = a.cu_k ? (long long)a.cu_k[b + 1] - a.cu_k[b] : 0;
+      const long long u = a.seqused_k[b];
+      if (u < 0 || u > len) report(a.rep, claim, {.argument = kSequsedK, .entry = b, .value = u, .hi = len});
+    }
+    if (a.seqused_q) {
+      const long long len = a.cu_q ? (long long)a.cu_q[b + 1] - a.cu_q[b] : 0;
+      const long long u = a.seqused_q[b];
+      if (u < 0 || u > len) report(a.rep, claim, {.argument = kSequsedQ, .entry = b, .value = u, .hi = len});
+    }
+    if (a.cache_seqlens) {
+      const long long len = a.cache_seqlens[b];
+      if (len < 0 || len > a.capacity - a.s_new) {
+        report(a.rep, claim, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = a.capacity - a.s_new});
+      }
+    }
+    if (a.cache_batch_idx) {
+      const long long r = a.cache_batch_idx[b];
+      if (r < 0 || r >= a.cache_rows) {
+        report(a.rep, claim, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = a.cache_rows - 1});
+      }
+    }
+  }
+}
+
+// Calls without a block table or an append (dense KV-cache decode, varlen): the checks per
+// sequence alone, in a kernel of their own.
+__global__ void __launch_bounds__(kCheckThreads) index_check_rows_kernel(const __grid_constant__ IndexCheckArgs a) {
+  __shared__ int claim;
+  if (threadIdx.x == 0) claim = 0;
+  __syncthreads();
+  check_rows(a, &claim);
+}
+
 __global__ void __launch_bounds__(kCheckThreads, 1) index_check_kernel(const __grid_constant__ IndexCheckArgs a) {
   __shared__ int claim;
   // The append hash in dynamic shared memory, launched with it only when appends are
@@ -296,35 +337,7 @@ __global__ void __launch_bounds__(kCheckThreads, 1) index_check_kernel(const __g
   AppendHash& hash = *reinterpret_cast<AppendHash*>(check_smem);
   if (threadIdx.x == 0) claim = 0;
   __syncthreads();
-  // Per sequence: cu_seqlens, seqused, cache_seqlens, cache_batch_idx (spread over the grid).
-  const int threads = static_cast<int>(gridDim.x * blockDim.x);
-  for (int b = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); b <= a.batch; b += threads) {
-    if (a.cu_q) check_cu(a, &claim, a.cu_q, a.total_q, a.max_q, kCuQ, kMaxQ, b);
-    if (a.cu_k) check_cu(a, &claim, a.cu_k, a.total_k, a.max_k, kCuK, kMaxK, b);
-    if (b == a.batch) continue;
-    if (a.seqused_k) {
-      const long long len = a.cu_k ? (long long)a.cu_k[b + 1] - a.cu_k[b] : 0;
-      const long long u = a.seqused_k[b];
-      if (u < 0 || u > len) report(a.rep, &claim, {.argument = kSequsedK, .entry = b, .value = u, .hi = len});
-    }
-    if (a.seqused_q) {
-      const long long len = a.cu_q ? (long long)a.cu_q[b + 1] - a.cu_q[b] : 0;
-      const long long u = a.seqused_q[b];
-      if (u < 0 || u > len) report(a.rep, &claim, {.argument = kSequsedQ, .entry = b, .value = u, .hi = len});
-    }
-    if (a.cache_seqlens) {
-      const long long len = a.cache_seqlens[b];
-      if (len < 0 || len > a.capacity - a.s_new) {
-        report(a.rep, &claim, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = a.capacity - a.s_new});
-      }
-    }
-    if (a.cache_batch_idx) {
-      const long long r = a.cache_batch_idx[b];
-      if (r < 0 || r >= a.cache_rows) {
-        report(a.rep, &claim, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = a.cache_rows - 1});
-      }
-    }
-  }
+  check_rows(a, &claim);
   bool conflict = false;
   const unsigned targets = static_cast<unsigned>(a.batch) * static_cast<unsigned>(a.append_per_seq);
   if (targets == 0 && a.block_table) walk_table(a, &claim, true, nullptr, conflict);
@@ -517,8 +530,12 @@ AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* a
   const long long work = std::max<long long>(static_cast<long long>(a.walk_chunks) * a.batch,
                                              (static_cast<long long>(a.batch) + kWalkChunk) / kWalkChunk);
   const int blocks = static_cast<int>(std::clamp<long long>(work, 1, kMaxCheckBlocks));
-  const std::size_t smem = a.append_per_seq > 0 ? sizeof(AppendHash) : 0;
-  index_check_kernel<<<blocks, kCheckThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
+  if (a.block_table == nullptr && a.append_per_seq == 0) {
+    index_check_rows_kernel<<<blocks, kCheckThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
+  } else {
+    const std::size_t smem = a.append_per_seq > 0 ? sizeof(AppendHash) : 0;
+    index_check_kernel<<<blocks, kCheckThreads, smem, static_cast<cudaStream_t>(p.stream)>>>(a);
+  }
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
   if (a.append_flags == nullptr) return {};
   return {a.append_flags, blocks};
