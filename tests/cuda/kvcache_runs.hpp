@@ -121,6 +121,33 @@ inline void capture_and_replay(DeviceCase& dev, const Options& opts, void* ws, s
   FA_CUDA_OK(cudaGraphDestroy(graph));
 }
 
+// A call both entry points decline: kvcache_workspace_size and kvcache_forward raise
+// Unsupported (checked by `check`), and neither the caches (appends) nor out (poisoned by
+// dev.reset) are written. `accepted` says what was accepted, for the failure message.
+template <class Check>
+void expect_declined(const KVCacheCase& c, DeviceCase& dev, Check&& check, const std::string& accepted) {
+  try {
+    kvcache_workspace_size(dev.args, dev.opts);
+    ADD_FAILURE() << "kvcache_workspace_size accepted " << accepted;
+  } catch (const Unsupported& e) {
+    check(e);
+  }
+  try {
+    kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), dev.opts);
+    ADD_FAILURE() << "kvcache_forward accepted " << accepted;
+  } catch (const Unsupported& e) {
+    check(e);
+  }
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  HostTensor k_after = c.k_cache, v_after = c.v_cache, out = c.out;
+  dev.kc->download(k_after);
+  dev.vc->download(v_after);
+  dev.out->download(out);
+  EXPECT_TRUE(k_after.bitwise_equal(c.k_cache)) << "k_cache appended to by a declined call";
+  EXPECT_TRUE(v_after.bitwise_equal(c.v_cache)) << "v_cache appended to by a declined call";
+  EXPECT_EQ(out.count_nan(), out.numel()) << "out written by a declined call";
+}
+
 inline std::string describe_case(const KVCacheCase& c) {
   const KVCacheConfig& f = c.cfg;
   return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
