@@ -1,7 +1,8 @@
-// The CUDA backend's index checks on the device: the check kernel (cu_seqlens, seqused,
-// cache lengths and rows, block tables, KV-cache append conflicts) with its error record,
-// the block-sparse kinds table, and raising what a check recorded. The host's validation
-// copy (used where these are off) is in runtime.cu.
+// The CUDA backend's index checks on the device: the check kernels (cu_seqlens, seqused,
+// cache lengths and rows, block tables, KV-cache append conflicts) and the block-sparse
+// kinds table, which write what they find into the device's error record
+// (index_record.hpp; index_errors.cu keeps the records and raises them). The host's
+// validation copy (used where these are off) is in runtime.cu.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "core/backend.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_guard.hpp"
+#include "cuda/runtime/index_record.hpp"
 
 namespace flashattn::detail::cuda {
 
@@ -22,37 +24,8 @@ namespace flashattn::detail::cuda {
 
 namespace {
 
-// The first bad index a device check found on a device, in mapped (zero-copy) host memory.
-// A check block lets one of its threads report (a shared-memory claim); that thread takes
-// the device's report lock (g_report_lock, device memory), writes the fields of a record
-// in state 0 and then publishes state 2, and releases the lock; a block that finds the lock
-// taken drops its report (another one is being recorded). The host reads a record in state
-// 2 and resets it to 0. No atomics on the mapped memory (they would not be atomic for the
-// host).
-struct IndexErrorRecord {
-  int state;
-  int call;      // IndexCall
-  int argument;  // IndexArg
-  int kind;      // ErrorKind
-  int entry, entry2;  // the bad entry: [b] or [b][t] (block lists: table row, list position)
-  int other, other2;  // append conflicts: the other entry (sequence, block-table column)
-  long long value, lo, hi;  // the value and the expected range; append conflicts: the block
-                            // or cache row, and the slots [lo, hi) the entry uses
-  long long other_lo, other_hi;  // append conflicts: the slots [other_lo, other_hi) the other appends to
-};
+using namespace index_record;  // the record the checks write (index_record.hpp)
 
-enum IndexArg : int {
-  kCuQ, kCuK, kMaxQ, kMaxK, kSequsedK, kCacheSeqlens, kCacheBatchIdx, kBlockTable,
-  kMaskBlockCnt, kMaskBlockIdx, kFullBlockCnt, kFullBlockIdx,  // block-sparse lists
-  kSequsedQ
-};
-
-enum ErrorKind : int {
-  kOutOfRange = 0,      // value outside [lo, hi]
-  kListedTwice = 1,     // a block-sparse list names a key block again
-  kAppendedTwice = 2,   // two append targets name one block or cache row
-  kAppendOverRead = 3,  // an append target is a block another entry reads cached keys from
-};
 
 // The report lock of a device (one per device: the module's global lives on each device).
 __device__ int g_report_lock = 0;
@@ -94,39 +67,6 @@ __device__ void report(const Reporter& rep, int* claim, const Finding& f) {
   atomicExch(&g_report_lock, 0);
 }
 
-constexpr int kMaxDevices = 64;
-IndexErrorRecord* g_records[kMaxDevices] = {};
-IndexErrorRecord* g_device_records[kMaxDevices] = {};  // their device pointers
-std::mutex g_records_mutex;
-
-// The record of a device; with `allocate`, allocated if missing (nullptr if that fails).
-// Allocation happens only outside stream capture (prepare_index_checks): under a global-mode
-// capture the allocation would invalidate the capture. A captured call on a device that
-// never ran an eager call records nothing (its check still guards the append, and its
-// kernels still clamp).
-IndexErrorRecord* record_of(int device, bool allocate, IndexErrorRecord** device_pointer = nullptr) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  std::lock_guard<std::mutex> lock(g_records_mutex);
-  if (g_records[device] == nullptr && allocate) {
-    void* host = nullptr;
-    if (cudaHostAlloc(&host, sizeof(IndexErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable) !=
-        cudaSuccess) {
-      cudaGetLastError();
-      return nullptr;
-    }
-    void* dev = nullptr;
-    if (cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess) {
-      cudaGetLastError();
-      cudaFreeHost(host);
-      return nullptr;
-    }
-    *static_cast<IndexErrorRecord*>(host) = IndexErrorRecord{};
-    g_records[device] = static_cast<IndexErrorRecord*>(host);
-    g_device_records[device] = static_cast<IndexErrorRecord*>(dev);
-  }
-  if (device_pointer != nullptr) *device_pointer = g_device_records[device];
-  return g_records[device];
-}
 
 // The check's grid: one block per kWalkChunk block-table columns of a sequence (or per
 // kWalkChunk sequences), at most kMaxCheckBlocks (each block then walks more of the
@@ -389,16 +329,6 @@ __global__ void __launch_bounds__(kCheckThreads, 1) index_check_kernel(const __g
   }
 }
 
-const char* call_name(int call) {
-  switch (call) {
-    case 0: return "varlen_forward";
-    case 1: return "varlen_backward";
-    case 3: return "forward";
-    case 4: return "backward";
-    default: return "kvcache_forward";
-  }
-}
-
 // One thread per (table batch, table head, query block) row: the row's N kinds from the
 // two lists (partial, then full), each entry checked as the host checks it.
 struct BlockKindsArgs {
@@ -454,33 +384,7 @@ __global__ void block_kinds_kernel(const __grid_constant__ BlockKindsArgs a) {
   a.list_len[r] = len;
 }
 
-std::atomic<int> g_check_path{static_cast<int>(IndexCheckPath::kEnvironment)};
-
 }  // namespace
-
-void set_index_check_path(IndexCheckPath path) { g_check_path.store(static_cast<int>(path)); }
-
-bool eager_index_checks_on_device() {
-  const auto path = static_cast<IndexCheckPath>(g_check_path.load());
-  if (path != IndexCheckPath::kEnvironment) return path == IndexCheckPath::kDevice;
-  static const bool host = [] {
-    const char* v = std::getenv("FLASHATTN_DEVICE_INDEX_CHECKS");
-    return v != nullptr && std::string(v) == "0";
-  }();
-  return !host;
-}
-
-void prepare_index_checks(int device, void* stream) {
-  if (record_of(device, false) != nullptr) return;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) != cudaSuccess) {
-    cudaGetLastError();  // the legacy stream under a global-mode capture elsewhere
-    return;
-  }
-  if (capture != cudaStreamCaptureStatusNone) return;
-  DeviceGuard guard(device);
-  record_of(device, true);
-}
 
 std::size_t append_check_bytes(const FwdParams& p) {
   const bool conflicts = p.seqlen_k_new > 0 && (p.block_table != nullptr || p.cache_batch_idx != nullptr);
@@ -577,95 +481,6 @@ void build_block_kinds(FwdParams& p, std::uint8_t* table, IndexCall call) {
   const long long blocks = (a.rows + kThreads - 1) / kThreads;
   block_kinds_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(a);
   FLASHATTN_CUDA_CHECK(cudaGetLastError());
-}
-
-namespace {
-
-// "sequence 0 appends to block_table[0][3] = block 5, slots 4..4", as the host's
-// check_append_targets words it.
-std::string describe_slots(bool paged, bool append, long long seq, long long col, long long target, long long lo,
-                           long long hi) {
-  std::string where = paged ? "block_table[" + std::to_string(seq) + "][" + std::to_string(col) + "] = block " +
-                                  std::to_string(target)
-                            : "cache row " + std::to_string(target);
-  return "sequence " + std::to_string(seq) + (append ? " appends to " : " reads ") + where + ", slots " +
-         std::to_string(lo) + ".." + std::to_string(hi - 1);
-}
-
-}  // namespace
-
-void raise_index_error(int device) {
-  for (int d = device < 0 ? 0 : device; d < (device < 0 ? kMaxDevices : device + 1) && d < kMaxDevices; ++d) {
-    IndexErrorRecord* r = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(g_records_mutex);
-      r = g_records[d];
-    }
-    if (r == nullptr) continue;
-    volatile IndexErrorRecord* v = r;
-    if (v->state != 2) continue;
-    const IndexErrorRecord e{2,       v->call,  v->argument, v->kind,  v->entry,    v->entry2, v->other,
-                             v->other2, v->value, v->lo,      v->hi,    v->other_lo, v->other_hi};
-    v->state = 0;
-    static const char* const names[] = {"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                                        "seqused_k",    "cache_seqlens", "cache_batch_idx", "block_table",
-                                        "opts.block_sparse.mask_block_cnt", "opts.block_sparse.mask_block_idx",
-                                        "opts.block_sparse.full_block_cnt", "opts.block_sparse.full_block_idx",
-                                        "seqused_q"};
-    const std::string name = names[e.argument];
-    std::string where = " (found on cuda:";
-    where += std::to_string(d);
-    where += " by the device check of an earlier ";
-    where += call_name(e.call);
-    where += " call)";
-    if (e.kind == kAppendedTwice || e.kind == kAppendOverRead) {
-      // The other entry appends; this one appends too (kAppendedTwice) or reads.
-      const bool paged = e.argument == kBlockTable;
-      throw InvalidArgument(
-          call_name(e.call), name,
-          std::string("append targets that no other append and no cached key use (sequence i appends to "
-                      "positions cache_seqlens[i] .. cache_seqlens[i] + s_new - 1; ") +
-              (paged ? "blocks" : "cache rows") + " may be shared for reading only)",
-          describe_slots(paged, true, e.other, e.other2, e.value, e.other_lo, e.other_hi) + ", and " +
-              describe_slots(paged, e.kind == kAppendedTwice, e.entry, e.entry2, e.value, e.lo, e.hi) +
-              "; the append wrote nothing" + where);
-    }
-    std::string at = name;
-    at += '[';
-    at += std::to_string(e.entry);
-    at += ']';
-    if (e.argument == kBlockTable) {
-      at += '[';
-      at += std::to_string(e.entry2);
-      at += ']';
-    }
-    if (e.argument >= kMaskBlockCnt && e.argument <= kFullBlockIdx) {
-      // Block lists: entry is the flat (b, h, m) row of the table (b * H + h) * M + m, entry2
-      // the list position (-1 for a count).
-      std::string at_row = name + " at (b, h, m) row " + std::to_string(e.entry);
-      if (e.entry2 >= 0) at_row += ", position " + std::to_string(e.entry2);
-      if (e.kind == kListedTwice) {
-        throw InvalidArgument(call_name(e.call), name,
-                              "each key block listed at most once per query block (in mask_block_idx "
-                              "and full_block_idx together)",
-                              "key block " + std::to_string(e.value) + " listed again" + " (" + at_row + ")" +
-                                  where);
-      }
-      throw InvalidArgument(call_name(e.call), name,
-                            "values in [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) + "] (" +
-                                at_row + ")",
-                            std::to_string(e.value) + where);
-    }
-    if (e.argument == kMaxQ || e.argument == kMaxK) {
-      throw InvalidArgument(call_name(e.call), name,
-                            ">= " + std::to_string(e.lo) + " (the length of sequence " + std::to_string(e.entry) +
-                                " in cu_seqlens_" + (e.argument == kMaxQ ? "q" : "k") + ")",
-                            std::to_string(e.value) + where);
-    }
-    throw InvalidArgument(call_name(e.call), name,
-                          at + " in [" + std::to_string(e.lo) + ", " + std::to_string(e.hi) + "]",
-                          at + " = " + std::to_string(e.value) + where);
-  }
 }
 
 }  // namespace flashattn::detail::cuda
