@@ -6,12 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
-#include <string>
 
 #include "core/backend.hpp"
 #include "cuda/runtime/cuda_check.hpp"
@@ -25,7 +21,6 @@ namespace flashattn::detail::cuda {
 namespace {
 
 using namespace index_record;  // the record the checks write (index_record.hpp)
-
 
 // The report lock of a device (one per device: the module's global lives on each device).
 __device__ int g_report_lock = 0;
@@ -66,7 +61,6 @@ __device__ void report(const Reporter& rep, int* claim, const Finding& f) {
   __threadfence();
   atomicExch(&g_report_lock, 0);
 }
-
 
 // The check's grid: one block per kWalkChunk block-table columns of a sequence (or per
 // kWalkChunk sequences), at most kMaxCheckBlocks (each block then walks more of the

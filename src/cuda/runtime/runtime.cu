@@ -7,11 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
-#include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "core/backend.hpp"
