@@ -9,13 +9,16 @@
 // timing is CUDA events around 8 back-to-back launches rotating over several caches
 // (>= 512 MiB of KV in all, so L2 does not hold one call's keys for the next), per call,
 // median of 15 such repeats after a warm-up of at least 50 ms. Bandwidth counts the KV bytes stored and read:
-// b * s * h_k * d * 2 (K and V) * element size.
+// b * s * h_k * d * 2 (K and V) * element size. Each configuration is also timed as a
+// streaming read of the same K / V buffers by a kernel that computes nothing
+// (stream_read.cu): the practical bound of a decode step, reported beside it.
 //
 //   flashattn_cuda_decode_bench [csv path|-]
 // Environment: BENCH_ONLY ("grid": the grid without the long context; a configuration
 // name, or a comma list of names / name:context run in that order, e.g.
 // "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
-// BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
+// BENCH_BATCH (sequences per call, default 8), BENCH_SWEEP=1 (instead of the grid: dense
+// bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k), BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
 // the sink's epilogue / merge terms against the same grid without one).
 //
 // BENCH_EAGER=1: instead, the eager decode-step latency (issue 25): a serving loop without
@@ -43,6 +46,7 @@
 #include <vector>
 
 #include "flashattn/attention.hpp"
+#include "stream_read.hpp"
 
 namespace {
 
@@ -59,7 +63,9 @@ using flashattn::Device;
 using flashattn::DType;
 using flashattn::Tensor;
 
-constexpr int kB = 8, kHq = 32, kHk = 8, kD = 128;
+constexpr int kHq = 32, kHk = 8, kD = 128;
+// Sequences per call: 8, or BENCH_BATCH; the sweep (BENCH_SWEEP=1) sets it per point.
+int g_batch = 8;
 
 struct Buffer {
   void* p = nullptr;
@@ -91,20 +97,60 @@ struct Config {
 
 struct Result {
   double us = 0, tbps = 0, tokens_per_s = 0;
+  double stream_us = 0, stream_tbps = 0;  // the streaming read of the same bytes
   std::size_t kv_bytes = 0;
 };
 
+// Median microseconds per launch of `execs` (graphs of one call each), launched 8 at a time
+// in turn, 15 repeats after a warm-up of at least 3 x 8 launches and 50 ms: after a
+// long-context configuration the next one's first milliseconds ran slower (dense 4k right
+// after dense 128k: 45.4 us against 41.2 with the old 24-launch warm-up; docs/performance.md),
+// so a short configuration replays until the state settles.
+double time_graphs(const std::vector<cudaGraphExec_t>& execs, cudaStream_t stream) {
+  constexpr int kCalls = 8, kRepeats = 15;
+  const std::size_t n = execs.size();
+  cudaEvent_t t0, t1;
+  BENCH_CHECK(cudaEventCreate(&t0));
+  BENCH_CHECK(cudaEventCreate(&t1));
+  for (float warm_ms = 0; warm_ms < 50.0f;) {
+    BENCH_CHECK(cudaEventRecord(t0, stream));
+    for (int w = 0; w < 3 * kCalls; ++w) BENCH_CHECK(cudaGraphLaunch(execs[w % n], stream));
+    BENCH_CHECK(cudaEventRecord(t1, stream));
+    BENCH_CHECK(cudaEventSynchronize(t1));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    warm_ms += ms;
+  }
+  std::vector<double> times;
+  std::size_t next = 0;
+  for (int r = 0; r < kRepeats; ++r) {
+    BENCH_CHECK(cudaEventRecord(t0, stream));
+    for (int i = 0; i < kCalls; ++i) BENCH_CHECK(cudaGraphLaunch(execs[next++ % n], stream));
+    BENCH_CHECK(cudaEventRecord(t1, stream));
+    BENCH_CHECK(cudaEventSynchronize(t1));
+    float ms = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    times.push_back(1e3 * ms / kCalls);
+  }
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 Result run_decode(const Config& cfg, cudaStream_t stream) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
-  const std::size_t kv_bytes = std::size_t(kB) * cfg.ctx * kHk * kD * 2 * elem;
-  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 4));
+  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
+  // Enough caches that one call's keys are not in L2 for the next (>= 512 MiB in all; 64 at
+  // most: the smallest sweep point, batch 1 at 1k, is 4 MiB).
+  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 64));
   struct Cache {
     std::unique_ptr<Buffer> k, v, table;
     flashattn::KVCacheArgs args;
   };
-  Buffer q(std::size_t(kB) * kHq * kD * 2), out(std::size_t(kB) * kHq * kD * 2);
-  Buffer lens(kB * sizeof(int)), scales(kHk * sizeof(float));
-  upload_ints(lens, std::vector<int>(kB, cfg.ctx));
+  Buffer q(std::size_t(g_batch) * kHq * kD * 2), out(std::size_t(g_batch) * kHq * kD * 2);
+  Buffer lens(g_batch * sizeof(int)), scales(kHk * sizeof(float));
+  upload_ints(lens, std::vector<int>(g_batch, cfg.ctx));
   {
     std::vector<float> s(kHk, 0.02f);
     BENCH_CHECK(cudaMemcpy(scales.p, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -117,10 +163,10 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     c.k = std::make_unique<Buffer>(kv_bytes / 2);
     c.v = std::make_unique<Buffer>(kv_bytes / 2);
     auto& a = c.args;
-    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
-    a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {kB}, dev);
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
+    a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {g_batch}, dev);
     if (cfg.block_size > 0) {
-      const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * kB;
+      const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * g_batch;
       std::vector<int> ids(blocks);
       std::iota(ids.begin(), ids.end(), 0);
       std::shuffle(ids.begin(), ids.end(), rng);
@@ -128,10 +174,10 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
       upload_ints(*c.table, ids);
       a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
       a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
-      a.block_table = Tensor::contiguous(c.table->p, DType::kInt32, {kB, per_seq}, dev);
+      a.block_table = Tensor::contiguous(c.table->p, DType::kInt32, {g_batch, per_seq}, dev);
     } else {
-      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
-      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
+      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
     }
     if (cfg.fp8) {
       a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
@@ -147,7 +193,7 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     BENCH_CHECK(cudaMemcpy(sink.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
     opts.learnable_sink = Tensor::contiguous(sink.p, DType::kFloat32, {kHq}, dev);
   }
-  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);
   Buffer ws(ws_bytes);
@@ -165,43 +211,31 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     cudaGraphDestroy(g);
     execs.push_back(e);
   }
-  constexpr int kCalls = 8, kRepeats = 15;
-  cudaEvent_t t0, t1;
-  BENCH_CHECK(cudaEventCreate(&t0));
-  BENCH_CHECK(cudaEventCreate(&t1));
-  // Warm-up of at least 3 * kCalls launches and 50 ms: after a long-context configuration
-  // the next one's first milliseconds ran slower (dense 4k right after dense 128k: 45.4 us
-  // against 41.2 with the old 24-launch warm-up; docs/performance.md), so a short
-  // configuration replays until the state settles.
-  for (float warm_ms = 0; warm_ms < 50.0f;) {
-    BENCH_CHECK(cudaEventRecord(t0, stream));
-    for (int w = 0; w < 3 * kCalls; ++w) BENCH_CHECK(cudaGraphLaunch(execs[w % n_caches], stream));
-    BENCH_CHECK(cudaEventRecord(t1, stream));
-    BENCH_CHECK(cudaEventSynchronize(t1));
-    float ms = 0;
-    BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
-    warm_ms += ms;
-  }
-  std::vector<double> times;
-  int next = 0;
-  for (int r = 0; r < kRepeats; ++r) {
-    BENCH_CHECK(cudaEventRecord(t0, stream));
-    for (int i = 0; i < kCalls; ++i) BENCH_CHECK(cudaGraphLaunch(execs[next++ % n_caches], stream));
-    BENCH_CHECK(cudaEventRecord(t1, stream));
-    BENCH_CHECK(cudaEventSynchronize(t1));
-    float ms = 0;
-    BENCH_CHECK(cudaEventElapsedTime(&ms, t0, t1));
-    times.push_back(1e3 * ms / kCalls);
-  }
-  std::sort(times.begin(), times.end());
-  for (auto e : execs) cudaGraphExecDestroy(e);
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
   Result res;
-  res.us = times[times.size() / 2];
+  res.us = time_graphs(execs, stream);
+  for (auto e : execs) cudaGraphExecDestroy(e);
+  // The bound: the same caches' K and V bytes streamed by a kernel that only reads them
+  // (stream_read.cu), timed the same way.
+  execs.clear();
+  int sms = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Buffer sink_word(sizeof(std::uint32_t), 0);
+  for (auto& c : caches) {
+    cudaGraph_t g;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    bench::stream_read(c.k->p, c.v->p, kv_bytes / 2, static_cast<std::uint32_t*>(sink_word.p), sms, stream);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &g));
+    cudaGraphExec_t e;
+    BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
+    cudaGraphDestroy(g);
+    execs.push_back(e);
+  }
+  res.stream_us = time_graphs(execs, stream);
+  for (auto e : execs) cudaGraphExecDestroy(e);
   res.kv_bytes = kv_bytes;
   res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
-  res.tokens_per_s = kB / (res.us * 1e-6);
+  res.tokens_per_s = g_batch / (res.us * 1e-6);
+  res.stream_tbps = kv_bytes / (res.stream_us * 1e-6) / 1e12;
   return res;
 }
 
@@ -214,31 +248,31 @@ struct EagerResult {
 
 EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
-  const std::size_t kv_bytes = std::size_t(kB) * cfg.ctx * kHk * kD * 2 * elem;
+  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
   const DType kv_dtype = cfg.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
   const Device dev = Device::cuda(0);
-  Buffer q(std::size_t(kB) * kHq * kD * 2), out(std::size_t(kB) * kHq * kD * 2);
-  Buffer kn(std::size_t(kB) * kHk * kD * 2), vn(std::size_t(kB) * kHk * kD * 2);
+  Buffer q(std::size_t(g_batch) * kHq * kD * 2), out(std::size_t(g_batch) * kHq * kD * 2);
+  Buffer kn(std::size_t(g_batch) * kHk * kD * 2), vn(std::size_t(g_batch) * kHk * kD * 2);
   Buffer k(kv_bytes / 2), v(kv_bytes / 2), scales(kHk * sizeof(float));
   {
     std::vector<float> s(kHk, 0.02f);
     BENCH_CHECK(cudaMemcpy(scales.p, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
   // Lengths of step i: ctx - steps + i for every sequence (the last step appends at ctx - 1).
-  Buffer lens(std::size_t(steps) * kB * sizeof(int));
+  Buffer lens(std::size_t(steps) * g_batch * sizeof(int));
   {
-    std::vector<int> all(std::size_t(steps) * kB);
+    std::vector<int> all(std::size_t(steps) * g_batch);
     for (int i = 0; i < steps; ++i)
-      for (int b = 0; b < kB; ++b) all[std::size_t(i) * kB + b] = cfg.ctx - steps + i;
+      for (int b = 0; b < g_batch; ++b) all[std::size_t(i) * g_batch + b] = cfg.ctx - steps + i;
     upload_ints(lens, all);
   }
   std::unique_ptr<Buffer> table;
   flashattn::KVCacheArgs a;
-  a.q = Tensor::contiguous(q.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
-  a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {kB, 1, kHk, kD}, dev);
-  a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {kB, 1, kHk, kD}, dev);
+  a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
+  a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {g_batch, 1, kHk, kD}, dev);
+  a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {g_batch, 1, kHk, kD}, dev);
   if (cfg.block_size > 0) {
-    const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * kB;
+    const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * g_batch;
     std::vector<int> ids(blocks);
     std::iota(ids.begin(), ids.end(), 0);
     std::mt19937 rng(1234);
@@ -247,10 +281,10 @@ EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
     upload_ints(*table, ids);
     a.k_cache = Tensor::contiguous(k.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
     a.v_cache = Tensor::contiguous(v.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
-    a.block_table = Tensor::contiguous(table->p, DType::kInt32, {kB, per_seq}, dev);
+    a.block_table = Tensor::contiguous(table->p, DType::kInt32, {g_batch, per_seq}, dev);
   } else {
-    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
-    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {kB, cfg.ctx, kHk, kD}, dev);
+    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
+    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
   }
   if (cfg.fp8) {
     a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
@@ -260,12 +294,12 @@ EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
   auto step_args = [&](int i) {
     flashattn::KVCacheArgs s = a;
     s.cache_seqlens =
-        Tensor::contiguous(static_cast<int*>(lens.p) + std::size_t(i) * kB, DType::kInt32, {kB}, dev);
+        Tensor::contiguous(static_cast<int*>(lens.p) + std::size_t(i) * g_batch, DType::kInt32, {g_batch}, dev);
     return s;
   };
   flashattn::Options opts;
   opts.stream = stream;
-  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {kB, 1, kHq, kD}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   // One workspace for every step (the size does not depend on the lengths), as a serving
   // loop keeps one.
@@ -375,9 +409,17 @@ int main(int argc, char** argv) {
   }
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
   const bool eager = std::getenv("BENCH_EAGER") != nullptr && std::string(std::getenv("BENCH_EAGER")) == "1";
+  const bool sweep = std::getenv("BENCH_SWEEP") != nullptr && std::string(std::getenv("BENCH_SWEEP")) == "1";
+  if (const char* b = std::getenv("BENCH_BATCH")) {
+    g_batch = std::atoi(b);
+    if (g_batch < 1) {
+      std::fprintf(stderr, "BENCH_BATCH: expected a batch >= 1, got '%s'\n", b);
+      return 2;
+    }
+  }
   if (csv) {
     std::fprintf(csv, eager ? "config,ctx,block_size,fp8,host_us_per_step,enqueue_us_per_step,index_checks\n"
-                            : "config,ctx,block_size,fp8,us,tbps,tokens_per_s\n");
+                            : "config,batch,ctx,block_size,fp8,us,tbps,tokens_per_s,stream_us,stream_tbps\n");
   }
   cudaStream_t stream;
   BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -388,8 +430,9 @@ int main(int argc, char** argv) {
       {"fp8", 4096, 0, true},          {"fp8", 32768, 0, true},          {"fp8", 131072, 0, true},
   };
   if (!eager) {
-    std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kB, kHq, kHk, kD);
-    std::printf("| cache | context | us | KV TB/s | tokens/s |\n|---|---|---|---|---|\n");
+    std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call); stream: a kernel\n"
+                "that only reads the same K / V bytes (the bound)\n", g_batch, kHq, kHk, kD);
+    std::printf("| cache | context | us | KV TB/s | tokens/s | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
   }
   // BENCH_ONLY: "grid" (no long context), a name ("dense"), or a comma list of names or
   // name:context, run in the list's order ("dense:131072,paged16:4096,dense:4096").
@@ -418,12 +461,33 @@ int main(int argc, char** argv) {
   } else {
     order = grid;
   }
+  if (sweep) {
+    // Issue 23's sweep: dense bf16 caches, batch 1 / 8 / 64 x contexts 1k .. 128k, each
+    // against the streaming read of its own bytes.
+    std::printf("decode sweep: bf16 dense cache, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kHq, kHk, kD);
+    std::printf("| batch | context | us | KV TB/s | stream us | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
+    for (int b : {1, 8, 64}) {
+      g_batch = b;
+      for (int ctx = 1024; ctx <= 131072; ctx *= 2) {
+        const Config c{"dense", ctx, 0, false};
+        const Result r = run_decode(c, stream);
+        std::printf("| %d | %d | %.1f | %.2f | %.1f | %.2f | %.3f |\n", b, ctx, r.us, r.tbps, r.stream_us, r.stream_tbps,
+                    r.tbps / r.stream_tbps);
+        std::fflush(stdout);
+        if (csv) std::fprintf(csv, "sweep,%d,%d,0,0,%.2f,%.3f,%.0f,%.2f,%.3f\n", b, ctx, r.us, r.tbps, r.tokens_per_s,
+                              r.stream_us, r.stream_tbps);
+      }
+    }
+    if (csv) std::fclose(csv);
+    cudaStreamDestroy(stream);
+    return 0;
+  }
   if (eager) {
     const char* checks_env = std::getenv("FLASHATTN_DEVICE_INDEX_CHECKS");
     const char* checks = checks_env != nullptr && std::string(checks_env) == "0" ? "host" : "device";
     const int steps = std::getenv("BENCH_EAGER_STEPS") ? std::max(1, std::atoi(std::getenv("BENCH_EAGER_STEPS"))) : 200;
     std::printf("eager decode steps (append 1 token + attend), bf16, b %d, h %d/%d, d %d, index checks on the %s\n",
-                kB, kHq, kHk, kD, checks);
+                g_batch, kHq, kHk, kD, checks);
     for (const Config& c : order) {
       const EagerResult r = run_eager(c, stream, steps);
       std::printf("eager %s ctx %d host_us_per_step %.1f enqueue_us_per_step %.1f steps %d index_checks %s\n", c.name,
@@ -438,9 +502,11 @@ int main(int argc, char** argv) {
   }
   for (const Config& c : order) {
     const Result r = run_decode(c, stream);
-    std::printf("| %s | %d | %.1f | %.2f | %.0f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s);
+    std::printf("| %s | %d | %.1f | %.2f | %.0f | %.2f | %.3f |\n", c.name, c.ctx, r.us, r.tbps, r.tokens_per_s,
+                r.stream_tbps, r.tbps / r.stream_tbps);
     std::fflush(stdout);
-    if (csv) std::fprintf(csv, "%s,%d,%d,%d,%.2f,%.3f,%.0f\n", c.name, c.ctx, c.block_size, c.fp8, r.us, r.tbps, r.tokens_per_s);
+    if (csv) std::fprintf(csv, "%s,%d,%d,%d,%d,%.2f,%.3f,%.0f,%.2f,%.3f\n", c.name, g_batch, c.ctx, c.block_size, c.fp8, r.us,
+                          r.tbps, r.tokens_per_s, r.stream_us, r.stream_tbps);
   }
   if (!only) long_context(csv, stream);
   if (csv) std::fclose(csv);
