@@ -9,7 +9,9 @@ matmul), all in this one process, on
   backward 2.5x, forward + backward 3.5x);
 - the decode grid: bf16, batch 8, 32 query heads over 8 KV heads, hdim 128, one query
   token, contexts 4k / 32k / 128k, in TB/s of K and V read (flashattn through
-  flash_attn_with_kvcache; SDPA CUDNN and FLASH on the same dense cache);
+  flash_attn_with_kvcache; SDPA CUDNN and FLASH on the same dense cache); --decode-batches
+  and --decode-contexts make it a sweep (issue 23: 1,8,64 x 1k..128k), each cell rotating
+  over enough input sets that L2 holds none of them;
 - a memory sweep: peak memory of forward + backward, batch 1, 16 heads, hdim 128, naive
   against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory);
 - with --prefill-chunk: a 2k-token causal chunk against 32k keys of KV cache, dense and
@@ -33,6 +35,7 @@ from DIR/results.json (for a machine with matplotlib).
                            [--only fwd,bwd,fwd_bwd] [--hdims 64,128] [--seqlens 4k,16k]
                            [--dtypes bf16] [--causal both|yes|no] [--impls ...]
                            [--families auto,sm80] [--prefill-chunk] [--no-gemm]
+                           [--decode-batches 1,8,64] [--decode-contexts 1k,4k,128k]
                            [--timing graph|eager]
     python3 bench/suite.py --plot DIR
 
@@ -602,7 +605,21 @@ def decode_dtypes(cfg):
 
 def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
     for dt_name in decode_dtypes(cfg):
-        run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progress)
+        for b in cfg.get("batches", (cfg["batch"],)):
+            run_decode_dtype(torch, impls, timer, dict(cfg, batch=b), dt_name, cpu, args, rows,
+                             progress)
+
+
+def decode_sets(args, nbytes, cpu):
+    """Input sets a decode cell rotates over: --sets, more where one set's K and V are small
+    (enough for >= 512 MiB in all on the GPU, so that L2 does not hold one call's keys for the
+    next; 64 at most), fewer where they would not fit in half the free device memory."""
+    if cpu:
+        return args.sets
+    import torch
+    n = max(args.sets, min(64, (512 << 20) // max(nbytes, 1) + 1))
+    free = torch.cuda.mem_get_info()[0]
+    return max(1, min(n, int(free * 0.5) // max(nbytes, 1)))
 
 
 def run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progress):
@@ -616,7 +633,7 @@ def run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progres
         nbytes = R.kv_bytes(b, s, hk, d, elem)
         sets = []
         try:
-            for _ in range(args.sets):
+            for _ in range(decode_sets(args, nbytes, cpu)):
                 sets.append(dict(
                     q=torch.randn(b, 1, hq, d, dtype=dt, device=device),
                     k=torch.randn(b, s, hk, d, dtype=dt, device=device),
@@ -827,6 +844,8 @@ def build_parser():
                     "first in this process, each other in a subprocess (standard grid only)")
     ap.add_argument("--prefill-chunk", action="store_true",
                     help="also the prefill-chunk measurement (the same as adding 'prefill' to --grids)")
+    ap.add_argument("--decode-batches", help="decode grid batches, e.g. 1,8,64 (default 8)")
+    ap.add_argument("--decode-contexts", help="decode grid contexts, e.g. 1k,4k,128k (default 4k,32k,128k)")
     ap.add_argument("--no-gemm", action="store_true", help="skip the ceilings (GEMM, and the read bandwidth before the decode grid)")
     ap.add_argument("--budget-ms", type=float, help="timed milliseconds per measurement")
     ap.add_argument("--min-reps", type=int)
@@ -892,16 +911,23 @@ def resolve(args, cpu):
 
 def decode_grid(args, cpu):
     """The decode grid of the options: R.DECODE_CPU with the --dtypes of the run on the CPU
-    (default fp32 and bf16), R.DECODE (bf16) on the GPU, with fewer contexts for --quick."""
+    (default fp32 and bf16), R.DECODE (bf16) on the GPU, with fewer contexts for --quick;
+    --decode-batches / --decode-contexts replace its batch and contexts on either."""
     if cpu:
         dec = dict(R.DECODE_CPU)
         if args.dtypes:
             dec["dtypes"] = tuple(R.parse_list(args.dtypes, allowed=("bf16", "fp16", "fp32"),
                                                what="--dtypes entry"))
-        return dec
-    dec = dict(R.DECODE)
-    if args.quick:
-        dec["contexts"] = (4096, 32768)
+    else:
+        dec = dict(R.DECODE)
+        if args.quick:
+            dec["contexts"] = (4096, 32768)
+    if args.decode_batches:
+        dec["batches"] = tuple(R.parse_list(args.decode_batches, int, what="--decode-batches entry"))
+    if args.decode_contexts:
+        dec["contexts"] = tuple(R.parse_list(args.decode_contexts, int, what="--decode-contexts entry"))
+    if any(x < 1 for x in dec.get("batches", ()) + dec["contexts"]):
+        raise ValueError("--decode-batches / --decode-contexts: expected values >= 1")
     return dec
 
 
@@ -945,7 +971,11 @@ def main(argv=None):
         fa4, fa4_version, fa4_reason = load_fa4()
         if fa4 is None:
             names.remove("fa4")
-    dec = decode_grid(args, cpu)
+    try:
+        dec = decode_grid(args, cpu)
+    except ValueError as exc:
+        print(f"bench/suite.py: {exc}", file=sys.stderr)
+        return 2
     mem = R.MEMORY_CPU if cpu else R.MEMORY
     pre = R.PREFILL_CPU if cpu else R.PREFILL
     if args.quick and not cpu:
@@ -977,7 +1007,8 @@ def main(argv=None):
     if "standard" in grids:
         total += len(R.standard_cells(grid)) * len(names)
     if "decode" in grids:
-        total += len(dec["contexts"]) * len(decode_dtypes(dec)) * (3 if not cpu else 2)
+        total += (len(dec["contexts"]) * len(dec.get("batches", (dec["batch"],))) *
+                  len(decode_dtypes(dec)) * (3 if not cpu else 2))
     if "memory" in grids:
         total += 2 * len(mem["seqlens"])
     if "prefill" in grids:

@@ -459,37 +459,40 @@ def summary_table(rows, grid="standard", min_seqlen=0):
 
 def decode_table(rows, unit="TB/s"):
     """Markdown: per context, our TB/s (us per call), ours / best peer, then each peer's
-    TB/s (ours/peer); with rows of several dtypes (the CPU grid), a row per dtype and
-    context, the dtype in the first column."""
+    TB/s (ours/peer); with rows of several dtypes (the CPU grid) or batches (the sweep), a
+    row per dtype, batch and context, the dtype / batch in the first columns."""
     rs = [r for r in rows if r["grid"] == "decode"]
     if not rs:
         return ""
     k = 1e3 if unit == "GB/s" else 1.0
     peers = [i for i in impls_in(rows, "decode") if not is_ours(i)]
     dtypes = list(dict.fromkeys(r["dtype"] for r in rs))
-    several = len(dtypes) > 1
-    head = (["dtype"] if several else []) + ["context", f"ours {unit} (us)", "vs best"] + \
+    batches = sorted({int(r["batch"]) for r in rs})
+    several, several_b = len(dtypes) > 1, len(batches) > 1
+    head = (["dtype"] if several else []) + (["batch"] if several_b else []) + \
+        ["context", f"ours {unit} (us)", "vs best"] + \
         [f"{SHORT.get(p, p)} {unit} (ours/peer)" for p in peers]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    by = {(r["dtype"], r["seqlen"], r["impl"]): r for r in rs}
+    by = {(r["dtype"], int(r["batch"]), r["seqlen"], r["impl"]): r for r in rs}
     for dt in dtypes:
-        for s in sorted({r["seqlen"] for r in rs if r["dtype"] == dt}):
-            o = by.get((dt, s, OURS))
-            bname, brow = best_peer({p: by.get((dt, s, p)) for p in peers}, "tbps")
-            q = ratio(o, brow, "tbps")
-            cols = ([dt] if several else []) + [
-                _seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a",
-                f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-"]
-            for p in peers:
-                pr = by.get((dt, s, p))
-                q = ratio(o, pr, "tbps")
-                if q is not None:
-                    cols.append(f"{pr['tbps'] * k:.2f} ({q:.2f})")
-                elif _ok(pr, "tbps"):
-                    cols.append(f"{pr['tbps'] * k:.2f} (-)")
-                else:
-                    cols.append("n/a")
-            lines.append("| " + " | ".join(cols) + " |")
+        for b in batches:
+            for s in sorted({r["seqlen"] for r in rs if r["dtype"] == dt and int(r["batch"]) == b}):
+                o = by.get((dt, b, s, OURS))
+                bname, brow = best_peer({p: by.get((dt, b, s, p)) for p in peers}, "tbps")
+                q = ratio(o, brow, "tbps")
+                cols = ([dt] if several else []) + ([str(b)] if several_b else []) + [
+                    _seq(s), f"{o['tbps'] * k:.2f} ({o['ms'] * 1e3:.0f})" if _ok(o, "tbps") else "n/a",
+                    f"{q:.2f} ({SHORT.get(bname, bname)})" if q is not None else "-"]
+                for p in peers:
+                    pr = by.get((dt, b, s, p))
+                    q = ratio(o, pr, "tbps")
+                    if q is not None:
+                        cols.append(f"{pr['tbps'] * k:.2f} ({q:.2f})")
+                    elif _ok(pr, "tbps"):
+                        cols.append(f"{pr['tbps'] * k:.2f} (-)")
+                    else:
+                        cols.append("n/a")
+                lines.append("| " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
@@ -715,29 +718,32 @@ def plot_all(meta, rows, out_dir):
 
     dec = [r for r in rows if r["grid"] == "decode"]
     if dec:
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        batches = sorted({int(r["batch"]) for r in dec})
+        fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 3.6), squeeze=False)
         dtypes = list(dict.fromkeys(r["dtype"] for r in dec))
-        for dt in dtypes:
-            for impl in impls_in(rows, "decode"):
-                pts = sorted((r["seqlen"], r["tbps"] * scale) for r in dec
-                             if r["impl"] == impl and r["dtype"] == dt and _ok(r, "tbps"))
-                if pts:
-                    label = LABELS.get(impl, impl) + (f" {dt}" if len(dtypes) > 1 else "")
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                            lw=2.2 if impl == OURS else 1.3, color=_COLORS.get(impl),
-                            ls="-" if dt == dtypes[-1] else "--", label=label)
-        ax.set_xscale("log", base=2)
-        seqs = sorted({r["seqlen"] for r in dec})
-        ax.set_xticks(seqs)
-        ax.set_xticklabels([_seq(s) for s in seqs])
         r0 = dec[0]
-        ax.set_title(f"decode: b {r0['batch']}, {r0['heads']} q / {r0['heads_kv']} kv heads, "
-                     f"hdim {r0['hdim']}, {', '.join(dtypes)}", fontsize=9)
-        ax.set_xlabel("context length")
-        ax.set_ylabel(("GB/s" if scale > 1 else "TB/s") + " of K and V read")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        for ax, b in zip(axes[0], batches):
+            for dt in dtypes:
+                for impl in impls_in(rows, "decode"):
+                    pts = sorted((r["seqlen"], r["tbps"] * scale) for r in dec
+                                 if r["impl"] == impl and r["dtype"] == dt and
+                                 int(r["batch"]) == b and _ok(r, "tbps"))
+                    if pts:
+                        label = LABELS.get(impl, impl) + (f" {dt}" if len(dtypes) > 1 else "")
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                lw=2.2 if impl == OURS else 1.3, color=_COLORS.get(impl),
+                                ls="-" if dt == dtypes[-1] else "--", label=label)
+            ax.set_xscale("log", base=2)
+            seqs = sorted({r["seqlen"] for r in dec if int(r["batch"]) == b})
+            ax.set_xticks(seqs)
+            ax.set_xticklabels([_seq(s) for s in seqs])
+            ax.set_title(f"decode: b {b}, {r0['heads']} q / {r0['heads_kv']} kv heads, "
+                         f"hdim {r0['hdim']}, {', '.join(dtypes)}", fontsize=9)
+            ax.set_xlabel("context length")
+            ax.set_ylabel(("GB/s" if scale > 1 else "TB/s") + " of K and V read")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         p = os.path.join(out_dir, "decode.png")
         _save(fig, p)

@@ -190,6 +190,36 @@ def test_decode_and_memory_tables():
     assert "commit abc" in text and "Decode" in text and "Peak memory" in text
 
 
+def test_decode_table_with_several_batches():
+    # The sweep (issue 23): a row per batch and context, the batch in the first column, the
+    # best peer taken within the same batch and context.
+    rows = []
+    for b, ours, cudnn, fa2 in ((1, 1.0, 2.0, 0.5), (64, 4.0, 3.0, 3.5)):
+        rows += [R.row("decode", "flashattn", "bf16", 128, False, 1024, b, 32, "decode", heads_kv=8,
+                       ms=0.01, tbps=ours),
+                 R.row("decode", "sdpa_cudnn", "bf16", 128, False, 1024, b, 32, "decode", heads_kv=8,
+                       ms=0.01, tbps=cudnn),
+                 R.row("decode", "sdpa_flash", "bf16", 128, False, 1024, b, 32, "decode", heads_kv=8,
+                       ms=0.01, tbps=fa2)]
+    head, body = _parse(R.decode_table(rows))
+    assert head[0] == "batch"
+    assert [r[:3] for r in body] == [["1", "1k", "1.00 (10)"], ["64", "1k", "4.00 (10)"]]
+    assert body[0][3] == "0.50 (cudnn)" and body[1][3] == "1.14 (fa2)"
+
+
+def test_decode_grid_batches_and_contexts():
+    import suite  # noqa: PLC0415  (no torch needed to import it)
+    ap = suite.build_parser()
+    dec = suite.decode_grid(ap.parse_args(["--decode-batches", "1,8,64",
+                                           "--decode-contexts", "1k,128k"]), cpu=False)
+    assert dec["batches"] == (1, 8, 64) and dec["contexts"] == (1024, 131072)
+    assert "batches" not in suite.decode_grid(ap.parse_args([]), cpu=False)
+    with pytest.raises(ValueError, match="--decode-batches"):
+        suite.decode_grid(ap.parse_args(["--decode-batches", "0"]), cpu=False)
+    with pytest.raises(ValueError, match="--decode-contexts entry"):
+        suite.decode_grid(ap.parse_args(["--decode-contexts", ","]), cpu=False)
+
+
 def test_short_reason():
     assert R.short_reason("RuntimeError: CUDA out of memory. Tried ...") == "out of memory"
     long = "word " * 100
