@@ -35,6 +35,16 @@ namespace {
 constexpr int kMaxSplits = 256;
 constexpr std::size_t kAlign = 256;
 constexpr int kMinTilesPerSplit = 4;
+// The split heuristic (num_splits = 0) fills the block slots (SMs x blocks per SM) with
+// (sequence, KV head, row chunk, split) blocks in one wave, with at most kMaxWaveSplits
+// splits: the last split's merge of every partial grows with the count. Issue 23's sweep on
+// the H100 (C++ decode bench, dense bf16, 32 / 8 heads, d 128, forced counts, one call):
+// batch 1 at 32k 72.0 us at the 49 splits that fill the 396 slots, 59.8-59.9 at 24-32, 62.3
+// at 16; at 128k 197.7 against 185.0-185.9. Several waves instead (more blocks than slots)
+// measured slower where one wave fits (batch 32, 256 units: 7 splits 1405 us at 32k against
+// 1338 for one split) and not clearly faster where it does not (batch 64: 4 splits 2688 /
+// 2775 us against 2814 / 2776 in two calls); docs/performance.md, "Variants".
+constexpr int kMaxWaveSplits = 32;
 // GQA-packed rows up to which a KV-cache call without fp8 / tree / splits still takes the
 // decode kernel (beyond: the 64/128-row forward tiles read K/V fewer times).
 constexpr int kDecodeMaxRows = 128;
@@ -225,8 +235,8 @@ DecodePlan plan_decode(const FwdParams& p) {
   if (splits == 0) {
     const int per_sm = std::max(1, std::min(16, (228 * 1024) / (tf.smem + 1024)));
     const std::int64_t slots = std::int64_t(sm_count(p.device_index)) * per_sm;
-    const std::int64_t units = std::int64_t(p.batch) * p.h_k * plan.row_chunks;
-    std::int64_t s = units > 0 ? slots / units : 1;
+    const std::int64_t units = std::max<std::int64_t>(1, std::int64_t(p.batch) * p.h_k * plan.row_chunks);
+    std::int64_t s = std::min<std::int64_t>(slots / units, kMaxWaveSplits);
     s = std::min<std::int64_t>(s, std::max<std::int64_t>(1, max_tiles / kMinTilesPerSplit));
     splits = static_cast<int>(std::clamp<std::int64_t>(s, 1, kMaxSplits));
   }
