@@ -136,7 +136,8 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
       check.unsupported("q", "dtype float16 or bfloat16 with opts.qv (CUDA backend)", dtype_name(dtype));
     }
     if (d < 8 || d % 8 != 0 || d > 64) {
-      check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= 64 with opts.qv (CUDA MLA kernel: d is the rope part)",
+      check.unsupported("q",
+                        "head dim with d % 8 == 0 and 8 <= d <= 64 with opts.qv (CUDA MLA kernel: d is the rope part)",
                         "d = " + std::to_string(d));
     }
     if (d_v < 8 || d_v % 8 != 0 || d_v > 512) {

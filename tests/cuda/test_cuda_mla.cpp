@@ -24,6 +24,7 @@
 #include "cuda/device_copy.hpp"
 #include "cuda/device_runs.hpp"
 #include "cuda/kvcache_runs.hpp"
+#include "cuda/sm80/mla_launch.hpp"
 #include "flashattn/error.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
@@ -35,9 +36,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-// The MLA kernel's shared memory per block (sm80/mla_launch.hpp: 159744 dynamic + 128
-// static): an A100 or H100 / H200, not a 99 KiB GPU or a run under FLASHATTN_SMEM_CAP.
-constexpr int kMlaSmemNeed = 159744 + 128;
+// The MLA kernel's shared memory per block (dynamic, plus 128 bytes of static: the split
+// merge's flag): an A100 or H100 / H200, not a 99 KiB GPU or a run under FLASHATTN_SMEM_CAP.
+constexpr int kMlaSmemNeed = detail::cuda::sm80::MlaTraits::kSmemBytes + 128;
 
 #define FA_SKIP_UNLESS_MLA_FITS(opts)                                                                        \
   do {                                                                                                       \
