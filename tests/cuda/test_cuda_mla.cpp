@@ -140,6 +140,21 @@ TEST(CudaMlaKVCacheOptions, WindowSoftcapAlibiSink) {
   }
 }
 
+// Split counts (1, forced 2 / 7 / 64, the heuristic's 0) agree with the num_splits = 1 run
+// within twice the tolerance rule's bound, each also against the oracle and the CPU.
+TEST(CudaMlaKVCacheSplits, CountsAgree) {
+  FA_REQUIRE_GPU();
+  FA_SKIP_UNLESS_MLA_FITS(Options{});
+  FA_SEEDED_RNG(rng);
+  const KVCacheCase base = make_kv_case(
+      rng, {"splits", DType::kBFloat16, 2, 32, 1, 64, 512, 2, 2, 64, {3999, 75}, true, 1});
+  const ForwardExpectation expect = ForwardExpectation::of(base.problem(), base.cfg.dtype);
+  expect_split_counts_agree(base, expect, base.cfg.dtype, {1, 2, 7, 64, 0}, [](KVCacheCase& c) {
+    check_case(c);
+    return forward_results(c);
+  });
+}
+
 // A decode step captured into a CUDA graph with a caller workspace sized by
 // kvcache_workspace_size (shapes only) replays to the bits of the direct call.
 TEST(CudaMlaKVCacheGraph, CaptureReplaysTheDirectCall) {
