@@ -157,7 +157,11 @@ struct Options {
   // k_cache holds the rope keys (d = 64), v_cache the latent (d_v = 512), h_k = 1 under
   // many query heads, paged. The default scale is then 1/sqrt(d + d_v). There is no
   // backward with qv (as in FlashAttention-3): backward / varlen_backward reject it
-  // (Unsupported). CPU backend only for now (CUDA: Unsupported). Undefined = none.
+  // (Unsupported). CUDA: the sm80 family's MLA kernel on every GPU with 160 KB of shared
+  // memory per block (A100, H100, H200; src/cuda/sm80/mla_kernel.cuh): float16 / bfloat16,
+  // d <= 64 and d_v <= 512 (multiples of 8), no dropout, no block_sparse; KV-cache calls
+  // with dense or paged 16-bit caches (no fp8 cache, no tree_mask). Anything else is
+  // Unsupported naming the argument. Undefined = none.
   Tensor qv;
   // fp8 forward (FlashAttention-3's q_descale, k_descale, v_descale): with q, k, v all of
   // dtype float8_e4m3, the value of an element is float(e4m3) * descale[b, g], g the KV
@@ -283,7 +287,9 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 //
 // MLA decode (Options::qv, FlashAttention-3's qv [b, s_q, h_q, d_v]): k_cache holds the
 // rope keys, v_cache the latent, which serves both the score (q . k + qv . v) and the
-// value; an fp8 cache dequantizes v with v_scale in both uses.
+// value; an fp8 cache dequantizes v with v_scale in both uses (CPU backend; on CUDA the MLA
+// kernel reads 16-bit caches: an fp8 cache or a tree_mask with qv is Unsupported naming it,
+// before the append).
 //
 // Left-padded cache (flash_attn's cache_leftpad): cache_leftpad int32 [b] (optional,
 // dense caches only; 0 <= cache_leftpad[i] <= cache_seqlens[i]). Sequence i's cached keys

@@ -165,8 +165,8 @@ def _pad_last(t: Optional[Tensor], d8: int) -> Optional[Tensor]:
 
 def _padded_inputs(q, k, v, qv=None):
     """(d8, q, k, v) of a forward: q, k, v zero-padded to d8 where _padded_head_dim pads
-    (d8 = 0: as they are). qv and block masks run on the CPU only (the library declines
-    them on CUDA), so a call with qv is not padded."""
+    (d8 = 0: as they are). A call with qv is not padded: on CUDA the MLA kernel takes d and
+    d_v multiples of 8 as they are (the library's error names others)."""
     d8 = 0 if qv is not None else _padded_head_dim(q, k, v)
     if not d8:
         return 0, q, k, v
@@ -452,7 +452,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     fp32 [h_q] or [b, h_q]. softmax_lse: [b, h_q, s_q] fp32. learnable_sink: [h_q] sink
     logits (FlashAttention-4), differentiable. qv [b, s_q, h_q, d_v] (FlashAttention-3's,
     MLA): scores softmax_scale * (q . k + qv . v), default scale 1/sqrt(d + d_v); forward
-    only (differentiating such a call raises UnsupportedError naming qv); CPU only for now.
+    only (differentiating such a call raises UnsupportedError naming qv). CUDA tensors run
+    the MLA kernel: float16 / bfloat16, d <= 64 and d_v <= 512, multiples of 8, no dropout
+    (else UnsupportedError naming the argument).
 
     fp8 (FlashAttention-3's): q, k, v of dtype torch.float8_e4m3fn with q_descale,
     k_descale, v_descale fp32 [b, h_k] (None = 1; an element's value is float(e4m3) *
@@ -632,8 +634,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     d_v] in q's dtype; each score becomes softmax_scale * (q . k + qv . v), so that one
     latent cache (v_cache, d_v = 512 in DeepSeek) serves the score and the value while
     k_cache holds the rope part (d = 64); many query heads over h_k = 1. The default
-    softmax_scale is then 1/sqrt(d + d_v). Inference only (no gradient); CPU tensors only
-    for now (CUDA raises UnsupportedError naming qv).
+    softmax_scale is then 1/sqrt(d + d_v). Inference only (no gradient). CUDA tensors run
+    the MLA kernel (any GPU from sm80 with 160 KB of shared memory per block: A100, H100,
+    H200): float16 / bfloat16 caches (not float8_e4m3fn), d <= 64 and d_v <= 512, multiples
+    of 8, dense or paged, with appends, splits, causal / window, softcap, ALiBi and sinks;
+    no tree_mask (else UnsupportedError naming the argument).
 
     Head dims that are not a multiple of 8 on CUDA tensors: q, k, v and zero-padded
     copies of the caches run at the next multiple of 8 (scale of the true d); the caches

@@ -906,9 +906,10 @@ def _kvcache_fwd(
     caches in place at cache_seqlens (not advanced) before attending. A float8_e4m3fn
     cache takes fp32 k_scale/v_scale ([h_k] or [k_cache.shape[0], h_k]); tree_mask int32
     [b, s_q, ceil(s_q / 32)] is the draft-tree bitmask over the last s_q keys;
-    learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA, CPU only for
-    now) adds qv . v to every score (softmax_scale is given: the interface's default with
-    qv is 1/sqrt(d + d_v)); cache_leftpad int32 [b] (dense caches): sequence i's keys are
+    learnable_sink fp32 [h_q] (lse includes it); qv [b, s_q, h_q, d_v] (MLA; on CUDA
+    16-bit caches, d <= 64, d_v <= 512, no tree_mask) adds qv . v to every score
+    (softmax_scale is given: the interface's default with qv is 1/sqrt(d + d_v));
+    cache_leftpad int32 [b] (dense caches): sequence i's keys are
     cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1. fp8 q (FlashAttention-3's
     call): q, k_cache, v_cache, k_new, v_new float8_e4m3fn with q_descale / k_descale /
     v_descale fp32 [b, h_k] (None = 1; no k_scale / v_scale), out in out_dtype (bfloat16

@@ -60,7 +60,9 @@ Target check_dense_options(const Check& c, const Options& opts, const DenseDims&
                             detail::api::scale_dim(opts, dims.d, dims.d_v), p);
   const Target target = detail::api::resolve_target(c, opts, q.device);
   detail::api::check_fp8_cuda(c, opts, q, target == Target::kCUDA, dims.b, dims.h_k);
-  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, call);
+  // With qv (forward only: the backward rejects it before) the MLA kernel's head dims.
+  detail::api::check_supported(c, target, q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
+                               opts.qv.defined() ? detail::api::CudaCall::kMla : call);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", q}, {"k", k}, {"v", v}});
   return target;

@@ -325,8 +325,17 @@ void reject_qv(const Check& check, const Options& opts) {
 
 void check_qv_target(const Check& check, const Options& opts, bool cuda) {
   if (!opts.qv.defined() || !cuda) return;
-  check.unsupported("opts.qv", "an undefined tensor on CUDA (qv, MLA, runs on the CPU backend)",
-                    "a tensor on " + to_string(opts.qv.device));
+  // The CUDA MLA kernel (src/cuda/sm80/mla_kernel.cuh) is inference only, without masks
+  // beyond the per-row key intervals; its head-dim rules are check_supported's (CudaCall::kMla).
+  if (opts.dropout_p > 0.0f) {
+    check.unsupported("opts.dropout_p", "0 with opts.qv on CUDA (the MLA kernel has no dropout)",
+                      number(opts.dropout_p));
+  }
+  if (opts.block_sparse.defined()) {
+    check.unsupported("opts.block_sparse",
+                      "undefined lists with opts.qv on CUDA (the MLA kernel takes no block-sparse mask)",
+                      "a block-sparse mask");
+  }
 }
 
 void set_out(const Tensor& out, FwdParams& p) {

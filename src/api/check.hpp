@@ -135,7 +135,8 @@ inline int scale_dim(const Options& opts, int d, int d_v) {
 }
 // A backward entry point: opts.qv undefined (qv has no backward), else Unsupported.
 void reject_qv(const Check& check, const Options& opts);
-// With qv on a CUDA target: Unsupported naming opts.qv.
+// With qv on a CUDA target (the MLA kernel): opts.dropout_p 0 and no opts.block_sparse,
+// else Unsupported naming them. The head dims are check_supported's (CudaCall::kMla).
 void check_qv_target(const Check& check, const Options& opts, bool cuda);
 void set_out(const Tensor& out, FwdParams& p);
 

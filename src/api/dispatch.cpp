@@ -130,6 +130,22 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                                : "dtype float16 or bfloat16 (CUDA backend)",
                       dtype_name(dtype));
   }
+  if (call == CudaCall::kMla) {
+    // The MLA kernel (src/cuda/sm80/mla_kernel.cuh): q / k padded to 64 dims, qv / v to 512.
+    if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+      check.unsupported("q", "dtype float16 or bfloat16 with opts.qv (CUDA backend)", dtype_name(dtype));
+    }
+    if (d < 8 || d % 8 != 0 || d > 64) {
+      check.unsupported("q",
+                        "head dim with d % 8 == 0 and 8 <= d <= 64 with opts.qv (CUDA MLA kernel: d is the rope part)",
+                        "d = " + std::to_string(d));
+    }
+    if (d_v < 8 || d_v % 8 != 0 || d_v > 512) {
+      check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= 512 with opts.qv (CUDA MLA kernel)",
+                        "d_v = " + std::to_string(d_v));
+    }
+    return;
+  }
   const int max_d = fwd ? kMaxHeadDimFwd : kMaxHeadDim;
   const char* const which = fwd ? "(CUDA backend)"
                             : call == CudaCall::kBackward

@@ -27,8 +27,10 @@ Target resolve_target(const Check& check, const Options& opts, Device device);
 void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p);
 
 // Which CUDA kernels a call runs, for their head-dim limits: the forward (dense, varlen:
-// d and d_v up to 512), the backward (up to 256) or a KV-cache call (up to 256).
-enum class CudaCall { kForward, kBackward, kKVCache };
+// d and d_v up to 512), the backward (up to 256), a KV-cache call (up to 256) or a forward
+// or KV-cache call with Options::qv (the MLA kernel: d <= 64, d_v <= 512, whatever the
+// compiled buckets; float16 / bfloat16 only).
+enum class CudaCall { kForward, kBackward, kKVCache, kMla };
 
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.

@@ -368,10 +368,26 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
   // fp8 q over an fp8 cache runs on the CPU backend only (on CUDA: Unsupported naming q).
+  // With qv the MLA kernel's head dims (d <= 64, d_v <= 512) and rules: 16-bit caches, no
+  // draft-tree mask (before anything of the call runs, the append included).
+  const bool mla_cuda = opts.qv.defined() && target == Target::kCUDA;
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
-                               detail::api::CudaCall::kKVCache, "v_cache");
-  detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8, a.tree_mask.defined());
+                               mla_cuda ? detail::api::CudaCall::kMla : detail::api::CudaCall::kKVCache,
+                               "v_cache");
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
+  if (mla_cuda && dims.fp8) {
+    c.unsupported("k_cache",
+                  "a cache of q's dtype with opts.qv on CUDA (the MLA kernel reads 16-bit caches; "
+                  "fp8 caches with qv run on the CPU backend)",
+                  std::string(dtype_name(a.k_cache.dtype)));
+  }
+  if (mla_cuda && a.tree_mask.defined()) {
+    c.unsupported("tree_mask", "an undefined tensor with opts.qv on CUDA (the MLA kernel takes no draft-tree mask)",
+                  "a tensor of shape " + shape_string(a.tree_mask));
+  }
+  if (!mla_cuda) {
+    detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8, a.tree_mask.defined());
+  }
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "
                   "caches run on the CPU backend for now)",

@@ -157,7 +157,9 @@ Target check_varlen_rest(const Check& c, const VarlenArgs& a, const VarlenDims& 
                                  {dims.b, dims.h_q, a.max_seqlen_q, a.max_seqlen_k, true,
                                   dims.total_q, dims.total_k},
                                  block_kinds, p);
-  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q, call);
+  // With qv (forward only: the backward rejects it before) the MLA kernel's head dims.
+  detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
+                               opts.qv.defined() ? detail::api::CudaCall::kMla : call);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   detail::api::check_cuda_layouts(c, target, {{"q", a.q}, {"k", a.k}, {"v", a.v}});
   const bool read = check_varlen_contents(c, a, dims, target, opts.stream);

@@ -27,6 +27,10 @@
 // fused forward, so an fp8 cache or a draft-tree mask with d_v != d is Unsupported (the
 // API says so naming v_cache before the append).
 //
+// qv (MLA, FlashAttention-3's qv) runs in the sm80 family on every GPU (sm80::plan_mla:
+// the MLA kernel, mla_kernel.cuh; d <= 64, d_v <= 512), dense, varlen and KV-cache calls;
+// the head-dim buckets do not apply to it.
+//
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
 #include "cuda/dispatch.hpp"
@@ -93,6 +97,7 @@ void check_common(const char* fn, const FwdParams& p, bool wide) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
     throw Unsupported(fn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
   }
+  if (p.qv != nullptr) return;  // the MLA kernel's own rules (sm80::plan_mla)
   const auto supported = wide ? supports_forward_head_dim : supports_head_dim;
   const char* buckets = wide ? "within the compiled CUDA forward buckets"
                              : "within the compiled CUDA buckets (the backward and KV-cache calls stop at 256)";
@@ -150,6 +155,12 @@ void forward(const FwdParams& in) {
                         std::to_string(p.workspace_bytes) + " bytes");
     }
     sm90::run_fwd(p, static_cast<std::uint8_t*>(p.workspace) + fp8_vt_offset(p));
+    write_unused_query_rows(p);
+    return;
+  }
+  // MLA: the sm80 family's MLA kernel on every GPU.
+  if (p.qv != nullptr) {
+    sm80::forward(p);
     write_unused_query_rows(p);
     return;
   }

@@ -834,17 +834,51 @@ TEST(ErrorsCudaRules, Fp8DescalesGoToCudaAsDevicePointers) {
   EXPECT_EQ(h.dtype, fa::DType::kBFloat16);
 }
 
-TEST(ErrorsCudaRules, QvRunsOnTheCpuOnly) {
-  const fa::detail::api::Check check("kvcache_forward");
+// qv on CUDA runs the MLA kernel (src/cuda/sm80/mla_kernel.cuh), inference only: dropout
+// with it is Unsupported naming opts.dropout_p (its head dims are check_supported's).
+TEST(ErrorsCudaRules, QvOnCudaTakesNoDropout) {
+  const fa::detail::api::Check check("forward");
   alignas(16) static std::uint16_t buf[64];
   fa::Options opts;
   opts.qv = fa::Tensor::contiguous(buf, fa::DType::kFloat16, {1, 1, 1, 64}, fa::Device::cuda(0));
   EXPECT_NO_THROW(fa::detail::api::check_qv_target(check, opts, false));
+  EXPECT_NO_THROW(fa::detail::api::check_qv_target(check, opts, true));
+  opts.dropout_p = 0.25f;
+  EXPECT_NO_THROW(fa::detail::api::check_qv_target(check, opts, false));
   try {
     fa::detail::api::check_qv_target(check, opts, true);
-    FAIL() << "qv accepted for CUDA";
+    FAIL() << "qv with dropout accepted for CUDA";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'opts.qv': expected an undefined tensor on CUDA (qv, MLA, runs on the CPU backend), got a tensor on cuda:0"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'opts.dropout_p': expected 0 with opts.qv on CUDA (the MLA kernel has "
+                                    "no dropout), got 0.25"));
+  }
+}
+
+// The CUDA head-dim rules of a call with qv (CudaCall::kMla): d <= 64 (q), d_v <= 512 (v),
+// whatever buckets this build compiled; the CPU takes any.
+TEST(ErrorsCudaRules, QvHeadDimsOnCuda) {
+  namespace api = fa::detail::api;
+  const api::Check check("kvcache_forward");
+  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 1, 128,
+                                       api::CudaCall::kMla, "v_cache"));
+  EXPECT_NO_THROW(api::check_supported(check, api::Target::kCPU, fa::DType::kBFloat16, 128, 512, 1, 128,
+                                       api::CudaCall::kMla, "v_cache"));
+  try {
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 128, 512, 1, 128, api::CudaCall::kMla,
+                         "v_cache");
+    FAIL() << "d = 128 with qv accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_EQ(e.argument(), "q");
+    EXPECT_THAT(e.what(), HasSubstr("8 <= d <= 64 with opts.qv"));
+    EXPECT_THAT(e.what(), HasSubstr("got d = 128"));
+  }
+  try {
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kFloat16, 64, 1024, 1, 16, api::CudaCall::kMla,
+                         "v_cache");
+    FAIL() << "d_v = 1024 with qv accepted for CUDA";
+  } catch (const fa::Unsupported& e) {
+    EXPECT_EQ(e.argument(), "v_cache");
+    EXPECT_THAT(e.what(), HasSubstr("got d_v = 1024"));
   }
 }
 

@@ -39,7 +39,7 @@ inline void random_cache_layout(KVCacheConfig& cfg, bool share) {
 
 // All device buffers of one KV-cache case and the API arguments over them.
 struct DeviceCase {
-  std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi, sink;
+  std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi, sink, qv;
   KVCacheArgs args;
   Options opts;
 
@@ -87,6 +87,10 @@ struct DeviceCase {
     if (!c.sink.logits.empty()) {
       sink = std::make_unique<DeviceCopy>(c.sink.tensor);
       opts.learnable_sink = sink->view();
+    }
+    if (c.cfg.qv) {
+      qv = std::make_unique<DeviceCopy>(c.qv);
+      opts.qv = qv->view();
     }
   }
   // Restores the caches (before the append) and poisons out / lse on the device.
@@ -156,6 +160,7 @@ inline std::string describe_case(const KVCacheCase& c) {
          (f.dv() != f.d ? " d_v " + std::to_string(f.dv()) : "") + " block_size " +
          std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
          (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + (c.sink.logits.empty() ? "" : " sink") +
+         (f.qv ? " qv" : "") +
          " splits " + std::to_string(c.num_splits) +
          " " + describe(c.call_options());
 }

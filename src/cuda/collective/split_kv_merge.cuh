@@ -6,8 +6,10 @@
 // kernel (decode_kernel.cuh; the workspace layout is decode_launch.hpp's DecodeArgs). In
 // the sm80 namespace with the conversions it uses (convert.cuh).
 //
-// merge_split_row's SplitArgs: splits, ws_o ([splits][batch * h_q * seqlen_q][d] fp32),
-// ws_lse ([splits][batch * h_q * seqlen_q]) and q_bf16 (the output's dtype).
+// merge_split_row's SplitArgs: splits, ws_o ([splits][batch * h_q * seqlen_q][width] fp32,
+// width the output's head dim: d for the decode kernel, d_v for the MLA kernel), ws_lse
+// ([splits][batch * h_q * seqlen_q]) and q_bf16 (the output's dtype). Also used by the MLA
+// kernel (sm80/mla_kernel.cuh).
 #pragma once
 
 #include <cmath>
@@ -36,7 +38,7 @@ __device__ __forceinline__ bool arrive_split(unsigned int* counter, int splits) 
 }
 
 // One warp merges the split partials of one (b, h, i) row of the [batch, h_q, seqlen_q]
-// rows by log-sum-exp and writes out (and lse): lane l holds split
+// rows by log-sum-exp and writes out (and lse; `width` columns, a multiple of 4): lane l holds split
 // l's lse and merge weight (splits <= 32; more take the lanes in turn), then for each
 // 4-column group the splits' partial O rows are loaded kBatch at a time, all in flight
 // together, and summed in split order (the same bits whichever split merges) with the
@@ -44,7 +46,7 @@ __device__ __forceinline__ bool arrive_split(unsigned int* counter, int splits) 
 // written by other blocks.
 template <class SplitArgs>
 __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitArgs& a, int b, int h, int i,
-                                                int lane) {
+                                                int lane, int width) {
   constexpr int kBatch = 8;
   const std::int64_t rows = std::int64_t(p.batch) * p.h_q * p.seqlen_q;
   const std::int64_t row = (std::int64_t(b) * p.h_q + h) * p.seqlen_q + i;
@@ -56,8 +58,8 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
   auto load_o = [&](int c, int s0, float4 (&v)[kBatch]) {
 #pragma unroll
     for (int k = 0; k < kBatch; ++k) {
-      const float* src = a.ws_o + ((s0 + k) * rows + row) * p.d + c;
-      v[k] = c < p.d && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float* src = a.ws_o + ((s0 + k) * rows + row) * width + c;
+      v[k] = c < width && s0 + k < n ? __ldcg(reinterpret_cast<const float4*>(src)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
   };
   float4 first[kBatch];
@@ -86,9 +88,9 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
   // weights come by shuffle from the lanes that hold them, so all 32 must take part. (A
   // loop over only the lanes with columns left read the weights of splits >= d / 4 from
   // lanes outside it: wrong partial weights for d < 128 and d / 4 < splits <= 32.)
-  for (int c0 = 0; c0 < p.d; c0 += 128) {
+  for (int c0 = 0; c0 < width; c0 += 128) {
     const int c = c0 + lane * 4;
-    const bool col = c < p.d;
+    const bool col = c < width;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < n; s0 += kBatch) {
       float4 v[kBatch];

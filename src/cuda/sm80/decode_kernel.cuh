@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     if (!merges) return;
     for (int r = r0 + warp; r <= r_last; r += Tr::kWarps) {
       const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
-      merge_split_row(p, a, b, h, i, lane);
+      merge_split_row(p, a, b, h, i, lane, p.d);
     }
   }
 }

@@ -11,6 +11,7 @@
 
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/family.hpp"
+#include "cuda/sm80/mla_dispatch.hpp"
 #include "cuda/sm80/fwd_launch.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
@@ -22,6 +23,10 @@ namespace flashattn::detail::cuda::sm80 {
 
 void forward(const FwdParams& p) {
   constexpr const char* kFn = "forward";
+  if (p.qv != nullptr) {
+    run_mla_path(p, plan_mla(p));
+    return;
+  }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   if ((p.kv_dtype != p.dtype && !fp8) || (fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) {
     throw Unsupported(kFn, "k_cache", "a cache of q's dtype, or float8_e4m3 with k_scale / v_scale",
@@ -53,6 +58,8 @@ void forward(const FwdParams& p) {
 #undef FLASHATTN_FWD_BUCKET
 }
 
-std::size_t forward_workspace_size(const FwdParams& p) { return plan_decode(p).workspace_bytes; }
+std::size_t forward_workspace_size(const FwdParams& p) {
+  return p.qv != nullptr ? plan_mla(p).workspace_bytes : plan_decode(p).workspace_bytes;
+}
 
 }  // namespace flashattn::detail::cuda::sm80
