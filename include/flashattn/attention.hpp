@@ -177,8 +177,8 @@ struct Options {
   // with fp8 q. CUDA tensors: forward and varlen_forward run the sm90 (Hopper) fp8 kernel
   // (docs/fp8.md: it rounds P to e4m3 for the P V product); there dropout_p > 0,
   // return_probs and block_sparse are Unsupported naming the option, as are GPUs other than
-  // sm90 and head dims the kernel lacks; kvcache_forward with fp8 q runs on the CPU only
-  // (CUDA: Unsupported naming q).
+  // sm90 and head dims the kernel lacks; kvcache_forward with fp8 q runs on CUDA in the
+  // KV-cache decode kernel (every sm80+ GPU; see KVCacheArgs).
   Tensor q_descale, k_descale, v_descale;
 };
 
@@ -274,10 +274,16 @@ std::size_t varlen_backward_workspace_size(const VarlenArgs& args, const Options
 // (undefined = 1): key j of sequence i, KV head g is float(e4m3) * k_descale[i][g]
 // whatever block or cache row holds it (a block shared by two sequences is read under each
 // one's descale); k_new / v_new are appended as bytes. k_scale / v_scale must be undefined,
-// a 16-bit cache is an InvalidArgument naming k_cache; out bfloat16 / float16. CPU backend
-// only (CUDA: Unsupported naming q). k_new / v_new are quantized into the cache on append with the scale of the
-// destination (block, head): e4m3(float(x) / scale), fp32 quotient, round to nearest
-// even, saturating at +-448 (NaN -> 0x7F); see semantics::quantize_e4m3.
+// a 16-bit cache is an InvalidArgument naming k_cache; out bfloat16 / float16. Both
+// backends; CUDA runs it in the KV-cache decode kernel (f16 MMAs over the exactly converted
+// e4m3 q, k, v, fp32 accumulation, P rounded to f16; q_descale * k_descale scale the
+// scores, v_descale the output), dense and paged, with cache_batch_idx, masks, softcap,
+// ALiBi, sinks, draft trees and splits; there d_v != d is Unsupported naming v_cache and
+// cache_leftpad Unsupported as for every CUDA call, and each descale given must be
+// contiguous [b, h_k] (stride[0] == h_k). Under 16-bit q, k_new / v_new are quantized into
+// the cache on append with the scale of the destination (block, head): e4m3(float(x) /
+// scale), fp32 quotient, round to nearest even, saturating at +-448 (NaN -> 0x7F); see
+// semantics::quantize_e4m3.
 //
 // Speculative decoding with a draft tree: tree_mask int32 [b, s_q, ceil(s_q / 32)].
 // The last s_q keys of each sequence are the draft tokens; query i sees draft t (key

@@ -912,8 +912,9 @@ def _kvcache_fwd(
     cache_leftpad int32 [b] (dense caches): sequence i's keys are
     cache rows cache_leftpad[i] .. cache_seqlens[i] + s_new - 1. fp8 q (FlashAttention-3's
     call): q, k_cache, v_cache, k_new, v_new float8_e4m3fn with q_descale / k_descale /
-    v_descale fp32 [b, h_k] (None = 1; no k_scale / v_scale), out in out_dtype (bfloat16
-    when None, or float16); CPU only for now."""
+    v_descale fp32 [b, h_k] (None = 1; no k_scale / v_scale; given to the library
+    contiguous, as the CUDA decode kernel reads them: _descale), out in out_dtype (bfloat16
+    when None, or float16)."""
     _check_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, cache_batch_idx, k_new,
                    v_new, alibi_slopes, k_scale, v_scale, tree_mask, learnable_sink, qv,
                    cache_leftpad, q_descale, k_descale, v_descale)
@@ -927,8 +928,8 @@ def _kvcache_fwd(
                        _dl(_prepare(cache_seqlens)), _arg(block_table), _arg(cache_batch_idx),
                        _arg(k_new), _arg(v_new), num_splits, _dl(out), _dl(lse), None, **opts,
                        k_scale=_arg(k_scale), v_scale=_arg(v_scale), tree_mask=_arg(tree_mask),
-                       cache_leftpad=_arg(cache_leftpad), q_descale=_arg(q_descale),
-                       k_descale=_arg(k_descale), v_descale=_arg(v_descale))
+                       cache_leftpad=_arg(cache_leftpad), q_descale=_dl(_descale(q_descale)),
+                       k_descale=_dl(_descale(k_descale)), v_descale=_dl(_descale(v_descale)))
     return out, lse
 
 

@@ -151,9 +151,9 @@ void check_fp8(const Check& check, const Options& opts, const Tensor& q, int bat
 // A backward / KV-cache entry point: q not float8_e4m3 and no descales, else Unsupported
 // (fp8 q) or InvalidArgument (descales); `why` ends the Unsupported message.
 void reject_fp8(const Check& check, const Options& opts, const Tensor& q, std::string_view why);
-// fp8 q, k, v on the CUDA backend (forward / varlen_forward, after check_fp8 and
-// resolve_target; a no-op without fp8 q or when `cuda` is false). The sm90 fp8 kernel reads
-// a descale as descale[b * h_k + g] on the device, so each one given must be contiguous
+// fp8 q, k, v on the CUDA backend (forward / varlen_forward / kvcache_forward, after
+// check_fp8 and resolve_target; a no-op without fp8 q or when `cuda` is false). The sm90
+// fp8 kernel and the decode kernel read a descale as descale[b * h_k + g] on the device, so each one given must be contiguous
 // [b, h_k]: stride[0] == h_k when b > 1 (stride[1] == 1, fp32, the shape and q's device are
 // check_fp8's), else InvalidArgument naming it. What that kernel does not run is
 // Unsupported naming the option: opts.dropout_p > 0, opts.return_probs, opts.block_sparse

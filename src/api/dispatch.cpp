@@ -97,10 +97,12 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                      int h_q, CudaCall call, std::string_view v_name) {
   const bool fp8 = dtype == DType::kFloat8E4M3;
   const bool fwd = call == CudaCall::kForward;  // the dense and varlen forward: fp8, d to 512
-  if (fp8 && target == Target::kCUDA && !fwd) {
+  const bool fp8_call = call != CudaCall::kBackward;  // fp8 q: the forward and KV-cache calls
+  if (fp8 && target == Target::kCUDA && !fp8_call) {
     check.unsupported("q",
                       "dtype float16 or bfloat16 (CUDA backend: float8_e4m3 q, k, v run on CUDA "
-                      "in forward and varlen_forward only; here they run on the CPU backend)",
+                      "in forward, varlen_forward and kvcache_forward only; here they run on the "
+                      "CPU backend)",
                       dtype_name(dtype));
   }
   if (dtype == DType::kInt32) {
@@ -126,7 +128,7 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
   }
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16 && !fp8) {
     check.unsupported("q",
-                      fwd ? "dtype float16, bfloat16 or float8_e4m3 (CUDA backend)"
+                      fp8_call ? "dtype float16, bfloat16 or float8_e4m3 (CUDA backend)"
                                : "dtype float16 or bfloat16 (CUDA backend)",
                       dtype_name(dtype));
   }

@@ -39,16 +39,16 @@ enum class CudaCall { kForward, kBackward, kKVCache, kMla };
 // 512 for the forward and 256 for the backward and KV-cache calls, and may differ (the
 // kernels run in the bucket of the larger; KV-cache calls with d_v != d run the fused
 // forward, not the decode kernel: check_kvcache_head_dim_v).
-// float8_e4m3 q, k, v run on CUDA in the forward calls only (forward / varlen_forward: the
-// sm90 fp8 forward, which itself raises Unsupported for what it does not cover: a GPU other
-// than sm90, a head dim, ...); in a KV-cache call, Unsupported naming q (the backward entry
-// points reject fp8 q before).
+// float8_e4m3 q, k, v run on CUDA in the forward calls (forward / varlen_forward: the sm90
+// fp8 forward, which itself raises Unsupported for what it does not cover: a GPU other than
+// sm90, a head dim, ...) and KV-cache calls (the decode kernel, every family; d_v != d is
+// check_kvcache_head_dim_v's); the backward entry points reject fp8 q before.
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
                      int h_q, CudaCall call, std::string_view v_name = "v");
 
 // A CUDA KV-cache call with d_v != d runs the fused forward (sm80, or sm90 where it takes
-// the call), never the decode kernel, which has one head dim: an fp8 cache or a draft-tree
-// mask, which only the decode kernel runs, is Unsupported naming v_cache (called before
+// the call), never the decode kernel, which has one head dim: an fp8 cache (under 16-bit or
+// fp8 q) or a draft-tree mask, which only the decode kernel runs, is Unsupported naming v_cache (called before
 // anything of the call runs, the append included). A no-op for the CPU, which runs both.
 void check_kvcache_head_dim_v(const Check& check, Target target, int d, int d_v, bool fp8_cache,
                               bool tree_mask);

@@ -367,13 +367,15 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                   std::to_string(opts.dropout_p));
   }
   const Target target = detail::api::resolve_target(c, opts, a.q.device);
-  // fp8 q over an fp8 cache runs on the CPU backend only (on CUDA: Unsupported naming q).
-  // With qv the MLA kernel's head dims (d <= 64, d_v <= 512) and rules: 16-bit caches, no
-  // draft-tree mask (before anything of the call runs, the append included).
+  // fp8 q over an fp8 cache runs on both backends (CUDA: the decode kernel, d_v == d, its
+  // descales contiguous [b, h_k]). With qv on CUDA the MLA kernel's head dims (d <= 64,
+  // d_v <= 512) and rules: 16-bit caches, no draft-tree mask (before anything of the call
+  // runs, the append included).
   const bool mla_cuda = opts.qv.defined() && target == Target::kCUDA;
   detail::api::check_supported(c, target, a.q.dtype, dims.d, dims.d_v, dims.b, dims.h_q,
                                mla_cuda ? detail::api::CudaCall::kMla : detail::api::CudaCall::kKVCache,
                                "v_cache");
+  detail::api::check_fp8_cuda(c, opts, a.q, target == Target::kCUDA, dims.b, dims.h_k);
   detail::api::check_qv_target(c, opts, target == Target::kCUDA);
   if (mla_cuda && dims.fp8) {
     c.unsupported("k_cache",
@@ -386,7 +388,8 @@ Target check_and_fill(const Check& c, const KVCacheArgs& a, const CacheDims& dim
                   "a tensor of shape " + shape_string(a.tree_mask));
   }
   if (!mla_cuda) {
-    detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8, a.tree_mask.defined());
+    detail::api::check_kvcache_head_dim_v(c, target, dims.d, dims.d_v, dims.fp8 || dims.fp8_q,
+                                          a.tree_mask.defined());
   }
   if (a.cache_leftpad.defined() && target != Target::kCPU) {
     c.unsupported("cache_leftpad", "an undefined tensor on the CUDA backend (left-padded "

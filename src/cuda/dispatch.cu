@@ -7,6 +7,9 @@
 //              KV-cache calls it suits, else      calls it suits, else the fused forward)
 //              sm90 where sm90::fwd_unsupported
 //              is null, else sm80 (logged)
+//   fp8 q      forward / varlen: sm90's fp8       forward / varlen: Unsupported naming q;
+//              forward; KV cache: the decode      KV cache: the decode kernel
+//              kernel
 //   backward   sm90's main kernel inside the      sm80
 //              shared pipeline (workspace, D, dQ
 //              conversion) where
@@ -141,8 +144,10 @@ void forward(const FwdParams& in) {
     auto* table = static_cast<std::uint8_t*>(p.workspace) + block_kinds_offset(p);
     build_block_kinds(p, table, p.is_varlen() ? IndexCall::kVarlenForward : IndexCall::kForward);
   }
-  // fp8 (e4m3) q, k, v: the sm90 family's 8-bit kernels, or an error naming why not.
-  if (p.q_dtype == DType::kFloat8E4M3) {
+  // fp8 (e4m3) q, k, v: the sm90 family's 8-bit kernels, or an error naming why not. A
+  // KV-cache call with fp8 q (over an fp8 cache) takes the decode kernel below, on every
+  // family.
+  if (p.q_dtype == DType::kFloat8E4M3 && p.cache_seqlens == nullptr) {
     const char* why = choice.family != KernelFamily::kSm90
                           ? "the sm80 family (the fp8 forward runs on the sm90 family: H100 / H200)"
                           : sm90::fwd_unsupported(p);
@@ -188,7 +193,7 @@ void forward(const FwdParams& in) {
 std::size_t forward_workspace_size(const FwdParams& in) {
   FwdParams p = in;
   if (p.cache_seqlens != nullptr) p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
-  if (p.q_dtype == DType::kFloat8E4M3) return fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
+  if (p.q_dtype == DType::kFloat8E4M3 && p.cache_seqlens == nullptr) return fp8_vt_offset(p) + sm90::fp8_vt_bytes(p);
   const std::size_t bytes = block_kinds_offset(p) + block_kinds_bytes(p);
   const std::size_t verdict = append_check_bytes(p);
   return verdict > 0 ? ((bytes + 255) & ~std::size_t(255)) + verdict : bytes;

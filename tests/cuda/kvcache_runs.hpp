@@ -1,4 +1,5 @@
-// What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp):
+// What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp,
+// test_cuda_kvcache_fp8q.cpp):
 // the device copies of a KV-cache case (DeviceCase), its description, and check_case,
 // which runs a case on the device and on the CPU backend and checks the appended caches
 // bitwise and the device output against the fp64 oracle; and the shared memory per block
@@ -40,6 +41,7 @@ inline void random_cache_layout(KVCacheConfig& cfg, bool share) {
 // All device buffers of one KV-cache case and the API arguments over them.
 struct DeviceCase {
   std::unique_ptr<DeviceCopy> q, kc, vc, lens, table, idx, kn, vn, out, lse, ks, vs, tree, alibi, sink, qv;
+  std::unique_ptr<DeviceCopy> q_descale, k_descale, v_descale;  // cfg.fp8_q
   KVCacheArgs args;
   Options opts;
 
@@ -82,6 +84,14 @@ struct DeviceCase {
     if (!c.alibi.empty()) {
       alibi = std::make_unique<DeviceCopy>(c.alibi_tensor);
       opts.alibi_slopes = alibi->view();
+    }
+    if (c.cfg.fp8_q) {  // FlashAttention-3's descales [b, h_k], contiguous
+      q_descale = std::make_unique<DeviceCopy>(c.q_descale);
+      k_descale = std::make_unique<DeviceCopy>(c.k_descale);
+      v_descale = std::make_unique<DeviceCopy>(c.v_descale);
+      opts.q_descale = q_descale->view();
+      opts.k_descale = k_descale->view();
+      opts.v_descale = v_descale->view();
     }
     opts.learnable_sink_grad = Tensor{};  // a forward: no gradient
     if (!c.sink.logits.empty()) {
@@ -159,6 +169,7 @@ inline std::string describe_case(const KVCacheCase& c) {
          "/" + std::to_string(f.h_k) + " d " + std::to_string(f.d) +
          (f.dv() != f.d ? " d_v " + std::to_string(f.dv()) : "") + " block_size " +
          std::to_string(f.block_size) + (f.fp8 ? (f.per_block_scales ? " fp8/block" : " fp8/head") : "") +
+         (f.fp8_q ? " fp8 q (descales [b, h_k])" : "") +
          (f.tree != KVCacheConfig::Tree::kNone ? " tree" : "") + (c.sink.logits.empty() ? "" : " sink") +
          (f.qv ? " qv" : "") +
          " splits " + std::to_string(c.num_splits) +

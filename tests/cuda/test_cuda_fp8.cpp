@@ -9,8 +9,9 @@
 // 128 and 256, causal / window / GQA / MQA / varlen with seqused_k and an empty sequence /
 // softcap / ALiBi / learnable sink, bf16 and fp16 outputs. And the rules on a device: with
 // fp8 on CUDA, dropout, return_probs and a block-sparse mask are Unsupported naming the
-// option, kvcache_forward with fp8 q is Unsupported naming q, a descale that is not a
-// contiguous [b, h_k] is an InvalidArgument naming it; nothing is written.
+// option, a descale that is not a contiguous [b, h_k] is an InvalidArgument naming it;
+// nothing is written. (kvcache_forward with fp8 q runs on CUDA in the decode kernel:
+// test_cuda_kvcache_fp8q.cpp.)
 //
 // The accuracy tests skip without a GPU or on one that is not sm90 (compute capability
 // 9.x); the rules skip only without a GPU (they fail before any kernel).
@@ -396,26 +397,6 @@ TEST_F(CudaFp8Rules, PaddedDescaleIsInvalid) {
   EXPECT_NE(m.find("argument 'opts.k_descale': expected stride[0] == 1 (h_k: contiguous [b, h_k]"), std::string::npos)
       << m;
   EXPECT_NE(m.find("got 4"), std::string::npos) << m;
-}
-
-TEST_F(CudaFp8Rules, KVCacheWithFp8QIsUnsupported) {
-  // fp8 q over an fp8 cache runs on the CPU backend only.
-  HostTensor cache_h(DType::kFloat8E4M3, {b, 16, h_k, d});
-  cache_h.fill(0.5);
-  DeviceCopy kc(cache_h), vc(cache_h);
-  const HostTensor lens_h = int_tensor({4, 9});
-  DeviceCopy lens(lens_h);
-  KVCacheArgs a;
-  a.q = q_->view();
-  a.k_cache = kc.view();
-  a.v_cache = vc.view();
-  a.cache_seqlens = lens.view();
-  const std::string m = error_of<Unsupported>([&] { kvcache_forward(a, out_->view(), lse_->view(), opts_); });
-  EXPECT_NE(m.find("flashattn::kvcache_forward: argument 'q': expected dtype float16 or bfloat16 (CUDA backend: "
-                   "float8_e4m3 q, k, v run on CUDA in forward and varlen_forward only"),
-            std::string::npos)
-      << m;
-  EXPECT_NE(m.find("got float8_e4m3"), std::string::npos) << m;
 }
 
 TEST_F(CudaFp8Rules, BackwardIsUnsupported) {

@@ -5,7 +5,8 @@ GQA / softcap / odd lengths / outliers; bf16 and fp16 outputs; the ops under opc
 the rules (no autograd through fp8). On an sm90 GPU (else skipped), the same functions on
 CUDA tensors (the sm90 fp8 kernel) against fp64 over the dequantized inputs within the
 bound of a kernel that rounds P to e4m3 (fp8_bound, as tests/support/fp8_bound.hpp); on any
-GPU, the options the CUDA fp8 forward declines."""
+GPU, the options the CUDA fp8 forward declines, and flash_attn_with_kvcache with fp8 q (the
+decode kernel) against the CPU backend."""
 
 import math
 
@@ -337,13 +338,57 @@ def test_kvcache_fp8_q_opcheck():
                           test_utils=_UTILS)
 
 
-def test_kvcache_fp8_q_cuda_declines():
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_kvcache_fp8_q_cuda_matches_cpu(paged, out_dtype):
+    # CUDA tensors run the decode kernel: out / lse as the CPU backend's (both within the
+    # output's rounding of fp64), the appended bytes the same; non-contiguous descales are
+    # made contiguous by the torch layer.
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    q8 = torch.randn(1, 1, 2, 8, device="cuda").to(F8)
-    c8 = torch.randn(1, 16, 2, 8, device="cuda").to(F8)
-    with pytest.raises(UnsupportedError, match="'q'"):
-        flashattn.flash_attn_with_kvcache(q8, c8, c8, cache_seqlens=4)
+    g = torch.Generator().manual_seed(41 + paged)
+    b, s_q, s_new, h_q, h_k, d, cap = 3, 2, 3, 8, 2, 64, 1040
+    lens = [1, 77, 1000]
+    q8 = torch.randn(b, s_q, h_q, d, generator=g).to(F8)
+    k_new = torch.randn(b, s_new, h_k, d, generator=g).to(F8)
+    v_new = torch.randn(b, s_new, h_k, d, generator=g).to(F8)
+    ds = [(torch.rand(h_k, b, generator=g) * 0.2 + 0.002).t() for _ in range(3)]  # strided
+    if paged:
+        bs = 16
+        per = cap // bs
+        block_table = torch.randperm(b * per, generator=g).view(b, per).to(torch.int32)
+        k_cache = torch.randn(b * per, bs, h_k, d, generator=g).to(F8)
+    else:
+        block_table = None
+        k_cache = torch.randn(b, cap, h_k, d, generator=g).to(F8)
+    v_cache = torch.randn(k_cache.shape, generator=g).to(F8)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    results = {}
+    for dev in ("cpu", "cuda"):
+        kc, vc = k_cache.clone().to(dev), v_cache.clone().to(dev)
+        out, lse = flashattn.flash_attn_with_kvcache(
+            q8.to(dev), kc, vc, k_new.to(dev), v_new.to(dev), cache_seqlens=seqlens.to(dev),
+            block_table=None if block_table is None else block_table.to(dev), causal=True,
+            num_splits=0, return_softmax_lse=True, q_descale=ds[0].to(dev),
+            k_descale=ds[1].to(dev), v_descale=ds[2].to(dev), out_dtype=out_dtype)
+        results[dev] = (out.cpu(), lse.cpu(), kc.cpu(), vc.cpu())
+    (oc, lc, kcc, vcc), (og, lg, kcg, vcg) = results["cpu"], results["cuda"]
+    assert og.dtype == out_dtype
+    assert torch.equal(kcg.view(torch.uint8), kcc.view(torch.uint8))
+    assert torch.equal(vcg.view(torch.uint8), vcc.view(torch.uint8))
+    eps = 2.0 ** -8 if out_dtype == torch.bfloat16 else 2.0 ** -11
+    assert (og.double() - oc.double()).abs().max().item() <= 4 * eps * oc.double().abs().max().item() + 1e-6
+    assert (lg.double() - lc.double()).abs().max().item() <= 1e-4 * max(1.0, lc.abs().max().item())
+
+
+def test_kvcache_fp8_q_cuda_declines_d_v():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    q8 = torch.randn(1, 1, 2, 64, device="cuda").to(F8)
+    k8 = torch.randn(1, 16, 2, 64, device="cuda").to(F8)
+    v8 = torch.randn(1, 16, 2, 128, device="cuda").to(F8)
+    with pytest.raises(UnsupportedError, match="'v_cache'"):
+        flashattn.flash_attn_with_kvcache(q8, k8, v8, cache_seqlens=4)
 
 
 # ------------------------------- dropout, probs, block masks, seqused_q, paged varlen (fp8)

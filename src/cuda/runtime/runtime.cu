@@ -91,7 +91,9 @@ void free_async(void* ptr, void* stream) {
 
 namespace {
 
-// One thread per 16-byte chunk of a new (sequence, row, KV head) row of k_new and v_new;
+// One thread per 8-element chunk (16 bytes; 8 of float8_e4m3 k_new / v_new, copied as
+// bytes into an fp8 cache, or of 16-bit ones quantized into it) of a new (sequence, row,
+// KV head) row of k_new and v_new;
 // the destination row is cache position cache_seqlens[b] + r through the cache layout
 // (dense with cache_batch_idx, or paged through the block table). kSplitWidths: v has its
 // own head dim (d_v != d): the chunks span the wider of the two rows, K's copied where
@@ -131,6 +133,21 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const i
   }
   const int col = chunk * 8;
   const bool k_col = !kSplitWidths || col < p.d, v_col = !kSplitWidths || col < p.d_v;
+  if (p.dtype == DType::kFloat8E4M3) {
+    // float8_e4m3 k_new / v_new (fp8 q, FlashAttention-3) into the fp8 cache: their bytes,
+    // 8 per chunk (8-byte aligned: 16-byte aligned rows, col % 8 == 0).
+    const auto* kb = static_cast<const std::uint8_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
+                     std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;
+    const auto* vb = static_cast<const std::uint8_t*>(p.v_new) + std::int64_t(b) * p.vn_batch_stride +
+                     std::int64_t(r) * p.vn_row_stride + std::int64_t(head) * p.vn_head_stride + col;
+    auto* kc = const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(p.cache.k)) +
+               p.cache.k_offset(b, j, head) + col;
+    auto* vc = const_cast<std::uint8_t*>(static_cast<const std::uint8_t*>(p.cache.v)) +
+               p.cache.v_offset(b, j, head) + col;
+    if (k_col) *reinterpret_cast<uint2*>(kc) = *reinterpret_cast<const uint2*>(kb);
+    if (v_col) *reinterpret_cast<uint2*>(vc) = *reinterpret_cast<const uint2*>(vb);
+    return;
+  }
   const auto* kn = static_cast<const std::uint16_t*>(p.k_new) + std::int64_t(b) * p.kn_batch_stride +
                    std::int64_t(r) * p.kn_row_stride + std::int64_t(head) * p.kn_head_stride + col;
   const auto* vn = static_cast<const std::uint16_t*>(p.v_new) + std::int64_t(b) * p.vn_batch_stride +
@@ -179,8 +196,10 @@ __global__ void append_kv_kernel(const __grid_constant__ AppendParams p, const i
 
 void append_kv(const AppendParams& p, AppendVerdict verdict) {
   if (p.batch == 0 || p.seqlen_new == 0 || p.h_k == 0) return;
-  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
-    throw Unsupported("flashattn::kvcache_forward", "k_new", "dtype float16 or bfloat16 on CUDA",
+  const bool bytes = p.dtype == DType::kFloat8E4M3 && p.cache.kv_dtype == DType::kFloat8E4M3;
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16 && !bytes) {
+    throw Unsupported("flashattn::kvcache_forward", "k_new",
+                      "dtype float16 or bfloat16 on CUDA (or float8_e4m3 into a float8_e4m3 cache)",
                       dtype_name(p.dtype));
   }
   if (p.d % 8 != 0) {

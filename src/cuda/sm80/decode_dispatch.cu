@@ -259,7 +259,8 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   a.splits = plan.splits;
   a.row_chunks = plan.row_chunks;
   a.t8 = use_t8(p);
-  a.q_bf16 = p.dtype == DType::kBFloat16;
+  a.q_bf16 = p.dtype == DType::kBFloat16;  // fp8 q: out's dtype (p.dtype)
+  a.q_fp8 = p.q_dtype == DType::kFloat8E4M3;
   // Interleaved and contiguous split ranges measured the same on the H200 (3.58 / 3.57 TB/s
   // at 32k); interleaved keeps a sequence's blocks in one region of the cache.
   a.interleave = true;
@@ -282,9 +283,16 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   const TileFacts tf = tile_facts(p.d, fp8, a.t8, p.smem_limit);
   const bool small = plan.small;
   plan_tma(p, tf, a);
+  // fp8 q: its descales, per (sequence, KV head), fold into the kernel like per-head scales
+  // (DecodeArgs::q_fp8); p.scale_block_stride != 0 selects the kernel's per-key scale path,
+  // which is for the per-(block, head) scales of an fp8 cache under 16-bit q. (A test of
+  // a.q_fp8 in the kernel's per-key choice instead changed the registers of the fp8 kernels
+  // for the 16-bit-q modes.)
+  FwdParams pk = p;
+  if (a.q_fp8) pk.scale_block_stride = 0;
 #define FLASHATTN_DECODE_BUCKET(D)                               \
   if (p.d <= D) {                                                \
-    if (fp8) run_decode_fp8<D>(p, a, small);                     \
+    if (fp8) run_decode_fp8<D>(pk, a, small);                    \
     else if (bf16) run_decode<D, __nv_bfloat16>(p, a, small);    \
     else run_decode<D, __half>(p, a, small);                     \
     return;                                                      \

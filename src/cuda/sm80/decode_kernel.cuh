@@ -25,7 +25,11 @@
 // bytes (a dim permutation, the same for q, keeps dots exact); V from ldmatrix.trans plus a
 // byte permute, which interleaves even and odd dims of the output (undone at the store).
 // Per-key scales (per (block, head)) multiply S columns and P before PV; per-head scales
-// fold into the softmax scale and the output.
+// fold into the softmax scale and the output. fp8 q (FlashAttention-3's fp8 KV-cache call,
+// DecodeArgs::q_fp8, a run-time flag of the same instantiations): q's e4m3 bytes are
+// converted to f16 (exact) as they are loaded, and the per-(sequence, KV head) descales
+// fold like per-head scales: q_descale * k_descale into the softmax scale, v_descale into
+// the output.
 //
 // The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
 // decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
@@ -151,7 +155,14 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
   float k_head_scale = 1.0f, v_head_scale = 1.0f;
   if constexpr (kFp8) {
-    if (!per_key_scale) {
+    if (a.q_fp8) {
+      // FlashAttention-3's descales of (sequence b, KV head g_kv), [b, h_k] contiguous,
+      // null = 1: q's and k's scale the scores, v's the output.
+      const std::int64_t ds = std::int64_t(b) * p.h_k + g_kv;
+      if (p.q_descale != nullptr) k_head_scale = p.q_descale[ds];
+      if (p.k_scale != nullptr) k_head_scale *= p.k_scale[ds];
+      if (p.v_scale != nullptr) v_head_scale = p.v_scale[ds];
+    } else if (!per_key_scale) {
       k_head_scale = p.k_scale[g_kv];
       v_head_scale = p.v_scale[g_kv];
     }
@@ -221,7 +232,26 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   }
   // q: 16 packed rows into shared memory (as the MMA element type), while the first K/V
   // tiles are on their way.
-  {
+  if (kFp8 && a.q_fp8) {
+    // fp8 q: 8 e4m3 bytes a chunk (8-byte aligned: c % 8 == 0 and 16-byte aligned rows),
+    // converted to f16 exactly. (A loop of its own: one loop with both loads spilled 8 more
+    // bytes in the 16-bit-q fp8 kernel at d = 128.)
+    constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
+    const auto* qbase = static_cast<const unsigned char*>(p.q) + p.q_offset(b);
+    for (int idx = tid; idx < kQChunks; idx += Tr::kThreads) {
+      const int rr = idx / (kHeadDim / 8), c = (idx % (kHeadDim / 8)) * 8;
+      const int r = r0 + rr;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nrows && c < p.d) {
+        const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+        const uint2 e = *reinterpret_cast<const uint2*>(qbase + std::int64_t(i) * p.q_row_stride +
+                                                        std::int64_t(h) * p.q_head_stride + c);
+        v = make_uint4(e4m3x2_lo_to_f16x2(e.x), e4m3x2_hi_to_f16x2(e.x), e4m3x2_lo_to_f16x2(e.y),
+                       e4m3x2_hi_to_f16x2(e.y));
+      }
+      *reinterpret_cast<uint4*>(q_smem + rr * Tr::kQRowBytes + c * 2) = v;
+    }
+  } else {
     constexpr int kQChunks = Tr::kRows * kHeadDim / 8;
     const auto* qbase = static_cast<const std::uint16_t*>(p.q) + p.q_offset(b);
     for (int idx = tid; idx < kQChunks; idx += Tr::kThreads) {

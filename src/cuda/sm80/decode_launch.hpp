@@ -98,7 +98,12 @@ struct DecodeArgs {
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse, the last merges
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
-  bool q_bf16 = false; // q / out dtype (read by the fp8 variant and the split merge)
+  bool q_bf16 = false; // q / out dtype (read by the fp8 variant and the split merge); fp8 q: out's
+  // fp8 variant only: float8_e4m3 q (FlashAttention-3's fp8 KV-cache call), converted to f16
+  // as it is loaded; the [b, h_k] descales p.q_descale, p.k_scale, p.v_scale (null: 1) fold
+  // into the softmax scale (q, k) and the output (v); no per-key scales (the dispatch runs
+  // it with p.scale_block_stride 0).
+  bool q_fp8 = false;
   bool interleave = true;  // splits take every splits-th key tile (else contiguous ranges)
   bool pdl = false;        // sm90: programmatic dependent launch (decode_kernel.cuh: griddep_wait)
   float* ws_o = nullptr;    // [splits, batch, h_q, seqlen_q, d] fp32

@@ -28,8 +28,11 @@ void forward(const FwdParams& p) {
     return;
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
-  if ((p.kv_dtype != p.dtype && !fp8) || (fp8 && (p.k_scale == nullptr || p.v_scale == nullptr))) {
-    throw Unsupported(kFn, "k_cache", "a cache of q's dtype, or float8_e4m3 with k_scale / v_scale",
+  // fp8 q (FlashAttention-3's fp8 KV-cache call): its descales may be null (1).
+  const bool fp8_q = p.q_dtype == DType::kFloat8E4M3;
+  if ((p.kv_dtype != p.dtype && !fp8) || (fp8 && !fp8_q && (p.k_scale == nullptr || p.v_scale == nullptr)) ||
+      (fp8_q && !fp8)) {
+    throw Unsupported(kFn, "k_cache", "a cache of q's dtype, or float8_e4m3 with k_scale / v_scale or fp8 q",
                       dtype_name(p.kv_dtype));
   }
   if ((fp8 || p.tree_mask != nullptr || p.num_splits > 1) && p.cache_seqlens == nullptr) {
