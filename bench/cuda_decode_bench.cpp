@@ -17,7 +17,8 @@
 // Environment: BENCH_ONLY ("grid": the grid without the long context; a configuration
 // name, or a comma list of names / name:context run in that order, e.g.
 // "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
-// BENCH_BATCH (sequences per call, default 8), BENCH_SWEEP=1 (instead of the grid: dense
+// BENCH_BATCH (sequences per call, default 8; 64 with BENCH_MLA), BENCH_MLA=1 (instead of the
+// grid: MLA decode with qv, DeepSeek-V3's shape, run_mla), BENCH_SWEEP=1 (instead of the grid: dense
 // bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k), BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
 // the sink's epilogue / merge terms against the same grid without one).
 //
@@ -232,6 +233,89 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   }
   res.stream_us = time_graphs(execs, stream);
   for (auto e : execs) cudaGraphExecDestroy(e);
+  res.kv_bytes = kv_bytes;
+  res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
+  res.tokens_per_s = g_batch / (res.us * 1e-6);
+  res.stream_tbps = kv_bytes / (res.stream_us * 1e-6) / 1e12;
+  return res;
+}
+
+// BENCH_MLA=1: multi-head latent attention decode (Options::qv, DeepSeek-V3's shape): batch
+// g_batch (BENCH_BATCH, default 64 here), 128 query heads over one latent head, rope keys d
+// 64 (k_cache) and the latent d_v 512 (v_cache, read once for the score and the value), a
+// paged cache of 64-row blocks (shuffled table), one query token; bytes read b * s * (64 +
+// 512) * 2, beside the streaming read of the same two buffers.
+Result run_mla(int ctx, cudaStream_t stream) {
+  constexpr int kMlaHq = 128, kRope = 64, kLatent = 512, kBlock = 64;
+  const std::size_t k_bytes = std::size_t(g_batch) * ctx * kRope * 2, v_bytes = std::size_t(g_batch) * ctx * kLatent * 2;
+  const std::size_t kv_bytes = k_bytes + v_bytes;
+  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 64));
+  const Device dev = Device::cuda(0);
+  Buffer q(std::size_t(g_batch) * kMlaHq * kRope * 2), qv(std::size_t(g_batch) * kMlaHq * kLatent * 2);
+  Buffer out(std::size_t(g_batch) * kMlaHq * kLatent * 2), lens(g_batch * sizeof(int));
+  upload_ints(lens, std::vector<int>(g_batch, ctx));
+  const int per_seq = ctx / kBlock, blocks = per_seq * g_batch;
+  struct Cache {
+    std::unique_ptr<Buffer> k, v, table;
+    flashattn::KVCacheArgs args;
+  };
+  std::vector<Cache> caches(n_caches);
+  std::mt19937 rng(1234);
+  for (auto& c : caches) {
+    c.k = std::make_unique<Buffer>(k_bytes);
+    c.v = std::make_unique<Buffer>(v_bytes);
+    std::vector<int> ids(blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    c.table = std::make_unique<Buffer>(ids.size() * sizeof(int));
+    upload_ints(*c.table, ids);
+    auto& a = c.args;
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kMlaHq, kRope}, dev);
+    a.k_cache = Tensor::contiguous(c.k->p, DType::kBFloat16, {blocks, kBlock, 1, kRope}, dev);
+    a.v_cache = Tensor::contiguous(c.v->p, DType::kBFloat16, {blocks, kBlock, 1, kLatent}, dev);
+    a.block_table = Tensor::contiguous(c.table->p, DType::kInt32, {g_batch, per_seq}, dev);
+    a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {g_batch}, dev);
+    a.num_splits = std::getenv("BENCH_SPLITS") ? std::atoi(std::getenv("BENCH_SPLITS")) : 0;
+  }
+  flashattn::Options opts;
+  opts.stream = stream;
+  opts.qv = Tensor::contiguous(qv.p, DType::kBFloat16, {g_batch, 1, kMlaHq, kLatent}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kMlaHq, kLatent}, dev);
+  BENCH_CHECK(cudaDeviceSynchronize());
+  Buffer ws(flashattn::kvcache_workspace_size(caches[0].args, opts));
+  for (auto& c : caches) flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+  BENCH_CHECK(cudaStreamSynchronize(stream));
+  int sms = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  Buffer sink_word(sizeof(std::uint32_t), 0);
+  auto graphs = [&](bool stream_read) {
+    std::vector<cudaGraphExec_t> execs;
+    for (auto& c : caches) {
+      cudaGraph_t g;
+      BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      if (stream_read) {
+        // The two buffers differ in size: each read whole (its two halves as stream_read's
+        // pair), one launch each.
+        bench::stream_read(c.v->p, static_cast<char*>(c.v->p) + v_bytes / 2, v_bytes / 2,
+                           static_cast<std::uint32_t*>(sink_word.p), sms, stream);
+        bench::stream_read(c.k->p, static_cast<char*>(c.k->p) + k_bytes / 2, k_bytes / 2,
+                           static_cast<std::uint32_t*>(sink_word.p), sms, stream);
+      } else {
+        flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+      }
+      BENCH_CHECK(cudaStreamEndCapture(stream, &g));
+      cudaGraphExec_t e;
+      BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
+      cudaGraphDestroy(g);
+      execs.push_back(e);
+    }
+    const double us = time_graphs(execs, stream);
+    for (auto e : execs) cudaGraphExecDestroy(e);
+    return us;
+  };
+  Result res;
+  res.us = graphs(false);
+  res.stream_us = graphs(true);
   res.kv_bytes = kv_bytes;
   res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
   res.tokens_per_s = g_batch / (res.us * 1e-6);
@@ -460,6 +544,23 @@ int main(int argc, char** argv) {
     order = {grid[0], grid[1], grid[3], grid[4]};  // dense and paged16 at 4k and 32k
   } else {
     order = grid;
+  }
+  if (std::getenv("BENCH_MLA") != nullptr && std::string(std::getenv("BENCH_MLA")) == "1") {
+    if (std::getenv("BENCH_BATCH") == nullptr) g_batch = 64;
+    std::printf("MLA decode (qv): b %d, 128 query heads over one latent head, d 64 + d_v 512, paged 64, bf16, s_q 1\n",
+                g_batch);
+    std::printf("| context | us | KV TB/s | tokens/s | stream TB/s | / stream |\n|---|---|---|---|---|---|\n");
+    for (int ctx : {4096, 32768}) {
+      const Result r = run_mla(ctx, stream);
+      std::printf("| %d | %.1f | %.2f | %.0f | %.2f | %.3f |\n", ctx, r.us, r.tbps, r.tokens_per_s, r.stream_tbps,
+                  r.tbps / r.stream_tbps);
+      std::fflush(stdout);
+      if (csv) std::fprintf(csv, "mla,%d,%d,64,0,%.2f,%.3f,%.0f,%.2f,%.3f\n", g_batch, ctx, r.us, r.tbps, r.tokens_per_s,
+                            r.stream_us, r.stream_tbps);
+    }
+    if (csv) std::fclose(csv);
+    cudaStreamDestroy(stream);
+    return 0;
   }
   if (sweep) {
     // Issue 23's sweep: dense bf16 caches, batch 1 / 8 / 64 x contexts 1k .. 128k, each
