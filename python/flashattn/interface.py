@@ -622,8 +622,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out in out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); lse fp32. Not
     with k_scale / v_scale (those are for an fp8 cache under 16-bit q), rotary_cos /
     rotary_sin (rotate before quantizing) or qv. CPU tensors run on the CPU backend, CUDA
-    tensors in the decode kernel (every sm80+ GPU; head dims d % 8 == 0 up to 256, d_v == d,
-    no cache_leftpad: UnsupportedError naming the argument otherwise).
+    tensors in the decode kernel (every sm80+ GPU; head dims d % 8 == 0 up to 256, d_v == d:
+    UnsupportedError naming the argument otherwise; cache_leftpad as for 16-bit q, the same
+    keys as a paged cache of block size 1).
 
     tree_mask (speculative decoding): int32 [b, s_q, ceil(s_q / 32)]; the last s_q keys
     of each sequence are the draft tokens and query i sees draft t only when bit t % 32 of
@@ -702,9 +703,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     scale = _scale(q, softmax_scale, qv)  # of the true head dim, also when padded
     d = q.shape[-1]
-    # fp8 q goes as it is (no padding, no left-padding emulation): on CUDA tensors the
-    # library declines a head dim that is not a multiple of 8 naming q, and cache_leftpad
-    # naming it.
+    # fp8 q goes unpadded: on CUDA tensors the library declines a head dim that is not a
+    # multiple of 8 naming q.
     d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache)
     if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
         d8 = 0  # the library names the mismatch
@@ -715,7 +715,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k, v = _pad_last(q, d8), _pad_last(k, d8), _pad_last(v, d8)
         k_cache, v_cache = _padded_copy(k_cache, d8), _padded_copy(v_cache, d8)
         cache_padded = (k_cache, v_cache)
-    if cache_leftpad is not None and block_table is None and _cuda_path(q) and not fp8:
+    if cache_leftpad is not None and block_table is None and _cuda_path(q):
         # The CUDA kernels have no left padding: the same keys as a paged cache of block
         # size 1 (one block per cache row slot, sequence i's table starting at its row's
         # slot cache_leftpad[i]), which they run exactly. Rotary positions above stay the

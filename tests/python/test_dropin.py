@@ -149,6 +149,39 @@ def test_cache_leftpad_fp8_per_row_scales(seed):
                            b.view(torch.uint8) if b.dtype != torch.uint8 else b)
 
 
+def test_cache_leftpad_fp8_q_as_paged(seed, monkeypatch):
+    """fp8 q over an fp8 cache (FlashAttention-3's descales [b, h_k]) through the as-paged
+    emulation that CUDA tensors take equals the library's own cache_leftpad: out, lse and
+    the appended cache bytes, bit for bit; the padding rows (NaN bytes) are never read."""
+    g = torch.Generator().manual_seed(seed)
+    q, kc, vc, kn, vn, seqlens, leftpad, _ = _leftpad_case(g, torch.float32)
+    f8 = torch.float8_e4m3fn
+    q8, kn8, vn8 = (t.mul(2).to(f8) for t in (q, kn, vn))
+    kc8, vc8 = (c.mul(2).to(f8) for c in (kc, vc))  # NaN padding stays NaN in e4m3
+    ds = [torch.rand(3, 2, generator=g) * 0.5 + 0.25 for _ in range(3)]
+    res, as_paged = [], interface._leftpad_as_paged
+    calls = []
+    monkeypatch.setattr(interface, "_leftpad_as_paged",
+                        lambda *a, **k: calls.append(1) or as_paged(*a, **k))
+    for emulate in (False, True):
+        k8, v8 = kc8.clone(), vc8.clone()
+        with emulate_cuda(emulate):
+            out, lse = flash_attn_with_kvcache(q8, k8, v8, kn8, vn8, cache_seqlens=seqlens,
+                                               cache_leftpad=leftpad, causal=True,
+                                               q_descale=ds[0], k_descale=ds[1],
+                                               v_descale=ds[2], return_softmax_lse=True)
+        assert out.dtype == torch.bfloat16 and not out.isnan().any()
+        res.append((out.view(torch.uint16), lse, k8.view(torch.uint8), v8.view(torch.uint8)))
+        assert len(calls) == int(emulate)  # the CUDA-tensor path took the emulation
+    for a, b in zip(*res):
+        assert torch.equal(a, b) if not a.is_floating_point() else torch.equal(a.isnan(), b.isnan()) \
+            and torch.equal(a.nan_to_num(), b.nan_to_num())
+    for i in range(3):  # the appended bytes at rows cache_seqlens[i] .. + s_new
+        n = int(seqlens[i])
+        assert torch.equal(res[1][2][i, n:n + 2], kn8[i].view(torch.uint8))
+        assert torch.equal(res[1][3][i, n:n + 2], vn8[i].view(torch.uint8))
+
+
 @pytest.mark.parametrize("emulate", [False, True], ids=["library", "as_paged"])
 def test_cache_leftpad_errors(emulate):
     g = torch.Generator().manual_seed(0)
