@@ -143,7 +143,8 @@ if [[ $STEPS == *memory* ]]; then
   add "$(grep 'peak fwd+bwd' "$OUT/memory.txt")"
 fi
 if [[ $STEPS == *decode* ]]; then
-  # Issue 4's decode grid (dense, paged 16/256, fp8; 4k/32k/128k) and the 200k-token sequence.
+  # Issue 4's decode grid (dense, paged 16/256, fp8; 4k/32k/128k, each with its streaming-read
+  # bound) and the 200k-token sequence.
   timeout 150 "$B/bench/flashattn_cuda_decode_bench" "$OUT/decode.csv" >"$OUT/decode.txt" 2>&1
   add "decode bench: rc=$? ($OUT/decode.txt)"
   # The paged cache at 4k measured 0.96 of dense in a process of its own and 0.88 after the
@@ -152,6 +153,12 @@ if [[ $STEPS == *decode* ]]; then
     echo "order $order" >>"$OUT/decode_order.txt"
     BENCH_ONLY=$order timeout 60 "$B/bench/flashattn_cuda_decode_bench" 2>&1 | grep '^| [a-z]' | grep -v cache >>"$OUT/decode_order.txt"
   done
+  # Issue 23's sweep (batch 1 / 8 / 64 x 1k-128k, each beside the streaming read of its
+  # bytes: ~15 s on an H100) and issue 22's MLA decode (qv, DeepSeek-V3's shape).
+  BENCH_SWEEP=1 timeout 120 "$B/bench/flashattn_cuda_decode_bench" "$OUT/decode_sweep.csv" >"$OUT/decode_sweep.txt" 2>&1
+  add "decode sweep: rc=$? ($OUT/decode_sweep.txt)"
+  BENCH_MLA=1 timeout 60 "$B/bench/flashattn_cuda_decode_bench" >"$OUT/decode_mla.txt" 2>&1
+  add "MLA decode: rc=$? ($OUT/decode_mla.txt)"
 fi
 if [[ $STEPS == *python* ]]; then
   timeout 280 bash tests/python/run_gpu_tests.sh >"$OUT/python.txt" 2>&1
@@ -178,6 +185,8 @@ echo
 [ -f "$OUT/bench/report.md" ] && sed -n '/^## flashattn \/ best peer/,$p' "$OUT/bench/report.md"
 [ -f "$OUT/decode.txt" ] && grep '^|' "$OUT/decode.txt"
 [ -f "$OUT/decode_order.txt" ] && cat "$OUT/decode_order.txt"
+[ -f "$OUT/decode_sweep.txt" ] && grep '^|' "$OUT/decode_sweep.txt"
+[ -f "$OUT/decode_mla.txt" ] && grep '^|' "$OUT/decode_mla.txt"
 echo
 printf '%s\n' "${summary[@]}"
 # The device tool brings back at most 8 files from $OUT: every log and result in one
