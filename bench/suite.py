@@ -14,6 +14,9 @@ matmul), all in this one process, on
   over enough input sets that L2 holds none of them;
 - a memory sweep: peak memory of forward + backward, batch 1, 16 heads, hdim 128, naive
   against flashattn, seqlen 1k .. 64k (naive stops at its first out-of-memory);
+- with --grids ...,spec: speculative decoding, 1 / 4 / 8 draft tokens verified in one call
+  (causal, and as a draft tree), batch 8, 32 / 8 heads, hdim 128, contexts 4k and 32k, us
+  per token against one-token decode (flashattn alone);
 - with --prefill-chunk: a 2k-token causal chunk against 32k keys of KV cache, dense and
   paged (block 16 and 256), flashattn through flash_attn_with_kvcache against FA4;
 - the ceilings of the run: a bf16 8192^3 torch.matmul in TFLOP/s, and (with the decode
@@ -31,7 +34,7 @@ grid. Results (CSV, JSON with metadata, report.md, PNG plots when matplotlib is 
 to --out (default build/bench-results/<date>-<device>/). `--plot DIR` redraws the plots
 from DIR/results.json (for a machine with matplotlib).
 
-    python3 bench/suite.py [--cpu] [--quick] [--out DIR] [--grids standard,decode,memory,prefill]
+    python3 bench/suite.py [--cpu] [--quick] [--out DIR] [--grids standard,decode,memory,prefill,spec]
                            [--only fwd,bwd,fwd_bwd] [--hdims 64,128] [--seqlens 4k,16k]
                            [--dtypes bf16] [--causal both|yes|no] [--impls ...]
                            [--families auto,sm80] [--prefill-chunk] [--no-gemm]
@@ -709,6 +712,68 @@ def run_decode_dtype(torch, impls, timer, cfg, dt_name, cpu, args, rows, progres
             torch.cuda.empty_cache()
 
 
+def draft_tree(torch, n, gen):
+    """tree_mask int32 [n, ceil(n / 32)] of a random draft tree: draft t hangs under a random
+    earlier draft (or the context), and query i sees draft t when t is i or an ancestor."""
+    parent = [-1] + [int(torch.randint(-1, t, (1,), generator=gen)) for t in range(1, n)]
+    mask = torch.zeros(n, (n + 31) // 32, dtype=torch.int64)
+    for i in range(n):
+        t = i
+        while t >= 0:
+            mask[i, t // 32] |= 1 << (t % 32)
+            t = parent[t]
+    return torch.where(mask >= 1 << 31, mask - (1 << 32), mask).to(torch.int32)
+
+
+def run_spec(torch, impls, timer, cfg, cpu, args, rows, progress):
+    """Speculative decoding (issue 23): n draft tokens verified in one flash_attn_with_kvcache
+    call against a dense cache whose last n keys are the drafts, causal (linear) and with a
+    draft tree (tree_mask), against one-token decode (n = 1); flashattn only, timed as the
+    decode grid (CUDA graphs on the GPU)."""
+    device = "cpu" if cpu else "cuda"
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg["dtype"]]
+    b, hq, hk, d = cfg["batch"], cfg["heads"], cfg["heads_kv"], cfg["hdim"]
+    elem = torch.empty((), dtype=dt).element_size()
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    kinds = [("linear", 1)] + [(k, n) for n in cfg["drafts"] if n > 1 for k in ("linear", "tree")]
+    for s in cfg["contexts"]:
+        nbytes = R.kv_bytes(b, s, hk, d, elem)
+        try:
+            sets = [dict(k=torch.randn(b, s, hk, d, dtype=dt, device=device),
+                         v=torch.randn(b, s, hk, d, dtype=dt, device=device))
+                    for _ in range(decode_sets(args, nbytes, cpu))]
+            seqlens = torch.full((b,), s, dtype=torch.int32, device=device)
+        except Exception as exc:
+            for kind, n in kinds:
+                rows.append(R.na("spec", R.OURS, cfg["dtype"], d, True, s, b, hq, "spec",
+                                 reason_of(exc, []), heads_kv=hk, layout=f"{kind} {n}"))
+                progress.update(f"spec {s} {kind} {n}")
+            continue
+        for kind, n in kinds:
+            lay = f"{kind} {n}"
+            try:
+                q = torch.randn(b, n, hq, d, dtype=dt, device=device)
+                tm = None
+                if kind == "tree":
+                    tm = draft_tree(torch, n, gen).unsqueeze(0).expand(b, -1, -1).contiguous()
+                    tm = tm.to(device)
+                calls = [lambda t=t: impls.fa_kvcache(q, t["k"], t["v"], cache_seqlens=seqlens,
+                                                      causal=True, tree_mask=tm) for t in sets]
+                with impls.context(R.OURS):
+                    ms, reps, how = time_decode(torch, timer, calls, cpu)
+                rows.append(R.row("spec", R.OURS, cfg["dtype"], d, True, s, b, hq, "spec",
+                                  heads_kv=hk, ms=ms, tbps=R.tbps(nbytes, ms), reps=reps,
+                                  note=how, layout=lay))
+            except Exception as exc:
+                rows.append(R.na("spec", R.OURS, cfg["dtype"], d, True, s, b, hq, "spec",
+                                 reason_of(exc, []), heads_kv=hk, layout=lay))
+            progress.update(f"spec {s} {lay}")
+        del sets
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+
+
 def time_decode(torch, timer, calls, cpu):
     """(ms per call, repeats, how): on the GPU the calls (one per input set, 8 rounds)
     captured into a CUDA graph whose replays are timed, so that launch gaps of these
@@ -828,7 +893,7 @@ def build_parser():
     ap.add_argument("--quick", action="store_true", help="a smaller grid (a smoke run)")
     ap.add_argument("--out", help="results directory (default build/bench-results/<date>-<device>)")
     ap.add_argument("--grids", default="standard,decode,memory",
-                    help="comma list of standard, decode, memory, prefill")
+                    help="comma list of standard, decode, memory, prefill, spec")
     ap.add_argument("--only", metavar="DIRS",
                     help="standard grid directions: comma list of fwd, bwd, fwd_bwd (default all)")
     ap.add_argument("--hdims", help="standard grid head dims, e.g. 64,128,256")
@@ -877,7 +942,7 @@ def timing_mode(args, cpu):
 def resolve(args, cpu):
     """(standard grid, grids, implementation names, families) from the options; raises
     ValueError with the option's name on a bad value. Needs neither torch nor a GPU."""
-    grids = R.parse_list(args.grids, allowed=("standard", "decode", "memory", "prefill"),
+    grids = R.parse_list(args.grids, allowed=("standard", "decode", "memory", "prefill", "spec"),
                          what="--grids entry")
     if args.prefill_chunk and "prefill" not in grids:
         grids.append("prefill")
@@ -978,6 +1043,7 @@ def main(argv=None):
         return 2
     mem = R.MEMORY_CPU if cpu else R.MEMORY
     pre = R.PREFILL_CPU if cpu else R.PREFILL
+    spec = R.SPEC_CPU if cpu else R.SPEC
     if args.quick and not cpu:
         mem = dict(mem, seqlens=(4096, 16384, 32768))
 
@@ -1013,6 +1079,8 @@ def main(argv=None):
         total += 2 * len(mem["seqlens"])
     if "prefill" in grids:
         total += (1 + len(pre["blocks"])) * (2 if fa4 is not None and not cpu else 1)
+    if "spec" in grids:
+        total += len(spec["contexts"]) * (1 + 2 * len([n for n in spec["drafts"] if n > 1]))
     progress = R.Progress(total, "bench")
     impls = Impls(torch, cpu, fa4)
     timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps,
@@ -1050,6 +1118,11 @@ def main(argv=None):
         t0 = time.time()
         run_prefill(torch, impls, timer, pre, cpu, args, rows, progress)
         wall["prefill chunk"] = time.time() - t0
+        save()
+    if "spec" in grids:
+        t0 = time.time()
+        run_spec(torch, impls, timer, spec, cpu, args, rows, progress)
+        wall["speculative decoding"] = time.time() - t0
         save()
     if "memory" in grids:
         t0 = time.time()

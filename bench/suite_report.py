@@ -31,6 +31,14 @@ DECODE = dict(batch=8, heads=32, heads_kv=8, hdim=128, contexts=(4096, 32768, 13
 # by the CPU backend's exactness rule) and bf16 (issue 24's target).
 DECODE_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, contexts=(1024, 4096),
                   dtypes=("fp32", "bf16"))
+# Speculative decoding (issue 23, --grids spec): s_q draft tokens verified in one call (the
+# last s_q keys of each sequence are the drafts), linear (causal) and as a draft tree
+# (tree_mask), against one-token decode on the same dense cache; flashattn alone (no peer
+# takes a tree); time per token.
+SPEC = dict(batch=8, heads=32, heads_kv=8, hdim=128, dtype="bf16", contexts=(4096, 32768),
+            drafts=(1, 4, 8))
+SPEC_CPU = dict(batch=2, heads=8, heads_kv=2, hdim=64, dtype="fp32", contexts=(512, 2048),
+                drafts=(1, 4, 8))
 # Memory sweep: forward + backward, batch 1, 16 heads, hdim 128, bf16, non-causal.
 MEMORY = dict(batch=1, heads=16, hdim=128, dtype="bf16",
               seqlens=(1024, 2048, 4096, 8192, 16384, 32768, 65536))
@@ -525,6 +533,34 @@ def prefill_table(rows, unit="TFLOP/s"):
     return "\n".join(lines)
 
 
+def spec_table(rows):
+    """Markdown: per context, one-token decode's us per call, then for each draft count and
+    kind (linear: causal; tree: a draft tree) us per call, us per token and the per-token
+    cost against one-token decode."""
+    rs = [r for r in rows if r["grid"] == "spec" and is_ours(r["impl"])]
+    if not rs:
+        return ""
+    cols = [r["layout"] for r in rs if r["layout"] != "linear 1"]
+    cols = list(dict.fromkeys(cols))
+    head = ["context", "1 token: us"] + [f"{c}: us (per token, / 1 token)" for c in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by = {(r["seqlen"], r["layout"]): r for r in rs}
+    for s in sorted({r["seqlen"] for r in rs}):
+        one = by.get((s, "linear 1"))
+        line = [_seq(s), f"{one['ms'] * 1e3:.1f}" if _ok(one, "ms") else "n/a"]
+        for c in cols:
+            r = by.get((s, c))
+            if not _ok(r, "ms"):
+                line.append(f"n/a ({r['note']})" if r is not None and r.get("note") else "n/a")
+                continue
+            n = int(c.split()[-1])
+            per = r["ms"] * 1e3 / n
+            rel = f", {per / (one['ms'] * 1e3):.2f}" if _ok(one, "ms") else ""
+            line.append(f"{r['ms'] * 1e3:.1f} ({per:.1f}{rel})")
+        lines.append("| " + " | ".join(line) + " |")
+    return "\n".join(lines)
+
+
 def memory_table(rows):
     rs = [r for r in rows if r["grid"] == "memory"]
     if not rs:
@@ -585,6 +621,10 @@ def report(meta, rows):
                   summary_table(rows)]
     if any(r["grid"] == "decode" for r in rows):
         parts += ["", "## Decode: KV bytes read per second", "", decode_table(rows, bw)]
+    if any(r["grid"] == "spec" for r in rows):
+        parts += ["", "## Speculative decoding: s_q draft tokens in one call (linear: causal; "
+                  "tree: a draft tree), time per token against one-token decode", "",
+                  spec_table(rows)]
     if any(r["grid"] == "memory" for r in rows):
         parts += ["", "## Peak memory, forward + backward", "", memory_table(rows)]
     if any(r["grid"] == "prefill" for r in rows):

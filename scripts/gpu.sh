@@ -6,7 +6,7 @@
 # the benchmark's forward and backward standard grid (bf16, bench/suite.py: flashattn
 # against FA4 when importable, cuDNN and FA2), optionally the Python suite, and prints a
 # short table last. Logs and CSVs go to $OUT (default ./out), bundled into logs.tgz at the end.
-#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,sparse,fp8,python,upstream
+#   bash scripts/gpu.sh [steps]   steps: comma list of tests,sanitize,sass,main,fwd,bwd,memory,decode,dsweep,sparse,fp8,python,upstream
 #                                 (TESTS_FILTER=<gtest filter>: the tests step runs only those)
 #                                 (default: all but python and upstream)
 # Name the commit for the benchmark's results (FLASHATTN_COMMIT=<hash> bash scripts/gpu.sh):
@@ -119,6 +119,15 @@ if [ -n "$dirs" ]; then
     --impls flashattn,fa4,sdpa_cudnn,sdpa_flash --no-plot --out "$OUT/bench" >"$OUT/bench.txt" 2>&1
   add "benchmark ($dirs): rc=$? ($OUT/bench/report.md)"
 fi
+if [[ $STEPS == *dsweep* ]]; then
+  # Issue 23 in the suite: the decode sweep against cuDNN and FA2 and speculative decoding
+  # (1 / 4 / 8 drafts, linear and tree), hdim 128 (FLASHATTN_HEAD_DIMS=128 builds the
+  # package faster when no other step needs it).
+  timeout 400 bash scripts/bench.sh --grids decode,spec \
+    --decode-batches 1,8,64 --decode-contexts 1k,2k,4k,8k,16k,32k,64k,128k \
+    --impls flashattn,sdpa_cudnn,sdpa_flash --out "$OUT/dsweep" >"$OUT/dsweep.txt" 2>&1
+  add "decode sweep + speculative (suite): rc=$? ($OUT/dsweep/report.md)"
+fi
 if [[ $STEPS == *sparse* ]]; then
   # Block-sparse forward (issue 22): time against the unmasked call at 10 / 50 / 100 %
   # density, 16k tokens, hdim 64 / 128 / 256 (the backend called directly: kernels and the
@@ -187,6 +196,7 @@ echo
 [ -f "$OUT/decode_order.txt" ] && cat "$OUT/decode_order.txt"
 [ -f "$OUT/decode_sweep.txt" ] && grep '^|' "$OUT/decode_sweep.txt"
 [ -f "$OUT/decode_mla.txt" ] && grep '^|' "$OUT/decode_mla.txt"
+[ -f "$OUT/dsweep/report.md" ] && sed -n '/^## Decode/,$p' "$OUT/dsweep/report.md"
 echo
 printf '%s\n' "${summary[@]}"
 # The device tool brings back at most 8 files from $OUT: every log and result in one

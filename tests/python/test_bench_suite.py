@@ -220,6 +220,31 @@ def test_decode_grid_batches_and_contexts():
         suite.decode_grid(ap.parse_args(["--decode-contexts", ","]), cpu=False)
 
 
+def test_spec_grid_tree_and_table():
+    torch = pytest.importorskip("torch")
+    import suite  # noqa: PLC0415
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 4, 8, 40):
+        m = suite.draft_tree(torch, n, g)
+        assert m.shape == (n, (n + 31) // 32) and m.dtype == torch.int32
+        bits = [[(int(m[i, t // 32]) >> (t % 32)) & 1 for t in range(n)] for i in range(n)]
+        for i in range(n):
+            assert bits[i][i] == 1 and not any(bits[i][i + 1:])  # itself, no later draft
+            seen = [t for t in range(i) if bits[i][t]]
+            if seen:  # a chain: its parent (the latest) and the parent's own row, exactly
+                p = max(seen)
+                assert seen == [t for t in range(p + 1) if bits[p][t]]
+    rows = [R.row("spec", "flashattn", "bf16", 128, True, 4096, 8, 32, "spec", heads_kv=8,
+                  ms=0.05, tbps=2.5, layout="linear 1"),
+            R.row("spec", "flashattn", "bf16", 128, True, 4096, 8, 32, "spec", heads_kv=8,
+                  ms=0.08, tbps=1.6, layout="linear 4"),
+            R.na("spec", "flashattn", "bf16", 128, True, 4096, 8, 32, "spec", "no kernel",
+                 heads_kv=8, layout="tree 4")]
+    head, body = _parse(R.spec_table(rows))
+    assert head[:2] == ["context", "1 token: us"]
+    assert body == [["4k", "50.0", "80.0 (20.0, 0.40)", "n/a (no kernel)"]]
+
+
 def test_short_reason():
     assert R.short_reason("RuntimeError: CUDA out of memory. Tried ...") == "out of memory"
     long = "word " * 100
