@@ -102,12 +102,31 @@ struct Result {
   std::size_t kv_bytes = 0;
 };
 
-// Median microseconds per launch of `execs` (graphs of one call each), launched 8 at a time
-// in turn, 15 repeats after a warm-up of at least 3 x 8 launches and 50 ms: after a
-// long-context configuration the next one's first milliseconds ran slower (dense 4k right
-// after dense 128k: 45.4 us against 41.2 with the old 24-launch warm-up; docs/performance.md),
-// so a short configuration replays until the state settles.
-double time_graphs(const std::vector<cudaGraphExec_t>& execs, cudaStream_t stream) {
+// Caches a configuration rotates over: enough that one call's keys are not in L2 for the
+// next (>= 512 MiB of K and V in all; 64 at most: the smallest sweep point, batch 1 at 1k,
+// is 4 MiB).
+int cache_count(std::size_t kv_bytes) {
+  return static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 64));
+}
+
+// Median microseconds per launch of one graph per cache, each capturing record(cache) on
+// `stream`: launched 8 at a time in turn, 15 repeats after a warm-up of at least 3 x 8
+// launches and 50 ms: after a long-context configuration the next one's first milliseconds
+// ran slower (dense 4k right after dense 128k: 45.4 us against 41.2 with the old 24-launch
+// warm-up; docs/performance.md), so a short configuration replays until the state settles.
+template <class Caches, class Record>
+double time_captured(Caches& caches, cudaStream_t stream, Record record) {
+  std::vector<cudaGraphExec_t> execs;
+  for (auto& c : caches) {
+    cudaGraph_t g;
+    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    record(c);
+    BENCH_CHECK(cudaStreamEndCapture(stream, &g));
+    cudaGraphExec_t e;
+    BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
+    cudaGraphDestroy(g);
+    execs.push_back(e);
+  }
   constexpr int kCalls = 8, kRepeats = 15;
   const std::size_t n = execs.size();
   cudaEvent_t t0, t1;
@@ -135,16 +154,31 @@ double time_graphs(const std::vector<cudaGraphExec_t>& execs, cudaStream_t strea
   }
   cudaEventDestroy(t0);
   cudaEventDestroy(t1);
+  for (auto e : execs) cudaGraphExecDestroy(e);
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
+}
+
+// The rates of a result whose us and stream_us are set: bytes read per second and sequences
+// (one token each) per second.
+Result with_rates(Result r, std::size_t kv_bytes) {
+  r.kv_bytes = kv_bytes;
+  r.tbps = kv_bytes / (r.us * 1e-6) / 1e12;
+  r.tokens_per_s = g_batch / (r.us * 1e-6);
+  r.stream_tbps = kv_bytes / (r.stream_us * 1e-6) / 1e12;
+  return r;
+}
+
+int sm_count() {
+  int sms = 0;
+  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  return sms;
 }
 
 Result run_decode(const Config& cfg, cudaStream_t stream) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
   const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
-  // Enough caches that one call's keys are not in L2 for the next (>= 512 MiB in all; 64 at
-  // most: the smallest sweep point, batch 1 at 1k, is 4 MiB).
-  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 64));
+  const int n_caches = cache_count(kv_bytes);
   struct Cache {
     std::unique_ptr<Buffer> k, v, table;
     flashattn::KVCacheArgs args;
@@ -201,43 +235,18 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   // Direct calls first (validation on), then one graph per cache.
   for (auto& c : caches) flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
   BENCH_CHECK(cudaStreamSynchronize(stream));
-  std::vector<cudaGraphExec_t> execs;
-  for (auto& c : caches) {
-    cudaGraph_t g;
-    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
-    BENCH_CHECK(cudaStreamEndCapture(stream, &g));
-    cudaGraphExec_t e;
-    BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
-    cudaGraphDestroy(g);
-    execs.push_back(e);
-  }
   Result res;
-  res.us = time_graphs(execs, stream);
-  for (auto e : execs) cudaGraphExecDestroy(e);
+  res.us = time_captured(caches, stream, [&](Cache& c) {
+    flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+  });
   // The bound: the same caches' K and V bytes streamed by a kernel that only reads them
   // (stream_read.cu), timed the same way.
-  execs.clear();
-  int sms = 0;
-  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = sm_count();
   Buffer sink_word(sizeof(std::uint32_t), 0);
-  for (auto& c : caches) {
-    cudaGraph_t g;
-    BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  res.stream_us = time_captured(caches, stream, [&](Cache& c) {
     bench::stream_read(c.k->p, c.v->p, kv_bytes / 2, static_cast<std::uint32_t*>(sink_word.p), sms, stream);
-    BENCH_CHECK(cudaStreamEndCapture(stream, &g));
-    cudaGraphExec_t e;
-    BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
-    cudaGraphDestroy(g);
-    execs.push_back(e);
-  }
-  res.stream_us = time_graphs(execs, stream);
-  for (auto e : execs) cudaGraphExecDestroy(e);
-  res.kv_bytes = kv_bytes;
-  res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
-  res.tokens_per_s = g_batch / (res.us * 1e-6);
-  res.stream_tbps = kv_bytes / (res.stream_us * 1e-6) / 1e12;
-  return res;
+  });
+  return with_rates(res, kv_bytes);
 }
 
 // BENCH_MLA=1: multi-head latent attention decode (Options::qv, DeepSeek-V3's shape): batch
@@ -249,7 +258,7 @@ Result run_mla(int ctx, cudaStream_t stream) {
   constexpr int kMlaHq = 128, kRope = 64, kLatent = 512, kBlock = 64;
   const std::size_t k_bytes = std::size_t(g_batch) * ctx * kRope * 2, v_bytes = std::size_t(g_batch) * ctx * kLatent * 2;
   const std::size_t kv_bytes = k_bytes + v_bytes;
-  const int n_caches = static_cast<int>(std::clamp<std::size_t>((std::size_t(512) << 20) / kv_bytes + 1, 1, 64));
+  const int n_caches = cache_count(kv_bytes);
   const Device dev = Device::cuda(0);
   Buffer q(std::size_t(g_batch) * kMlaHq * kRope * 2), qv(std::size_t(g_batch) * kMlaHq * kLatent * 2);
   Buffer out(std::size_t(g_batch) * kMlaHq * kLatent * 2), lens(g_batch * sizeof(int));
@@ -285,42 +294,20 @@ Result run_mla(int ctx, cudaStream_t stream) {
   Buffer ws(flashattn::kvcache_workspace_size(caches[0].args, opts));
   for (auto& c : caches) flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
   BENCH_CHECK(cudaStreamSynchronize(stream));
-  int sms = 0;
-  BENCH_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  Buffer sink_word(sizeof(std::uint32_t), 0);
-  auto graphs = [&](bool stream_read) {
-    std::vector<cudaGraphExec_t> execs;
-    for (auto& c : caches) {
-      cudaGraph_t g;
-      BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      if (stream_read) {
-        // The two buffers differ in size: each read whole (its two halves as stream_read's
-        // pair), one launch each.
-        bench::stream_read(c.v->p, static_cast<char*>(c.v->p) + v_bytes / 2, v_bytes / 2,
-                           static_cast<std::uint32_t*>(sink_word.p), sms, stream);
-        bench::stream_read(c.k->p, static_cast<char*>(c.k->p) + k_bytes / 2, k_bytes / 2,
-                           static_cast<std::uint32_t*>(sink_word.p), sms, stream);
-      } else {
-        flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
-      }
-      BENCH_CHECK(cudaStreamEndCapture(stream, &g));
-      cudaGraphExec_t e;
-      BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
-      cudaGraphDestroy(g);
-      execs.push_back(e);
-    }
-    const double us = time_graphs(execs, stream);
-    for (auto e : execs) cudaGraphExecDestroy(e);
-    return us;
-  };
   Result res;
-  res.us = graphs(false);
-  res.stream_us = graphs(true);
-  res.kv_bytes = kv_bytes;
-  res.tbps = kv_bytes / (res.us * 1e-6) / 1e12;
-  res.tokens_per_s = g_batch / (res.us * 1e-6);
-  res.stream_tbps = kv_bytes / (res.stream_us * 1e-6) / 1e12;
-  return res;
+  res.us = time_captured(caches, stream, [&](Cache& c) {
+    flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
+  });
+  // The two buffers differ in size: each read whole (its two halves as stream_read's pair),
+  // one launch each.
+  const int sms = sm_count();
+  Buffer sink_word(sizeof(std::uint32_t), 0);
+  auto* sink = static_cast<std::uint32_t*>(sink_word.p);
+  res.stream_us = time_captured(caches, stream, [&](Cache& c) {
+    bench::stream_read(c.v->p, static_cast<char*>(c.v->p) + v_bytes / 2, v_bytes / 2, sink, sms, stream);
+    bench::stream_read(c.k->p, static_cast<char*>(c.k->p) + k_bytes / 2, k_bytes / 2, sink, sms, stream);
+  });
+  return with_rates(res, kv_bytes);
 }
 
 // BENCH_EAGER=1: `steps` direct decode steps of cfg (one new token appended per sequence
@@ -492,8 +479,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
-  const bool eager = std::getenv("BENCH_EAGER") != nullptr && std::string(std::getenv("BENCH_EAGER")) == "1";
-  const bool sweep = std::getenv("BENCH_SWEEP") != nullptr && std::string(std::getenv("BENCH_SWEEP")) == "1";
+  auto env_on = [](const char* name) { return std::getenv(name) != nullptr && std::string(std::getenv(name)) == "1"; };
+  const bool eager = env_on("BENCH_EAGER"), sweep = env_on("BENCH_SWEEP"), mla = env_on("BENCH_MLA");
   if (const char* b = std::getenv("BENCH_BATCH")) {
     g_batch = std::atoi(b);
     if (g_batch < 1) {
@@ -513,7 +500,7 @@ int main(int argc, char** argv) {
       {"paged256", 4096, 256, false},  {"paged256", 32768, 256, false},  {"paged256", 131072, 256, false},
       {"fp8", 4096, 0, true},          {"fp8", 32768, 0, true},          {"fp8", 131072, 0, true},
   };
-  if (!eager) {
+  if (!eager && !sweep && !mla) {  // (the sweep and the MLA mode print tables of their own)
     std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call); stream: a kernel\n"
                 "that only reads the same K / V bytes (the bound)\n", g_batch, kHq, kHk, kD);
     std::printf("| cache | context | us | KV TB/s | tokens/s | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
@@ -545,7 +532,7 @@ int main(int argc, char** argv) {
   } else {
     order = grid;
   }
-  if (std::getenv("BENCH_MLA") != nullptr && std::string(std::getenv("BENCH_MLA")) == "1") {
+  if (mla) {
     if (std::getenv("BENCH_BATCH") == nullptr) g_batch = 64;
     std::printf("MLA decode (qv): b %d, 128 query heads over one latent head, d 64 + d_v 512, paged 64, bf16, s_q 1\n",
                 g_batch);
