@@ -606,9 +606,15 @@ def decode_dtypes(cfg):
     return tuple(cfg.get("dtypes") or (cfg["dtype"],))
 
 
+def decode_batches(cfg):
+    """The batches the decode grid runs: cfg["batches"] (--decode-batches), else its one
+    cfg["batch"]."""
+    return tuple(cfg.get("batches") or (cfg["batch"],))
+
+
 def run_decode(torch, impls, timer, cfg, cpu, args, rows, progress):
     for dt_name in decode_dtypes(cfg):
-        for b in cfg.get("batches", (cfg["batch"],)):
+        for b in decode_batches(cfg):
             run_decode_dtype(torch, impls, timer, dict(cfg, batch=b), dt_name, cpu, args, rows,
                              progress)
 
@@ -725,6 +731,12 @@ def draft_tree(torch, n, gen):
     return torch.where(mask >= 1 << 31, mask - (1 << 32), mask).to(torch.int32)
 
 
+def spec_kinds(cfg):
+    """(kind, drafts) of the spec grid's cells per context: one-token decode, then each
+    draft count above 1 linear and as a tree."""
+    return [("linear", 1)] + [(k, n) for n in cfg["drafts"] if n > 1 for k in ("linear", "tree")]
+
+
 def run_spec(torch, impls, timer, cfg, cpu, args, rows, progress):
     """Speculative decoding (issue 23): n draft tokens verified in one flash_attn_with_kvcache
     call against a dense cache whose last n keys are the drafts, causal (linear) and with a
@@ -735,7 +747,7 @@ def run_spec(torch, impls, timer, cfg, cpu, args, rows, progress):
     b, hq, hk, d = cfg["batch"], cfg["heads"], cfg["heads_kv"], cfg["hdim"]
     elem = torch.empty((), dtype=dt).element_size()
     gen = torch.Generator(device="cpu").manual_seed(7)
-    kinds = [("linear", 1)] + [(k, n) for n in cfg["drafts"] if n > 1 for k in ("linear", "tree")]
+    kinds = spec_kinds(cfg)
     for s in cfg["contexts"]:
         nbytes = R.kv_bytes(b, s, hk, d, elem)
         try:
@@ -1073,14 +1085,14 @@ def main(argv=None):
     if "standard" in grids:
         total += len(R.standard_cells(grid)) * len(names)
     if "decode" in grids:
-        total += (len(dec["contexts"]) * len(dec.get("batches", (dec["batch"],))) *
+        total += (len(dec["contexts"]) * len(decode_batches(dec)) *
                   len(decode_dtypes(dec)) * (3 if not cpu else 2))
     if "memory" in grids:
         total += 2 * len(mem["seqlens"])
     if "prefill" in grids:
         total += (1 + len(pre["blocks"])) * (2 if fa4 is not None and not cpu else 1)
     if "spec" in grids:
-        total += len(spec["contexts"]) * (1 + 2 * len([n for n in spec["drafts"] if n > 1]))
+        total += len(spec["contexts"]) * len(spec_kinds(spec))
     progress = R.Progress(total, "bench")
     impls = Impls(torch, cpu, fa4)
     timer = Timer(torch, cpu, args.budget_ms, args.min_reps, args.max_reps,
