@@ -98,7 +98,7 @@ struct DecodeArgs {
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse, the last merges
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
-  bool q_bf16 = false; // q / out dtype (read by the fp8 variant and the split merge); fp8 q: out's
+  bool q_bf16 = false; // q / out dtype, out's with fp8 q (read by the fp8 variant and the split merge)
   // fp8 variant only: float8_e4m3 q (FlashAttention-3's fp8 KV-cache call), converted to f16
   // as it is loaded; the [b, h_k] descales p.q_descale, p.k_scale, p.v_scale (null: 1) fold
   // into the softmax scale (q, k) and the output (v); no per-key scales (the dispatch runs
