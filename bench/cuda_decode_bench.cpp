@@ -19,8 +19,15 @@
 // "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
 // BENCH_BATCH (sequences per call, default 8; 64 with BENCH_MLA), BENCH_MLA=1 (instead of the
 // grid: MLA decode with qv, DeepSeek-V3's shape, run_mla), BENCH_SWEEP=1 (instead of the grid: dense
-// bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k), BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
+// bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k; BENCH_SWEEP_BATCHES, a comma list,
+// narrows the batches), BENCH_SPEC=1 (instead of the grid: speculative decoding, 1 / 4 / 8
+// drafts in one causal call, chain and tree, dense bf16 4k / 32k), BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
 // the sink's epilogue / merge terms against the same grid without one).
+//
+// BENCH_VERIFY=1: instead, the split path against one split on random data (batch 1 and
+// 8, contexts 1000 and 4096, eager and replayed from a graph, the workspace filled with 0x3c
+// bytes so that counters left unzeroed show): prints "verify ... max_diff" per case and
+// exits 1 on a difference above 2e-2, else 0.
 //
 // BENCH_EAGER=1: instead, the eager decode-step latency (issue 25): a serving loop without
 // graphs, BENCH_EAGER_STEPS (default 200) direct kvcache_forward calls on one stream, each a
@@ -37,6 +44,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -67,6 +76,10 @@ using flashattn::Tensor;
 constexpr int kHq = 32, kHk = 8, kD = 128;
 // Sequences per call: 8, or BENCH_BATCH; the sweep (BENCH_SWEEP=1) sets it per point.
 int g_batch = 8;
+// Query tokens per call (BENCH_SPEC: 1, or the drafts verified in one call, causal) and
+// whether they form a draft tree (a tree_mask) rather than a chain.
+int g_sq = 1;
+bool g_tree = false;
 
 struct Buffer {
   void* p = nullptr;
@@ -164,7 +177,7 @@ double time_captured(Caches& caches, cudaStream_t stream, Record record) {
 Result with_rates(Result r, std::size_t kv_bytes) {
   r.kv_bytes = kv_bytes;
   r.tbps = kv_bytes / (r.us * 1e-6) / 1e12;
-  r.tokens_per_s = g_batch / (r.us * 1e-6);
+  r.tokens_per_s = double(g_batch) * g_sq / (r.us * 1e-6);
   r.stream_tbps = kv_bytes / (r.stream_us * 1e-6) / 1e12;
   return r;
 }
@@ -175,6 +188,91 @@ int sm_count() {
   return sms;
 }
 
+// BENCH_VERIFY: heuristic splits (eager, then one graph replay) against num_splits = 1 on
+// random bf16 q / K / V; returns false on a difference above 2e-2.
+bool verify_splits(cudaStream_t stream) {
+  bool ok = true;
+  const Device dev = Device::cuda(0);
+  std::mt19937 rng(99);
+  std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
+  auto bf16 = [](float x) {
+    std::uint32_t u;
+    std::memcpy(&u, &x, 4);
+    return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  };
+  auto to_float = [](std::uint16_t h) {
+    const std::uint32_t u = std::uint32_t(h) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  };
+  for (int b : {1, 8}) {
+    for (int ctx : {1000, 4096}) {
+      const std::size_t n_q = std::size_t(b) * kHq * kD, n_kv = std::size_t(b) * ctx * kHk * kD;
+      std::vector<std::uint16_t> hq(n_q), hk(n_kv), hv(n_kv);
+      for (auto& x : hq) x = bf16(uni(rng));
+      for (auto& x : hk) x = bf16(uni(rng));
+      for (auto& x : hv) x = bf16(uni(rng));
+      Buffer q(n_q * 2), k(n_kv * 2), v(n_kv * 2), o_split(n_q * 2), o_one(n_q * 2), lens(b * sizeof(int));
+      BENCH_CHECK(cudaMemcpy(q.p, hq.data(), n_q * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(k.p, hk.data(), n_kv * 2, cudaMemcpyHostToDevice));
+      BENCH_CHECK(cudaMemcpy(v.p, hv.data(), n_kv * 2, cudaMemcpyHostToDevice));
+      std::vector<int> hl(b);
+      for (int i = 0; i < b; ++i) hl[i] = ctx - 37 * i;  // unequal lengths
+      upload_ints(lens, hl);
+      flashattn::KVCacheArgs a;
+      a.q = Tensor::contiguous(q.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
+      a.k_cache = Tensor::contiguous(k.p, DType::kBFloat16, {b, ctx, kHk, kD}, dev);
+      a.v_cache = Tensor::contiguous(v.p, DType::kBFloat16, {b, ctx, kHk, kD}, dev);
+      a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {b}, dev);
+      flashattn::Options opts;
+      opts.stream = stream;
+      const Tensor ts = Tensor::contiguous(o_split.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
+      const Tensor t1 = Tensor::contiguous(o_one.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
+      a.num_splits = 0;
+      Buffer ws(flashattn::kvcache_workspace_size(a, opts));
+      a.num_splits = 1;
+      flashattn::kvcache_forward(a, t1, Tensor{}, opts, {});
+      a.num_splits = 0;
+      std::vector<std::uint16_t> h1(n_q), hs(n_q);
+      BENCH_CHECK(cudaStreamSynchronize(stream));
+      BENCH_CHECK(cudaMemcpy(h1.data(), o_one.p, n_q * 2, cudaMemcpyDeviceToHost));
+      for (int mode = 0; mode < 2; ++mode) {
+        BENCH_CHECK(cudaMemset(o_split.p, 0xff, n_q * 2));
+        BENCH_CHECK(cudaMemset(ws.p, 0x3c, ws.bytes));
+        BENCH_CHECK(cudaDeviceSynchronize());
+        if (mode == 0) {
+          flashattn::kvcache_forward(a, ts, Tensor{}, opts, {ws.p, ws.bytes});
+        } else {
+          cudaGraph_t g;
+          BENCH_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+          flashattn::kvcache_forward(a, ts, Tensor{}, opts, {ws.p, ws.bytes});
+          BENCH_CHECK(cudaStreamEndCapture(stream, &g));
+          cudaGraphExec_t e;
+          BENCH_CHECK(cudaGraphInstantiate(&e, g, 0));
+          for (int r = 0; r < 3; ++r) BENCH_CHECK(cudaGraphLaunch(e, stream));
+          BENCH_CHECK(cudaStreamSynchronize(stream));
+          cudaGraphExecDestroy(e);
+          cudaGraphDestroy(g);
+        }
+        BENCH_CHECK(cudaStreamSynchronize(stream));
+        BENCH_CHECK(cudaMemcpy(hs.data(), o_split.p, n_q * 2, cudaMemcpyDeviceToHost));
+        float worst = 0.0f;
+        for (std::size_t i = 0; i < n_q; ++i) {
+          const float d = std::fabs(to_float(hs[i]) - to_float(h1[i]));
+          worst = std::isnan(d) ? INFINITY : std::max(worst, d);
+        }
+        const bool pass = worst <= 2e-2f;
+        ok = ok && pass;
+        std::printf("verify b %d ctx %d %s max_diff %.3g %s\n", b, ctx, mode == 0 ? "eager" : "graph", worst,
+                    pass ? "ok" : "FAIL");
+      }
+    }
+  }
+  std::fflush(stdout);
+  return ok;
+}
+
 Result run_decode(const Config& cfg, cudaStream_t stream) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
   const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
@@ -183,9 +281,27 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     std::unique_ptr<Buffer> k, v, table;
     flashattn::KVCacheArgs args;
   };
-  Buffer q(std::size_t(g_batch) * kHq * kD * 2), out(std::size_t(g_batch) * kHq * kD * 2);
+  Buffer q(std::size_t(g_batch) * g_sq * kHq * kD * 2), out(std::size_t(g_batch) * g_sq * kHq * kD * 2);
   Buffer lens(g_batch * sizeof(int)), scales(kHk * sizeof(float));
   upload_ints(lens, std::vector<int>(g_batch, cfg.ctx));
+  // A draft tree (g_tree): draft t hangs under a random earlier draft or the context; query
+  // i sees draft t when t is i or one of its ancestors. The same tree for every sequence.
+  const int mask_words = (g_sq + 31) / 32;
+  Buffer tree(g_tree ? std::size_t(g_batch) * g_sq * mask_words * sizeof(int) : 0);
+  if (g_tree) {
+    std::mt19937 tree_rng(7);
+    std::vector<int> parent(g_sq, -1);
+    for (int t = 1; t < g_sq; ++t) parent[t] = std::uniform_int_distribution<int>(-1, t - 1)(tree_rng);
+    std::vector<int> bits(std::size_t(g_batch) * g_sq * mask_words, 0);
+    for (int bi = 0; bi < g_batch; ++bi) {
+      for (int i = 0; i < g_sq; ++i) {
+        for (int t = i; t >= 0; t = parent[t]) {
+          bits[(std::size_t(bi) * g_sq + i) * mask_words + t / 32] |= int(1u << (t % 32));
+        }
+      }
+    }
+    upload_ints(tree, bits);
+  }
   {
     std::vector<float> s(kHk, 0.02f);
     BENCH_CHECK(cudaMemcpy(scales.p, s.data(), s.size() * sizeof(float), cudaMemcpyHostToDevice));
@@ -198,8 +314,9 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     c.k = std::make_unique<Buffer>(kv_bytes / 2);
     c.v = std::make_unique<Buffer>(kv_bytes / 2);
     auto& a = c.args;
-    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, g_sq, kHq, kD}, dev);
     a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {g_batch}, dev);
+    if (g_tree) a.tree_mask = Tensor::contiguous(tree.p, DType::kInt32, {g_batch, g_sq, mask_words}, dev);
     if (cfg.block_size > 0) {
       const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * g_batch;
       std::vector<int> ids(blocks);
@@ -222,13 +339,14 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   }
   flashattn::Options opts;
   opts.stream = stream;
+  opts.causal = g_sq > 1;  // the drafts are the cache's last g_sq keys
   Buffer sink(std::getenv("BENCH_SINK") != nullptr ? kHq * sizeof(float) : 0, 0);
   if (sink.p != nullptr) {
     const std::vector<float> host(kHq, 0.5f);
     BENCH_CHECK(cudaMemcpy(sink.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
     opts.learnable_sink = Tensor::contiguous(sink.p, DType::kFloat32, {kHq}, dev);
   }
-  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, g_sq, kHq, kD}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);
   Buffer ws(ws_bytes);
@@ -481,6 +599,7 @@ int main(int argc, char** argv) {
   FILE* csv = argc > 1 && std::string(argv[1]) != "-" ? std::fopen(argv[1], "w") : nullptr;
   auto env_on = [](const char* name) { return std::getenv(name) != nullptr && std::string(std::getenv(name)) == "1"; };
   const bool eager = env_on("BENCH_EAGER"), sweep = env_on("BENCH_SWEEP"), mla = env_on("BENCH_MLA");
+  const bool spec = env_on("BENCH_SPEC");
   if (const char* b = std::getenv("BENCH_BATCH")) {
     g_batch = std::atoi(b);
     if (g_batch < 1) {
@@ -494,13 +613,14 @@ int main(int argc, char** argv) {
   }
   cudaStream_t stream;
   BENCH_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (env_on("BENCH_VERIFY")) return verify_splits(stream) ? 0 : 1;
   const std::vector<Config> grid = {
       {"dense", 4096, 0, false},       {"dense", 32768, 0, false},       {"dense", 131072, 0, false},
       {"paged16", 4096, 16, false},    {"paged16", 32768, 16, false},    {"paged16", 131072, 16, false},
       {"paged256", 4096, 256, false},  {"paged256", 32768, 256, false},  {"paged256", 131072, 256, false},
       {"fp8", 4096, 0, true},          {"fp8", 32768, 0, true},          {"fp8", 131072, 0, true},
   };
-  if (!eager && !sweep && !mla) {  // (the sweep and the MLA mode print tables of their own)
+  if (!eager && !sweep && !mla && !spec) {  // (the other modes print tables of their own)
     std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call); stream: a kernel\n"
                 "that only reads the same K / V bytes (the bound)\n", g_batch, kHq, kHk, kD);
     std::printf("| cache | context | us | KV TB/s | tokens/s | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
@@ -549,12 +669,56 @@ int main(int argc, char** argv) {
     cudaStreamDestroy(stream);
     return 0;
   }
+  if (spec) {
+    // Issue 23's speculative decoding: 1, 4 and 8 query tokens verified in one call (the
+    // cache's last keys are the drafts, causal), as a chain and as a draft tree, against
+    // one-token decode: us per call and per token, dense bf16 cache, batch g_batch.
+    std::printf("speculative decoding: bf16 dense cache, b %d, h %d/%d, d %d (graph launches, median per call)\n",
+                g_batch, kHq, kHk, kD);
+    std::printf("| context | drafts | us | us / token | tokens/s | per-token cost / one-token |\n|---|---|---|---|---|---|\n");
+    const struct { int n; bool tree; } kinds[] = {{1, false}, {4, false}, {4, true}, {8, false}, {8, true}};
+    for (int ctx : {4096, 32768}) {
+      double one = 0;
+      for (const auto& k : kinds) {
+        g_sq = k.n;
+        g_tree = k.tree;
+        const Result r = run_decode(Config{"dense", ctx, 0, false}, stream);
+        if (k.n == 1) one = r.us;
+        std::printf("| %d | %d %s | %.1f | %.2f | %.0f | %.3f |\n", ctx, k.n, k.tree ? "tree" : "linear", r.us,
+                    r.us / k.n, r.tokens_per_s, r.us / k.n / one);
+        std::fflush(stdout);
+        if (csv) {
+          std::fprintf(csv, "spec_%s%d,%d,%d,0,0,%.2f,%.3f,%.0f,%.2f,%.3f\n", k.tree ? "tree" : "linear", k.n, g_batch,
+                       ctx, r.us, r.tbps, r.tokens_per_s, r.stream_us, r.stream_tbps);
+        }
+      }
+    }
+    g_sq = 1;
+    g_tree = false;
+    if (csv) std::fclose(csv);
+    cudaStreamDestroy(stream);
+    return 0;
+  }
   if (sweep) {
     // Issue 23's sweep: dense bf16 caches, batch 1 / 8 / 64 x contexts 1k .. 128k, each
     // against the streaming read of its own bytes.
     std::printf("decode sweep: bf16 dense cache, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kHq, kHk, kD);
     std::printf("| batch | context | us | KV TB/s | stream us | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
-    for (int b : {1, 8, 64}) {
+    std::vector<int> batches = {1, 8, 64};
+    if (const char* list = std::getenv("BENCH_SWEEP_BATCHES")) {
+      batches.clear();
+      for (const char* c = list; *c != '\0';) {
+        char* end = nullptr;
+        const long v = std::strtol(c, &end, 10);
+        if (end == c || v < 1) {
+          std::fprintf(stderr, "BENCH_SWEEP_BATCHES: expected a comma list of batches >= 1, got '%s'\n", list);
+          return 2;
+        }
+        batches.push_back(static_cast<int>(v));
+        c = *end == ',' ? end + 1 : end;
+      }
+    }
+    for (int b : batches) {
       g_batch = b;
       for (int ctx = 1024; ctx <= 131072; ctx *= 2) {
         const Config c{"dense", ctx, 0, false};
