@@ -512,6 +512,14 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
     int* flags = verdict_bytes > 0
                      ? reinterpret_cast<int*>(static_cast<char*>(p.workspace) + ws_bytes - verdict_bytes)
                      : nullptr;
+    // The check also zeroes the decode path's split counters (no memset node of their own).
+    // (Never the verdict's words, which the same kernel writes: the decode plan's span lies
+    // before them, and a span that did not is left to the decode path's own memset.)
+    detail::cuda::CounterSpan counters = detail::cuda::split_counters(p);
+    const char* verdict_at = static_cast<char*>(p.workspace) + ws_bytes - verdict_bytes;
+    if (counters.data != nullptr && static_cast<char*>(counters.data) + counters.bytes > verdict_at) counters = {};
+    p.zeroed_counters = counters.data;
+    p.zeroed_counter_bytes = counters.bytes;
     verdict = detail::cuda::check_indices_on_device(p, detail::cuda::IndexCall::kKVCacheForward, flags);
   }
 

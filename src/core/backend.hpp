@@ -74,7 +74,20 @@ bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, 
 enum class IndexCall : int { kVarlenForward = 0, kVarlenBackward = 1, kKVCacheForward = 2, kForward = 3, kBackward = 4 };
 // Enqueues the check of p's index tensors on p.stream. Without the device's error record (a
 // captured call on a device no eager call has run on) it runs but records nothing.
+// With p.zeroed_counters (set from split_counters) the check kernel also zeroes those
+// p.zeroed_counter_bytes, and lets the call's next kernel launch early (programmatic
+// dependent launch: the decode kernel waits for the check's completion before its first
+// global access).
 AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* append_flags = nullptr);
+// The arrival counters of the decode path's split merge in p.workspace for this KV-cache
+// call (the decode kernel with splits > 1), else {nullptr, 0}: a pure function of p's
+// shapes, its workspace and the shared-memory limit the forward resolves (the same plan
+// as the forward's). kvcache_forward hands them to the device index check to zero.
+struct CounterSpan {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+};
+CounterSpan split_counters(const FwdParams& p);
 // Bytes of the verdict at the end of a KV-cache call's forward workspace (included in
 // forward_workspace_size): kAppendVerdictBytes for an append (s_new > 0) to a paged cache or
 // through cache_batch_idx, else 0.

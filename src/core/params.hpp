@@ -169,6 +169,13 @@ struct FwdParams {
   int num_splits = 1;
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // The decode path's split-merge arrival counters (in the workspace) when this call's
+  // device index check zeroed them in stream order before its kernels (kvcache_forward,
+  // cuda::split_counters): their address and bytes. The decode path then enqueues no memset
+  // of its own (one graph node fewer, and the decode kernel's launch can overlap the
+  // check's by programmatic dependent launch); null: it zeroes them itself.
+  const void* zeroed_counters = nullptr;
+  std::size_t zeroed_counter_bytes = 0;
 
   // Execution.
   bool deterministic = false;

@@ -228,4 +228,15 @@ void backward(const BwdParams& in) {
 
 std::size_t backward_workspace_size(const BwdParams& p) { return sm80::backward_workspace_size(p); }
 
+// The decode path is the one forward above takes for a KV-cache call (no qv) whose decode
+// plan, under the same resolved shared-memory limit, uses the decode kernel.
+CounterSpan split_counters(const FwdParams& in) {
+  if (in.cache_seqlens == nullptr || in.qv != nullptr || in.workspace == nullptr) return {};
+  FwdParams p = in;
+  p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
+  const sm80::DecodePlan plan = sm80::plan_decode(p);
+  if (!plan.use || plan.splits <= 1) return {};
+  return {static_cast<char*>(p.workspace) + plan.counter_offset(), plan.counter_bytes};
+}
+
 }  // namespace flashattn::detail::cuda

@@ -64,6 +64,14 @@ __device__ __forceinline__ void tensor_copy_5d(std::uint32_t dst, const void* tm
 #endif
 }
 
+// Brings a tensor map (a __grid_constant__ kernel parameter) into the TMA unit's cache
+// before its first copy.
+__device__ __forceinline__ void tensor_map_prefetch(const void* tmap) {
+#if FLASHATTN_ARCH_BULK
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tmap) : "memory");
+#endif
+}
+
 // Whether the wrappers above do anything in this compilation pass (sm90 and newer).
 inline constexpr bool kHasBulkCopies = FLASHATTN_ARCH_BULK;
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "core/backend.hpp"
+#include "cuda/arch/pdl.cuh"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/runtime/index_record.hpp"
@@ -100,7 +101,24 @@ struct IndexCheckArgs {
   // it found a conflict (append_kv then writes nothing), else 0.
   int append_per_seq;
   int* append_flags;
+  // The decode path's split-merge arrival counters, zeroed here (FwdParams::zeroed_counters);
+  // null / 0: none.
+  unsigned* zero_words;
+  unsigned zero_count;
 };
+
+// Every check kernel starts here: it waits for the kernel before it (a no-op unless it was
+// launched as a programmatic dependent), lets the call's next kernel launch (the decode
+// kernel, launched as a programmatic dependent on sm90, then runs its prologue while this
+// check runs and waits for the check's completion before its first global access), and
+// zeroes the decode path's arrival counters.
+__device__ void check_prologue(const IndexCheckArgs& a) {
+  griddep_wait();
+  griddep_launch_dependents();
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < a.zero_count; i += gridDim.x * blockDim.x) {
+    a.zero_words[i] = 0u;
+  }
+}
 
 // cu_seqlens[b] for b in [0, batch]: [0] == 0, non-decreasing, the last <= total, and no
 // sequence longer than max_seqlen (the host's check_cu_seqlens).
@@ -257,6 +275,7 @@ __device__ void check_rows(const IndexCheckArgs& a, int* claim) {
 // Calls without a block table or an append (dense KV-cache decode, varlen): the checks per
 // sequence alone, in a kernel of their own.
 __global__ void __launch_bounds__(kCheckThreads) index_check_rows_kernel(const __grid_constant__ IndexCheckArgs a) {
+  check_prologue(a);
   __shared__ int claim;
   if (threadIdx.x == 0) claim = 0;
   __syncthreads();
@@ -264,6 +283,7 @@ __global__ void __launch_bounds__(kCheckThreads) index_check_rows_kernel(const _
 }
 
 __global__ void __launch_bounds__(kCheckThreads, 1) index_check_kernel(const __grid_constant__ IndexCheckArgs a) {
+  check_prologue(a);
   __shared__ int claim;
   // The append hash in dynamic shared memory, launched with it only when appends are
   // checked: a call without one (a decode step) runs with 4 bytes of shared memory.
@@ -409,6 +429,8 @@ AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* a
   a.table_stride = p.block_table_batch_stride;
   a.max_blocks = p.block_table_max_blocks;
   a.block_size = p.block_size;
+  a.zero_words = static_cast<unsigned*>(const_cast<void*>(p.zeroed_counters));
+  a.zero_count = p.zeroed_counters != nullptr ? static_cast<unsigned>(p.zeroed_counter_bytes / sizeof(unsigned)) : 0u;
   if (append_flags != nullptr && append_check_bytes(p) > 0 && a.capacity >= a.s_new) {
     // Paged: the columns of the s_new new keys from cache_seqlens[b] on (one more when
     // they start inside a block), within the table.

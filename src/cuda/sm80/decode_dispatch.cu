@@ -271,10 +271,14 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
   if (plan.splits > 1) {
     a.ws_o = static_cast<float*>(p.workspace);
     a.ws_lse = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + plan.o_bytes);
-    a.ws_count = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
+    a.ws_count = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + plan.counter_offset());
     // The arrival counters start at zero whatever the workspace held (compute-sanitizer
-    // initcheck: the tagged words they replace read the caller's uninitialised memory).
-    FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0, plan.counter_bytes, static_cast<cudaStream_t>(p.stream)));
+    // initcheck: the tagged words they replace read the caller's uninitialised memory):
+    // zeroed by the call's device index check (kvcache_forward, p.zeroed_counters: no node
+    // of its own between the check and this launch), else here.
+    if (p.zeroed_counters != a.ws_count || p.zeroed_counter_bytes != plan.counter_bytes) {
+      FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0, plan.counter_bytes, static_cast<cudaStream_t>(p.stream)));
+    }
   }
   const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
   const bool bf16 = p.dtype == DType::kBFloat16;

@@ -16,6 +16,7 @@ struct DecodePlan {
   std::size_t lse_bytes = 0;        // partial lse, after it
   std::size_t counter_bytes = 0;    // the split merge's arrival counters, after it
   std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival counters; 0 without splits
+  std::size_t counter_offset() const { return o_bytes + lse_bytes; }
 };
 
 // A pure function of p's shapes and bounds and p.smem_limit (never device memory): the
