@@ -371,7 +371,9 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
 // g_batch (BENCH_BATCH, default 64 here), 128 query heads over one latent head, rope keys d
 // 64 (k_cache) and the latent d_v 512 (v_cache, read once for the score and the value), a
 // paged cache of 64-row blocks (shuffled table), one query token; bytes read b * s * (64 +
-// 512) * 2, beside the streaming read of the same two buffers.
+// 512) * 2, beside the streaming read of the same two buffers. The kernel is the process's
+// family's (auto on an H100 / H200: the sm90 MLA kernel; FLASHATTN_KERNEL_FAMILY=sm80: the
+// sm80 one, for the comparison).
 Result run_mla(int ctx, cudaStream_t stream) {
   constexpr int kMlaHq = 128, kRope = 64, kLatent = 512, kBlock = 64;
   const std::size_t k_bytes = std::size_t(g_batch) * ctx * kRope * 2, v_bytes = std::size_t(g_batch) * ctx * kLatent * 2;

@@ -161,7 +161,10 @@ struct Options {
   // memory per block (A100, H100, H200; src/cuda/sm80/mla_kernel.cuh): float16 / bfloat16,
   // d <= 64 and d_v <= 512 (multiples of 8), no dropout, no block_sparse; KV-cache calls
   // with dense or paged 16-bit caches (no fp8 cache, no tree_mask). Anything else is
-  // Unsupported naming the argument. Undefined = none.
+  // Unsupported naming the argument. On an H100 / H200 in the sm90 family the sm90 MLA
+  // kernel (src/cuda/sm90/mla_kernel.cuh: wgmma, TMA) runs the calls it covers (K / V
+  // 16-byte aligned; paged blocks with gcd(block_size, 64) >= 8), the sm80 one the rest.
+  // Undefined = none.
   Tensor qv;
   // fp8 forward (FlashAttention-3's q_descale, k_descale, v_descale): with q, k, v all of
   // dtype float8_e4m3, the value of an element is float(e4m3) * descale[b, g], g the KV

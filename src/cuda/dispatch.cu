@@ -10,6 +10,9 @@
 //   fp8 q      forward / varlen: sm90's fp8       forward / varlen: Unsupported naming q;
 //              forward; KV cache: the decode      KV cache: the decode kernel
 //              kernel
+//   qv (MLA)   sm90's MLA kernel where            sm80's MLA kernel
+//              sm90::mla_unsupported is null,
+//              else sm80's (logged)
 //   backward   sm90's main kernel inside the      sm80
 //              shared pipeline (workspace, D, dQ
 //              conversion) where
@@ -30,9 +33,13 @@
 // fused forward, so an fp8 cache or a draft-tree mask with d_v != d is Unsupported (the
 // API says so naming v_cache before the append).
 //
-// qv (MLA, FlashAttention-3's qv) runs in the sm80 family on every GPU (sm80::plan_mla:
-// the MLA kernel, mla_kernel.cuh; d <= 64, d_v <= 512), dense, varlen and KV-cache calls;
-// the head-dim buckets do not apply to it.
+// qv (MLA, FlashAttention-3's qv): dense, varlen and KV-cache calls with one plan
+// (sm80::plan_mla: d <= 64, d_v <= 512, split count, workspace) and two kernels: on the
+// sm90 family the sm90 MLA kernel (sm90/mla_kernel.cuh: wgmma, TMA) where
+// sm90::mla_unsupported is null; else (logged), in the sm80 family (forced, or any other
+// GPU) the sm80 MLA kernel (sm80/mla_kernel.cuh). Both raise plan_mla's errors, so a call
+// one kernel declines is never an error the other would not raise. The head-dim buckets
+// do not apply to it.
 //
 // Within a family the configuration (tiles, stages) is chosen from p.smem_limit, the
 // shared memory per block the device grants (capped by Options::smem_cap).
@@ -55,6 +62,7 @@
 #include "cuda/sm80/family.hpp"
 #include "cuda/sm90/bwd.hpp"
 #include "cuda/sm90/fwd.hpp"
+#include "cuda/sm90/mla.hpp"
 #include "flashattn/error.hpp"
 
 namespace flashattn::detail::cuda {
@@ -68,6 +76,8 @@ void run_fwd(const FwdParams&, void*) {}
 std::size_t fp8_vt_bytes(const FwdParams&) noexcept { return 0; }
 const char* bwd_unsupported(const BwdParams&) noexcept { return "not built"; }
 void run_bwd_main(const BwdParams&, const BwdWorkspace&, void*) {}
+const char* mla_unsupported(const FwdParams&) noexcept { return "not built"; }
+void run_mla(const FwdParams&) {}
 }  // namespace sm90
 #endif
 
@@ -163,8 +173,17 @@ void forward(const FwdParams& in) {
     write_unused_query_rows(p);
     return;
   }
-  // MLA: the sm80 family's MLA kernel on every GPU.
+  // MLA: the sm90 MLA kernel where it takes the call, else the sm80 family's.
   if (p.qv != nullptr) {
+    if (choice.family == KernelFamily::kSm90) {
+      const char* why = sm90::mla_unsupported(p);
+      if (why == nullptr) {
+        sm90::run_mla(p);
+        write_unused_query_rows(p);
+        return;
+      }
+      if (debug_log()) std::fprintf(stderr, "flashattn: forward: sm90 MLA kernel declined (%s), running sm80\n", why);
+    }
     sm80::forward(p);
     write_unused_query_rows(p);
     return;

@@ -1,18 +1,27 @@
-// Multi-head latent attention (Options::qv, FlashAttention-3's qv) on CUDA: the sm80
-// family's MLA kernel (src/cuda/sm80/mla_kernel.cuh), on every GPU. Each case runs on the
-// device (inputs fresh random, out / lse NaN-poisoned) and on the CPU backend, which
-// implements qv: KV-cache calls through kvcache_runs.hpp's check_case (the caches after
-// the append bitwise equal, the outputs against the fp64 oracle under the suite's tolerance
-// rule, lse included), the dense and varlen forward against the oracle the same way.
+// Multi-head latent attention (Options::qv, FlashAttention-3's qv) on CUDA: both MLA
+// kernels. Each case runs once per family of gpu_families() (opts.kernel_family sm80, and
+// on an H100 / H200 also sm90): sm80 runs the sm80 family's MLA kernel
+// (src/cuda/sm80/mla_kernel.cuh), sm90 the sm90 MLA kernel (src/cuda/sm90/mla_kernel.cuh:
+// wgmma, TMA) where sm90::mla_unsupported takes the call, else the sm80 one; the cases
+// without a family (options, splits, graph) run in the process's (auto: the sm90 kernel on
+// an H100 / H200; FLASHATTN_KERNEL_FAMILY=sm80 the sm80 one). Each case runs on the device
+// (inputs fresh random, out / lse NaN-poisoned, cache slots past the sequences NaN) and on
+// the CPU backend, which implements qv: KV-cache calls through kvcache_runs.hpp's
+// check_case (the caches after the append bitwise equal, the outputs against the fp64
+// oracle under the suite's tolerance rule, lse included), the dense and varlen forward
+// against the oracle the same way.
 // Shapes: DeepSeek-V3 decode (d 64 rope, d_v 512 latent, h_k 1 under 1 / 16 / 128 query
-// heads), odd cache lengths (0, 1, 77, 1000, 4097), dense caches (cache_batch_idx) and
-// paged ones (blocks of 16, 64, 256), with and without appends, causal speculative rows
-// (s_q > 1), splits forced (num_splits > 1) and chosen (0); d < 64 and d_v < 512 (zero
-// padding). What the kernel does not cover is Unsupported naming the argument, before the
-// append. Runs only with a GPU; skips without one.
+// heads), odd cache lengths (0, 1, 63 / 64 / 65 at the sm90 kernel's tile edge, 77, 1000,
+// 4097), dense caches (cache_batch_idx) and paged ones (blocks of 8, 16, 32, 48, 64, 256:
+// the sm90 kernel's TMA boxes of gcd(block, 64) rows; blocks of 12 it declines to sm80),
+// with and without appends, causal speculative rows (s_q > 1), splits forced (num_splits >
+// 1) and chosen (0); d < 64 and d_v < 512 (zero padding). Which calls the sm90 kernel takes
+// is checked on its own (CudaMlaSm90Dispatch). What the kernels do not cover is Unsupported
+// naming the argument, before the append. Runs only with a GPU; skips without one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -25,6 +34,7 @@
 #include "cuda/device_runs.hpp"
 #include "cuda/kvcache_runs.hpp"
 #include "cuda/sm80/mla_launch.hpp"
+#include "cuda/sm90/mla.hpp"
 #include "flashattn/error.hpp"
 #include "support/cases.hpp"
 #include "support/checks.hpp"
@@ -77,6 +87,17 @@ const MlaKV kKVCases[] = {
     // Smaller heads (zero padding of the rope and latent parts).
     {"d48_dv256_paged64", DType::kBFloat16, 2, 16, 1, 48, 256, 1, 1, 64, {999, 76}, true, 2},
     {"d32_dv136_dense", DType::kFloat16, 2, 8, 1, 32, 136, 2, 0, 0, {77, 300}, false, 1},
+    // The sm90 kernel's 64-key tiles: lengths at a tile's edge (the appended key included),
+    // an empty sequence, TMA boxes of 32, 16 (blocks of 48: tiles across blocks) and 8 rows,
+    // a dense cache with forced splits, 256 packed rows (4 row chunks).
+    {"decode_h128_paged64_edges", DType::kBFloat16, 5, 128, 1, 64, 512, 1, 1, 64, {0, 62, 63, 64, 2047}, true, 1},
+    {"decode_h128_paged32_split4", DType::kFloat16, 3, 128, 1, 64, 512, 1, 1, 32, {130, 0, 1999}, true, 4},
+    {"spec_h128_paged48_causal", DType::kFloat16, 2, 128, 1, 64, 512, 2, 2, 48, {500, 97}, true, 3},
+    {"decode_h128_paged8_auto", DType::kBFloat16, 2, 128, 1, 64, 512, 1, 0, 8, {257, 95}, false, 0},
+    {"decode_h128_dense_split6", DType::kBFloat16, 2, 128, 1, 64, 512, 1, 1, 0, {3000, 129}, true, 6},
+    {"spec_h128_dense_s2", DType::kFloat16, 2, 128, 1, 64, 512, 2, 2, 0, {1000, 64}, true, 1},
+    // Blocks of 12 (boxes of gcd(12, 64) = 4 rows): the sm90 kernel declines, sm80 runs it.
+    {"decode_h32_paged12_sm80", DType::kBFloat16, 2, 32, 1, 64, 512, 1, 1, 12, {100, 37}, true, 1},
 };
 
 KVCacheCase make_kv_case(Rng& rng, const MlaKV& m) {
@@ -257,6 +278,119 @@ TEST(CudaMlaForward, VarlenMatchesOracle) {
       expect_forward_matches(c.problem(), c.dtype, forward_results(c));
     }
   }
+}
+
+// ---------------------------------------------------------------- which calls the sm90 kernel takes
+
+// sm90::mla_unsupported (which dispatch.cu asks before running the sm90 MLA kernel) takes
+// the call shapes of the suite above, so that their sm90 runs are the sm90 kernel's and
+// not the sm80 fallback's, and leaves to the sm80 kernel what it does not cover: paged
+// blocks whose gcd with 64 is below 8 (TMA boxes of 8 rows at least), an fp8 cache, d above
+// 64, a shared-memory limit below its tiles, a K / V base or stride off 16 bytes. It reads
+// no tensor: the pointers only need their alignment.
+TEST(CudaMlaSm90Dispatch, TakesTheSuiteShapesDeclinesTheRest) {
+  FA_REQUIRE_GPU();
+  if (detail::cuda::compute_capability(0) != 90) GTEST_SKIP() << "the sm90 MLA kernel needs compute capability 9.0";
+#if !FLASHATTN_WITH_SM90
+  GTEST_SKIP() << "built without the sm90 family";
+#endif
+  void* buf = nullptr;
+  FA_CUDA_OK(cudaMalloc(&buf, 4096));
+  auto* base = static_cast<unsigned char*>(buf);
+  using detail::FwdParams;
+  namespace sm90 = detail::cuda::sm90;
+  // A KV-cache decode call, DeepSeek-V3's shape: paged blocks of 64, 128 query heads.
+  auto decode = [&](int block_size) {
+    FwdParams p;
+    p.device_index = 0;
+    p.dtype = p.q_dtype = p.kv_dtype = DType::kBFloat16;
+    p.batch = 2;
+    p.h_q = 128;
+    p.h_k = 1;
+    p.h_ratio = 128;
+    p.d = 64;
+    p.d_v = 512;
+    p.seqlen_q = 1;
+    p.q = p.qv = p.out = base;
+    p.k = base + 1024;
+    p.v = base + 2048;
+    p.cache_seqlens = reinterpret_cast<const int*>(base + 3072);
+    p.k_row_stride = p.k_head_stride = p.d;
+    p.v_row_stride = p.v_head_stride = p.d_v;
+    if (block_size > 0) {
+      p.block_table = reinterpret_cast<const int*>(base + 3584);
+      p.block_size = p.kv_cache_len = block_size;
+      p.kv_cache_rows = 64;
+    } else {  // dense, over spare cache rows
+      p.kv_cache_len = 3010;
+      p.kv_cache_rows = 4;
+    }
+    p.k_batch_stride = std::int64_t(p.kv_cache_len) * p.k_row_stride;
+    p.v_batch_stride = std::int64_t(p.kv_cache_len) * p.v_row_stride;
+    return p;
+  };
+  for (int block : {0, 8, 16, 32, 48, 64, 256}) {
+    SCOPED_TRACE("block_size " + std::to_string(block));
+    const char* why = sm90::mla_unsupported(decode(block));
+    EXPECT_EQ(why, nullptr) << why;
+  }
+  {  // d 32 / d_v 136, d 48 / d_v 256 (the suite's zero-padded heads)
+    FwdParams p = decode(0);
+    p.d = 32;
+    p.d_v = 136;
+    p.k_row_stride = p.k_head_stride = p.d;
+    p.v_row_stride = p.v_head_stride = p.d_v;
+    p.k_batch_stride = std::int64_t(p.kv_cache_len) * p.d;
+    p.v_batch_stride = std::int64_t(p.kv_cache_len) * p.d_v;
+    const char* why = sm90::mla_unsupported(p);
+    EXPECT_EQ(why, nullptr) << why;
+  }
+  {  // the dense and the varlen forward
+    FwdParams p = decode(0);
+    p.cache_seqlens = nullptr;
+    p.seqlen_k = 600;
+    p.k_batch_stride = 600 * p.k_row_stride;
+    p.v_batch_stride = 600 * p.v_row_stride;
+    const char* why = sm90::mla_unsupported(p);
+    EXPECT_EQ(why, nullptr) << why;
+    p.cu_seqlens_q = p.cu_seqlens_k = reinterpret_cast<const int*>(base + 3072);
+    p.total_q = 111;
+    p.total_k = 1490;
+    why = sm90::mla_unsupported(p);
+    EXPECT_EQ(why, nullptr) << why;
+  }
+  auto declined = [&](const FwdParams& p, const char* what) {
+    SCOPED_TRACE(what);
+    EXPECT_NE(sm90::mla_unsupported(p), nullptr);
+  };
+  declined(decode(12), "blocks of 12 (boxes of 4 rows)");
+  declined(decode(20), "blocks of 20 (boxes of 4 rows)");
+  {
+    FwdParams p = decode(64);
+    p.kv_dtype = DType::kFloat8E4M3;
+    declined(p, "an fp8 cache");
+  }
+  {
+    FwdParams p = decode(64);
+    p.d = 128;
+    declined(p, "d 128");
+  }
+  {
+    FwdParams p = decode(64);
+    p.smem_limit = 101376;
+    declined(p, "a 99 KiB shared-memory limit");
+  }
+  {
+    FwdParams p = decode(64);
+    p.k = base + 1032;
+    declined(p, "k 8 bytes off 16");
+  }
+  {
+    FwdParams p = decode(64);
+    p.v_row_stride = 516;
+    declined(p, "v's row stride 1032 bytes");
+  }
+  cudaFree(buf);
 }
 
 // ---------------------------------------------------------------- what the MLA kernel does not cover

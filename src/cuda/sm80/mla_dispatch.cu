@@ -112,8 +112,7 @@ MlaPlan plan_mla(const FwdParams& p) {
   return plan;
 }
 
-void run_mla_path(const FwdParams& p, const MlaPlan& plan) {
-  if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
+MlaArgs mla_args(const FwdParams& p, const MlaPlan& plan) {
   if (plan.workspace_bytes > 0 && (p.workspace == nullptr || p.workspace_bytes < plan.workspace_bytes)) {
     throw Unsupported(kFn, "workspace", "at least " + std::to_string(plan.workspace_bytes) + " bytes",
                       std::to_string(p.workspace_bytes) + " bytes");
@@ -128,6 +127,12 @@ void run_mla_path(const FwdParams& p, const MlaPlan& plan) {
     a.ws_count = reinterpret_cast<unsigned int*>(static_cast<char*>(p.workspace) + plan.o_bytes + plan.lse_bytes);
     FLASHATTN_CUDA_CHECK(cudaMemsetAsync(a.ws_count, 0, plan.counter_bytes, static_cast<cudaStream_t>(p.stream)));
   }
+  return a;
+}
+
+void run_mla_path(const FwdParams& p, const MlaPlan& plan) {
+  if (p.batch == 0 || p.seqlen_q == 0 || p.h_q == 0) return;
+  const MlaArgs a = mla_args(p, plan);
   if (p.dtype == DType::kBFloat16) {
     run_mla<__nv_bfloat16>(p, a);
   } else {

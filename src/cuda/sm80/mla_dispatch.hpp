@@ -5,6 +5,7 @@
 #include <cstddef>
 
 #include "core/params.hpp"
+#include "cuda/sm80/mla_launch.hpp"
 
 namespace flashattn::detail::cuda::sm80 {
 
@@ -26,5 +27,9 @@ struct MlaPlan {
 // heuristic from the SM count and the work) only for KV-cache calls.
 MlaPlan plan_mla(const FwdParams& p);
 void run_mla_path(const FwdParams& p, const MlaPlan& plan);
+// The launch arguments of a plan (also the sm90 MLA kernel's, sm90/mla_dispatch.cu): the
+// workspace checked against the plan's need (Unsupported naming it) and carved, its
+// arrival counters zeroed in p.stream.
+MlaArgs mla_args(const FwdParams& p, const MlaPlan& plan);
 
 }  // namespace flashattn::detail::cuda::sm80

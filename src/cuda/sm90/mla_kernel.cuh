@@ -1,0 +1,469 @@
+// Multi-head latent attention (MLA, FlashAttention-3's qv) on Hopper (sm_90a): the sm80 MLA
+// kernel's problem (sm80/mla_kernel.cuh: score(i, j) = scale * (q_i . k_j + qv_i . v_j),
+// out_i = sum_j P_ij v_j, the rope part d <= 64, the latent d_v <= 512, GQA-packed rows
+// r = i * h_ratio + hh of one KV head) on wgmma, fed by TMA.
+//
+// One block per (64-row chunk, split) x KV head x sequence, as the sm80 kernel's grid and
+// split plan (sm80::plan_mla: splits, row chunks, workspace), 3 warpgroups:
+//   warpgroup 0, the producer: one thread of its first warp issues the TMA copies of each
+//     64-key tile k' = [k | v] (9 column blocks of 64 dims, 128-byte swizzle: block 0 the
+//     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by a
+//     "full" mbarrier (transaction bytes) and an "empty" one (both consumers' release);
+//     with a paged cache a tile is copied in boxes of gcd(block_size, 64) rows through the
+//     block table. Where the tensor goes on past a sequence's keys (cache slots, the next
+//     sequence) the warp zeroes the latent rows past the end before the consumers see the
+//     tile: their P is exactly 0, but 0 * NaN would poison O. Its registers go to the
+//     consumers (setmaxnreg).
+//   warpgroups 1 and 2, the consumers: q' = [q | qv] (64 rows x 576 dims, zero past d and
+//     d_v) is copied once into shared memory (cp.async, swizzled as TMA would); per tile
+//     each consumer computes the whole S = q' k'^T (64 x 64, 36 k-steps of m64n64k16, both
+//     operands in shared memory) and runs the same online softmax on it (the same bits in
+//     both: no exchange), then adds P V to its half of O: consumer c holds O's columns
+//     256 c .. 256 c + 255 (128 fp32 registers), P from registers as the A operand
+//     (m64n256k16, V read MN-major from the tile's latent blocks 1 + 4 c .. 4 + 4 c).
+// Epilogue as the sm80 kernel's: each consumer writes its columns of out (or with splits
+// its fp32 partials; the last split of a row chunk merges them,
+// collective/split_kv_merge.cuh), consumer 0 the lse; masks, softcap, ALiBi and the
+// learnable sink per row (semantics::visible_keys).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "cuda/arch/pack.cuh"
+#include "cuda/arch/sm80.cuh"
+#include "cuda/arch/sm90_tma.cuh"
+#include "cuda/arch/sm90_wgmma.cuh"
+#include "cuda/collective/convert.cuh"
+#include "cuda/collective/split_kv_merge.cuh"
+#include "cuda/sm80/mla_launch.hpp"
+#include "flashattn/semantics.hpp"
+
+namespace flashattn::detail::cuda::sm90 {
+
+struct MlaConfig {
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kRows = 64;    // packed query rows per block (sm80::MlaTraits::kRows: the plan's)
+  static constexpr int kBlockN = 64;  // keys per tile
+  static constexpr int kDimK = 64;    // rope dims, one 128-byte column block
+  static constexpr int kDimV = 512;   // latent dims, 8 column blocks
+  static constexpr int kSegs = 1 + kDimV / 64;       // column blocks of q' and k'
+  static constexpr int kSegBytes = 64 * 128;         // one column block of 64 rows (q') or keys (k')
+  static constexpr int kQBytes = kSegs * kSegBytes;  // 73728
+  static constexpr int kTileBytes = kSegs * kSegBytes;
+  static constexpr int kStages = 2;
+  static constexpr int kBarriers = 2 * kStages + 1;  // full, empty per stage; the tail copy
+  // Dynamic shared memory: 1024 bytes of alignment slack, q', the ring, the barriers, the
+  // split merge's flag (no static shared memory).
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + 8 * kBarriers + 8;
+  // setmaxnreg: the block's pool is its launch allocation (__launch_bounds__(384, 1): 168
+  // per thread); a setmaxnreg.inc the pool cannot serve waits forever.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kRows == sm80::MlaTraits::kRows, "the sm80 plan's row chunks");
+  static_assert(kDimK == sm80::MlaTraits::kDimK && kDimV == sm80::MlaTraits::kDimV, "the sm80 plan's head dims");
+  static_assert(kRows == kBlockN, "q' and k' share the column-block layout (64 rows of 128 bytes)");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// Kernel arguments besides FwdParams: the K and V tensor maps (box 64 columns x box rows,
+// 128-byte swizzle; columns past d / d_v read as zero) and the split plan.
+struct MlaArgs {
+  CUtensorMap tmap_k;  // {d, rows, h_k, batches}
+  CUtensorMap tmap_v;  // {d_v, rows, h_k, batches}
+  sm80::MlaArgs split;  // splits, row chunks, workspace (sm80::plan_mla)
+  int page_rows;     // paged: rows per copy (gcd(block_size, 64)); dense: 0 (a whole tile)
+  int v_segs;        // latent column blocks copied: ceil(d_v / 64); the rest stay zero
+  bool v_tail_zero;  // every sequence's keys end where the tensor maps do (TMA zero-fills)
+};
+
+// Scores in log2 units; the reference max of a row moves only when a tile's max passes it
+// by more than this (the sm90 forward's lazy rescale: P <= 2^8, exact in 16 bits).
+inline constexpr float kMlaRescaleLog2 = 8.0f;
+
+template <typename Element>
+__global__ void __launch_bounds__(MlaConfig::kThreads, 1)
+    mla_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ MlaArgs a) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = MlaConfig;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kBlockN = Cfg::kBlockN, kSegBytes = Cfg::kSegBytes;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  unsigned char* sQ = smem;
+  unsigned char* sKV = sQ + Cfg::kQBytes;
+  auto* bars = reinterpret_cast<std::uint64_t*>(sKV + Cfg::kStages * Cfg::kTileBytes);
+  std::uint64_t* full = bars;
+  std::uint64_t* empty = bars + Cfg::kStages;
+  std::uint64_t* bar_tail = bars + 2 * Cfg::kStages;
+  int* merge_flag = reinterpret_cast<int*>(bars + Cfg::kBarriers);
+
+  const int splits = a.split.splits, row_chunks = a.split.row_chunks;
+  const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(row_chunks));
+  const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(row_chunks));
+  const int g_kv = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+  const int h_ratio = p.h_ratio;
+
+  const int s_q = p.seq_len_q(b);
+  const int s_k = p.seq_len_k(b);
+  const int nrows = s_q * h_ratio;
+  const int r0 = chunk * Cfg::kRows;
+  if (r0 >= nrows) return;  // the whole block: before any barrier
+  const int r_last = min(r0 + Cfg::kRows, nrows) - 1;
+  const int i_lo = r0 / h_ratio, i_hi = r_last / h_ratio;
+  const semantics::KeyRange lo = semantics::visible_keys(i_lo, s_q, s_k, p.mask);
+  const semantics::KeyRange hi = semantics::visible_keys(i_hi, s_q, s_k, p.mask);
+  const std::int64_t kb = lo.begin, ke = hi.end;            // union of the rows' intervals
+  const std::int64_t full_lo = hi.begin, full_hi = lo.end;  // their intersection
+  // Split `split` takes key tiles t_begin, t_begin + splits, ... < t_end (interleaved, as
+  // the sm80 kernel; its tiles are 64 keys here, the plan's split count the same).
+  std::int64_t t_begin = 0, t_end = 0;
+  if (ke > kb) {
+    t_begin = kb / kBlockN + split;
+    t_end = (ke + kBlockN - 1) / kBlockN;
+  }
+
+  if (tid == 0) {
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4 * Cfg::kConsumers);
+    }
+    mbar_init(bar_tail, 1);
+    mbar_init_fence();
+  }
+  // Latent column blocks past d_v are never copied: zero in both stages, once.
+  for (int idx = tid; idx < (8 - a.v_segs) * 64 * 8; idx += Cfg::kThreads) {
+    const int seg = 1 + a.v_segs + idx / (64 * 8);
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages; ++s) {
+      *reinterpret_cast<uint4*>(sKV + s * Cfg::kTileBytes + seg * kSegBytes + (idx % (64 * 8)) * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+  }
+  fence_proxy_async_smem();
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (warp == 0) {
+      const bool leader = lane == 0;
+      if (leader) {
+        prefetch_tensor_map(&a.tmap_k);
+        prefetch_tensor_map(&a.tmap_v);
+      }
+      const int k_row0 = p.cu_seqlens_k != nullptr ? p.k_start(b) : 0;
+      const int k_b = p.cu_seqlens_k != nullptr || p.is_paged() ? 0 : p.cache_row(b);
+      const std::uint32_t row_bytes = 128u * (1 + a.v_segs);  // copied bytes per key
+      int it = 0, tail_it = 0;
+      for (std::int64_t tile = t_begin; tile < t_end; tile += splits, ++it) {
+        const int stage = it % Cfg::kStages;
+        const std::uint32_t phase = (it / Cfg::kStages) & 1;
+        unsigned char* dst = sKV + stage * Cfg::kTileBytes;
+        const int j0 = static_cast<int>(tile) * kBlockN;
+        const int valid = s_k - j0;  // >= 1: tile < t_end
+        const bool tail = valid < kBlockN && !a.v_tail_zero;
+        std::uint64_t* bar = tail ? bar_tail : &full[stage];
+        mbar_wait(&empty[stage], phase ^ 1);
+        if (leader) {
+          if (a.page_rows == 0) {
+            mbar_arrive_expect_tx(bar, kBlockN * row_bytes);
+            tma_load_4d(dst, &a.tmap_k, 0, k_row0 + j0, g_kv, k_b, bar);
+            for (int c = 0; c < a.v_segs; ++c) {
+              tma_load_4d(dst + (1 + c) * kSegBytes, &a.tmap_v, 64 * c, k_row0 + j0, g_kv, k_b, bar);
+            }
+          } else {
+            // Boxes of page_rows rows, none crossing a block; those wholly past the keys'
+            // end are not copied (their rows are masked, their latent zeroed below).
+            const int rows = a.page_rows;
+            const int chunks = min(kBlockN / rows, (valid + rows - 1) / rows);
+            mbar_arrive_expect_tx(bar, chunks * rows * row_bytes);
+            const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
+            for (int ch = 0; ch < chunks; ++ch) {
+              const int j = j0 + ch * rows;
+              // block_id's clamp (params.hpp), on the hoisted row of the table
+              const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
+              const int jr = j % p.block_size;
+              tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar);
+              for (int c = 0; c < a.v_segs; ++c) {
+                tma_load_4d(dst + (1 + c) * kSegBytes + ch * rows * 128, &a.tmap_v, 64 * c, jr, g_kv, page, bar);
+              }
+            }
+          }
+        }
+        if (tail) {
+          // The latent rows past the keys' end (whatever the tensor holds there, or a
+          // previous tile's rows where no box was copied) to zero, then the tile is full.
+          mbar_wait(bar_tail, tail_it & 1);
+          ++tail_it;
+          for (int idx = valid * 8 + lane; idx < kBlockN * 8; idx += 32) {
+#pragma unroll
+            for (int c = 1; c < Cfg::kSegs; ++c) {
+              *reinterpret_cast<uint4*>(dst + c * kSegBytes + idx * 16) = make_uint4(0, 0, 0, 0);
+            }
+          }
+          fence_proxy_async_smem();
+          __syncwarp();
+          if (leader) mbar_arrive(&full[stage]);
+        }
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int cw = warp_uniform(wg - 1);  // O's columns 256 cw .. 256 cw + 255
+  const int ctid = tid - 128;           // 0 .. 255 over both consumers
+  const int warp_in = warp % 4;
+
+  // ---- q' = [q | qv]: 64 rows x 72 chunks of 16 bytes, chunk c of row rr into column
+  // block c / 8 at the 128-byte swizzle's position ((c % 8) ^ (rr % 8)); zero past d, d_v
+  // and past the chunk's rows.
+  {
+    const auto* qg = static_cast<const unsigned char*>(p.q);
+    const auto* qvg = static_cast<const unsigned char*>(p.qv);
+    for (int idx = ctid; idx < Cfg::kRows * Cfg::kSegs * 8; idx += 128 * Cfg::kConsumers) {
+      const int rr = idx / (Cfg::kSegs * 8), c = idx % (Cfg::kSegs * 8);
+      const int r = r0 + rr;
+      const bool row_ok = r < nrows;
+      const int i = row_ok ? r / h_ratio : 0, h = g_kv * h_ratio + (row_ok ? r % h_ratio : 0);
+      const void* src;
+      bool ok;
+      if (c < 8) {
+        ok = row_ok && c * 8 < p.d;
+        src = qg + (p.q_offset(b) + std::int64_t(i) * p.q_row_stride + std::int64_t(h) * p.q_head_stride + c * 8) * 2;
+      } else {
+        ok = row_ok && (c - 8) * 8 < p.d_v;
+        src = qvg +
+              (p.qv_offset(b) + std::int64_t(i) * p.qv_row_stride + std::int64_t(h) * p.qv_head_stride + (c - 8) * 8) * 2;
+      }
+      const std::uint32_t dst = smem_addr(sQ + (c / 8) * kSegBytes + rr * 128 + (((c % 8) ^ (rr % 8)) * 16));
+      sm80::cp_async_16(dst, ok ? src : p.q, ok);
+    }
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<0>();
+    fence_proxy_async_smem();  // q' written by the generic proxy, read by wgmma
+    named_barrier_sync(1, 128 * Cfg::kConsumers);
+  }
+
+  // ---- this thread's two rows (accumulator rows 16 warp_in + lane / 4, + 8)
+  int row_i[2], row_jb[2], row_je[2];
+  float row_slope[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = r0 + 16 * warp_in + lane / 4 + 8 * hf;
+    const bool valid = r < nrows;
+    const int i = valid ? r / h_ratio : i_lo;
+    row_i[hf] = i;
+    const semantics::KeyRange kr = semantics::visible_keys(i, s_q, s_k, p.mask);
+    row_jb[hf] = valid ? static_cast<int>(kr.begin) : 0;
+    row_je[hf] = valid ? static_cast<int>(kr.end) : 0;
+    row_slope[hf] = valid ? p.alibi_slope(b, g_kv * h_ratio + r % h_ratio) : 0.0f;
+  }
+
+  const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
+  const float scale_log2 = p.scale * kLog2e;
+  // Score x of row hf with key j, in log2 units, -inf where masked (unless `full`: every
+  // row of the chunk sees the whole tile).
+  auto score = [&](float x, int hf, std::int64_t j, bool full_tile) {
+    if (plain) {
+      x *= scale_log2;
+    } else {
+      x *= p.scale;
+      if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+      if (row_slope[hf] != 0.0f) {
+        std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
+        if (dist < 0) dist = -dist;
+        x -= row_slope[hf] * static_cast<float>(dist);
+      }
+      x *= kLog2e;
+    }
+    if (!full_tile && !(j >= row_jb[hf] && j < row_je[hf])) x = -INFINITY;
+    return x;
+  };
+
+  float o[128];
+#pragma unroll
+  for (int n = 0; n < 128; ++n) o[n] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  float s[32];
+  std::uint32_t pa[4][4];
+
+  // Descriptor low words (sm90_wgmma.cuh): one add per k-step; q' and k' share the
+  // column-block layout (64 rows of 128 bytes per block).
+  const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ), 0);
+  const std::uint32_t kv_addr = smem_addr(sKV);
+
+  int it = 0;
+  for (std::int64_t tile = t_begin; tile < t_end; tile += splits, ++it) {
+    const int stage = it % Cfg::kStages;
+    const std::uint32_t phase = (it / Cfg::kStages) & 1;
+    mbar_wait(&full[stage], phase);
+    const std::uint32_t tile_addr = kv_addr + stage * Cfg::kTileBytes;
+
+    // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block.
+    {
+      // q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
+      std::uint32_t q_lo = q_lo0;
+      asm volatile("" : "+r"(q_lo));
+      const std::uint32_t k_lo = smem_desc_lo(tile_addr, 0);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < Cfg::kSegs * 4; ++ks) {
+        const std::uint32_t off = ((ks / 4) * kSegBytes + (ks % 4) * 32) / 16;
+        Wgmma<64>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + off), smem_desc_from_lo(k_lo + off),
+                                           ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+
+    // Scores, mask, online softmax (lazy rescale) on the accumulator layout: s[4 c + 2 hf
+    // + e] is row hf's key 8 c + 2 (lane % 4) + e of the tile.
+    const std::int64_t j0 = tile * kBlockN;
+    const bool full_tile = j0 >= full_lo && j0 + kBlockN <= full_hi;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      s[n] = score(s[n], (n % 4) / 2, j0 + 8 * (n / 4) + 2 * (lane % 4) + n % 2, full_tile);
+    }
+    float corr[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float m = row_max[hf];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) m = fmaxf(m, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      // A row with no visible key yet keeps -inf (-inf - -inf is NaN and compares false).
+      const bool move = m - row_max[hf] > kMlaRescaleLog2;
+      const float old = row_max[hf];
+      if (move) row_max[hf] = m;
+      const float base = row_max[hf] == -INFINITY ? 0.0f : row_max[hf];
+      corr[hf] = move ? sm80::fast_exp2(old - base) : 1.0f;
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float pe = sm80::fast_exp2(s[4 * c + 2 * hf + e] - base);
+          s[4 * c + 2 * hf + e] = pe;
+          sum += pe;
+        }
+      }
+      row_sum[hf] = row_sum[hf] * corr[hf] + sum;
+    }
+    // Warp-uniform: skipped unless some row of the warp moved its reference max.
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+      for (int n = 0; n < 128; ++n) o[n] *= corr[(n % 4) / 2];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+
+    // O[:, 256 cw ..] += P V: V = the tile's latent blocks 1 + 4 cw .. 4 + 4 cw, MN-major
+    // (blocks 8192 bytes apart), 16 keys (2048 bytes) per k-step.
+    {
+      const std::uint32_t v_lo = smem_desc_lo(tile_addr + (1 + 4 * cw) * kSegBytes, kSegBytes);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        Wgmma<256>::template rs<Element, 1>(o, pa[kk], smem_desc_from_lo(v_lo + kk * 16 * 128 / 16), 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[stage]);
+  }
+
+  // ---- epilogue: each consumer its 256 columns of its rows; lse from consumer 0.
+  const bool out_bf16 = __is_same(Element, __nv_bfloat16);
+  const bool sink_here = p.sink != nullptr && splits == 1;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    float l = row_sum[hf];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int r = r0 + 16 * warp_in + lane / 4 + 8 * hf;
+    const bool valid = r < nrows;
+    const int i = row_i[hf], h = g_kv * h_ratio + (valid ? r % h_ratio : 0);
+    // Base 0 when the row saw no key; a learnable sink (without splits; with them it joins
+    // in the merge) adds exp2(sink_log2) to the sum (as the sm80 MLA kernel).
+    float mb = row_max[hf] == -INFINITY ? 0.0f : row_max[hf];
+    float ll = l;
+    if (sink_here && valid) {
+      const float s2 = p.sink[h] * kLog2e;
+      const float top = ll != 0.0f ? fmaxf(mb, s2) : s2;
+      ll = (ll != 0.0f ? ll * sm80::fast_exp2(mb - top) : 0.0f) + sm80::fast_exp2(s2 - top);
+      mb = top;
+    }
+    const float f = (ll != 0.0f && l != 0.0f) ? sm80::fast_exp2(row_max[hf] - mb) / ll : 0.0f;
+    if (!valid) continue;
+    const std::int64_t ws_row = ((std::int64_t(split) * p.batch + b) * p.h_q + h) * p.seqlen_q + i;
+    const int col0 = 256 * cw + 2 * (lane % 4);
+    if (splits > 1) {
+      float* dst = a.split.ws_o + ws_row * p.d_v + col0;
+#pragma unroll
+      for (int c = 0; c < 32; ++c) {
+        if (256 * cw + 8 * c < p.d_v) {
+          *reinterpret_cast<float2*>(dst + 8 * c) = make_float2(o[4 * c + 2 * hf] * f, o[4 * c + 2 * hf + 1] * f);
+        }
+      }
+    } else {
+      auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
+                  std::int64_t(h) * p.o_head_stride + col0;
+#pragma unroll
+      for (int c = 0; c < 32; ++c) {
+        if (256 * cw + 8 * c < p.d_v) {
+          *reinterpret_cast<std::uint32_t*>(out + 8 * c) =
+              sm80::pack_out(o[4 * c + 2 * hf] * f, o[4 * c + 2 * hf + 1] * f, out_bf16);
+        }
+      }
+    }
+    if (cw == 0 && lane % 4 == 0) {
+      // -inf when the row saw no key (and no sink); NaN when its sum is NaN.
+      const float lse = ll == 0.0f ? -INFINITY : (mb + log2f(ll)) * 0.6931471805599453f;
+      if (splits > 1) {
+        a.split.ws_lse[ws_row] = lse;
+      } else if (p.lse) {
+        p.lse[p.lse_offset(b, h) + i] = lse;
+      }
+    }
+  }
+
+  // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
+  // (the consumers' 8 warps; the producer has left).
+  if (splits > 1) {
+    named_barrier_sync(1, 128 * Cfg::kConsumers);  // both consumers' partials are stored
+    if (ctid == 0) {
+      *merge_flag = sm80::arrive_split(a.split.ws_count + (std::int64_t(b) * p.h_k + g_kv) * row_chunks + chunk, splits);
+    }
+    named_barrier_sync(1, 128 * Cfg::kConsumers);
+    if (!*merge_flag) return;
+    for (int r = r0 + ctid / 32; r <= r_last; r += 4 * Cfg::kConsumers) {
+      const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+      sm80::merge_split_row(p, a.split, b, h, i, lane, p.d_v);
+    }
+  }
+#endif
+}
+
+}  // namespace flashattn::detail::cuda::sm90
