@@ -168,6 +168,14 @@ if [[ $STEPS == *decode* ]]; then
   add "decode sweep: rc=$? ($OUT/decode_sweep.txt)"
   BENCH_MLA=1 timeout 60 "$B/bench/flashattn_cuda_decode_bench" >"$OUT/decode_mla.txt" 2>&1
   add "MLA decode: rc=$? ($OUT/decode_mla.txt)"
+  # MLA on the sm80 kernel forced (the sm90 kernel's gain), speculative decoding (issue 23:
+  # 1 / 4 / 8 drafts, chain and tree, 4k / 32k) and the split path against one split.
+  FLASHATTN_KERNEL_FAMILY=sm80 BENCH_MLA=1 timeout 60 "$B/bench/flashattn_cuda_decode_bench" >"$OUT/decode_mla_sm80.txt" 2>&1
+  add "MLA decode, sm80 forced: rc=$? ($OUT/decode_mla_sm80.txt)"
+  BENCH_SPEC=1 timeout 60 "$B/bench/flashattn_cuda_decode_bench" "$OUT/decode_spec.csv" >"$OUT/decode_spec.txt" 2>&1
+  add "speculative decoding: rc=$? ($OUT/decode_spec.txt)"
+  BENCH_VERIFY=1 timeout 60 "$B/bench/flashattn_cuda_decode_bench" >"$OUT/decode_verify.txt" 2>&1
+  add "splits against one split: rc=$? $(grep -c ' ok$' "$OUT/decode_verify.txt") ok"
 fi
 if [[ $STEPS == *python* ]]; then
   timeout 280 bash tests/python/run_gpu_tests.sh >"$OUT/python.txt" 2>&1
