@@ -31,11 +31,6 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
 
 namespace {
 
-// TMA strides are multiples of 16 bytes; a dimension of extent 1 may carry any stride.
-std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems) {
-  return extent > 1 ? std::uint64_t(stride_elems) * 2 : 16;
-}
-
 template <class Cfg, typename Element>
 void run(const BwdParams& p, BwdArgs& args, void* stream) {
   const std::int64_t q_rows = p.is_varlen() ? p.total_q : p.seqlen_q;

@@ -52,12 +52,6 @@ const char* fwd_unsupported(const FwdParams& p) noexcept {
 
 namespace {
 
-// TMA strides are multiples of 16 bytes; a dimension of extent 1 may carry any stride
-// (the API checks only the strides of longer dimensions), so it gets a harmless one.
-std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems, int elem_bytes) {
-  return extent > 1 ? std::uint64_t(stride_elems) * elem_bytes : 16;
-}
-
 template <class Cfg, typename Element, typename Out = Element>
 void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
   constexpr int es = Cfg::kElemBytes;

@@ -28,11 +28,8 @@ std::int64_t kv_batches(const FwdParams& p) {
   return p.cu_seqlens_k ? 1 : p.cache_seqlens ? p.kv_cache_rows : p.batch;
 }
 
-// TMA strides are multiples of 16 bytes; a dimension of extent 1 may carry any stride
-// (the API checks only the strides of longer dimensions), so it gets a harmless one.
-std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems) {
-  return extent > 1 ? std::uint64_t(stride_elems) * 2 : 16;
-}
+// Whether TMA takes the stride tma_stride (tensor_map.hpp) gives a dimension: a multiple of
+// 16 bytes below 2^40, or any stride at extent 1.
 bool tma_stride_ok(std::int64_t extent, std::int64_t stride_elems) {
   if (extent <= 1) return true;
   const std::int64_t bytes = stride_elems * 2;

@@ -17,4 +17,11 @@ CUtensorMap make_tensor_map_4d(const void* base, DType dtype, const std::uint64_
                                const std::uint64_t (&byte_strides)[3], std::uint32_t box_rows,
                                std::uint32_t row_bytes = 128);
 
+// The byte stride of a tensor-map dimension: TMA strides are multiples of 16 bytes, and a
+// dimension of extent 1 may carry any stride (the API checks only the strides of longer
+// dimensions), so it gets a harmless one.
+inline std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems, int elem_bytes = 2) {
+  return extent > 1 ? std::uint64_t(stride_elems) * std::uint64_t(elem_bytes) : 16;
+}
+
 }  // namespace flashattn::detail::cuda::sm90
