@@ -45,7 +45,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +55,7 @@
 #include <vector>
 
 #include "flashattn/attention.hpp"
+#include "flashattn/half.hpp"
 #include "stream_read.hpp"
 
 namespace {
@@ -195,24 +195,13 @@ bool verify_splits(cudaStream_t stream) {
   const Device dev = Device::cuda(0);
   std::mt19937 rng(99);
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
-  auto bf16 = [](float x) {
-    std::uint32_t u;
-    std::memcpy(&u, &x, 4);
-    return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  };
-  auto to_float = [](std::uint16_t h) {
-    const std::uint32_t u = std::uint32_t(h) << 16;
-    float x;
-    std::memcpy(&x, &u, 4);
-    return x;
-  };
   for (int b : {1, 8}) {
     for (int ctx : {1000, 4096}) {
       const std::size_t n_q = std::size_t(b) * kHq * kD, n_kv = std::size_t(b) * ctx * kHk * kD;
       std::vector<std::uint16_t> hq(n_q), hk(n_kv), hv(n_kv);
-      for (auto& x : hq) x = bf16(uni(rng));
-      for (auto& x : hk) x = bf16(uni(rng));
-      for (auto& x : hv) x = bf16(uni(rng));
+      for (auto& x : hq) x = flashattn::float_to_bf16(uni(rng));
+      for (auto& x : hk) x = flashattn::float_to_bf16(uni(rng));
+      for (auto& x : hv) x = flashattn::float_to_bf16(uni(rng));
       Buffer q(n_q * 2), k(n_kv * 2), v(n_kv * 2), o_split(n_q * 2), o_one(n_q * 2), lens(b * sizeof(int));
       BENCH_CHECK(cudaMemcpy(q.p, hq.data(), n_q * 2, cudaMemcpyHostToDevice));
       BENCH_CHECK(cudaMemcpy(k.p, hk.data(), n_kv * 2, cudaMemcpyHostToDevice));
@@ -259,7 +248,7 @@ bool verify_splits(cudaStream_t stream) {
         BENCH_CHECK(cudaMemcpy(hs.data(), o_split.p, n_q * 2, cudaMemcpyDeviceToHost));
         float worst = 0.0f;
         for (std::size_t i = 0; i < n_q; ++i) {
-          const float d = std::fabs(to_float(hs[i]) - to_float(h1[i]));
+          const float d = std::fabs(flashattn::bf16_to_float(hs[i]) - flashattn::bf16_to_float(h1[i]));
           worst = std::isnan(d) ? INFINITY : std::max(worst, d);
         }
         const bool pass = worst <= 2e-2f;
