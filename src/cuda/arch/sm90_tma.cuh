@@ -42,6 +42,16 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
   const std::int32_t coords[4] = {c0, c1, c2, c3};
   ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, smem_dst, tensor_map, coords, bar);
 }
+// ---- TMA: a 4-D box from shared memory to the tensor map's tensor, in this thread's bulk group
+// (coordinates past the tensor's extents are not written; bulk_commit, then bulk_wait_read
+// before the shared memory is written again).
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, const void* smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<std::uint64_t>(tensor_map)),
+               "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(tensor_map)) : "memory");
 }

@@ -67,6 +67,21 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
       {tma_stride(q_rows, p.q_row_stride, es), tma_stride(p.h_q, p.q_head_stride, es),
        tma_stride(q_batches, p.q_batch_stride, es)},
       Cfg::kBlockM, Cfg::kRowBytes);
+  // out (16-bit): TMA stores where its base and strides are 16-byte aligned (fwd_kernel's epilogue).
+  args.o_tma = false;
+  if constexpr (Cfg::kTmaStore) {
+    const auto aligned = [](std::int64_t extent, std::int64_t stride) { return extent <= 1 || stride * 2 % 16 == 0; };
+    if (reinterpret_cast<std::uintptr_t>(p.out) % 16 == 0 && aligned(q_rows, p.o_row_stride) &&
+        aligned(p.h_q, p.o_head_stride) && aligned(q_batches, p.o_batch_stride)) {
+      args.tmap_o = make_tensor_map_4d(
+          p.out, p.dtype,
+          {std::uint64_t(p.d_v), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
+          {tma_stride(q_rows, p.o_row_stride), tma_stride(p.h_q, p.o_head_stride),
+           tma_stride(q_batches, p.o_batch_stride)},
+          64);
+      args.o_tma = true;
+    }
+  }
   // A paged cache is copied in chunks of page_rows rows: the whole tile where a block
   // holds whole tiles, else the largest common divisor of the block and tile heights.
   args.page_rows = 0;

@@ -17,7 +17,10 @@
 //     S_{j+1} and P_{j-1} V_{j-1} (issued together, waited for separately); across
 //     warpgroups, named barriers take turns at issuing the GEMMs (ping-pong), so one
 //     warpgroup's softmax overlaps the other's GEMMs.
-//   Epilogue: O / l stored from the accumulators (column pairs), lse once per row; Q's
+//   Epilogue: O / l, lse once per row. Where the out tile fits in shared memory beside the
+//   ring (kTmaStore), each consumer stages its 64 rows there (stmatrix) and one thread
+//   stores them by TMA, so the warps start the next tile while the copy drains; else (and
+//   for a slab with rows past the sequence) from the accumulators (column pairs). Q's
 //   buffer is released after the tile's last S GEMM, so the next Q is in flight by then.
 //
 // fp8 (e4m3) q, k, v (FwdConfig's kElemBytes 1): the same program on 8-bit wgmma; V is read
@@ -69,8 +72,14 @@ struct FwdConfig {
   static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
   static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K (or V) tile
   static constexpr int kBarriers = 3 + 4 * kStages;
-  // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, the barriers.
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  // The 16-bit out tile staged for the TMA store (one 64-row slab per consumer, boxes of 64
+  // columns), where it fits beside the ring; else the epilogue stores from the registers.
+  static constexpr int kOBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kRingBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  // (Not at hdim 256: the fp8 kernel, the one whose ring leaves room, spilled 48 bytes with it.)
+  static constexpr bool kTmaStore = kHeadDim <= 128 && kRingBytes + kOBytes <= 227 * 1024;
+  // Dynamic shared memory: 1024 bytes of alignment slack, the tiles, [the out tile,] the barriers.
+  static constexpr int kSmemBytes = kRingBytes + (kTmaStore ? kOBytes : 0);
   // Registers per thread after setmaxnreg. The block's pool is what it was launched with
   // (__launch_bounds__(kThreads, 1): 65536 / kThreads rounded down to a multiple of 8 per
   // thread); a setmaxnreg.inc the pool cannot serve waits forever, so the split must fit it
@@ -92,10 +101,12 @@ struct FwdArgs {
   CUtensorMap tmap_k;  // {d, rows, h_k, batch}, box rows kBlockN (paged: {d, block_size, h_k,
                        // blocks}, box rows page_rows)
   CUtensorMap tmap_v;  // fp8: V^T in the workspace, {keys, d_v, h_k, batch}, box kHeadDim rows
+  CUtensorMap tmap_o;  // {d_v, rows, h_q, batch} like q's, box rows 64 (when o_tma)
   FwdParams p;
   float to_log2;    // exp2 factor of the softmax: scale * log2(e) on raw scores, else log2(e)
   bool raw_scores;  // no softcap, no ALiBi, scale > 0: the kRaw kernel, scale folded into exp2
   bool v_tail_zero; // every sequence's keys end where the V tensor map does (TMA zero-fills)
+  bool o_tma;       // out's layout takes TMA stores (16-byte aligned base and strides): tmap_o is set
   int page_rows;    // paged KV cache: rows per K / V copy (divides kBlockN and the block size); else 0
   int m_blocks;     // query tiles per (sequence, head)
   int n_units;      // units of work (work_tile): one or two query tiles each
@@ -181,7 +192,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   unsigned char* sQ = smem;
   unsigned char* sK = sQ + Cfg::kQBytes;
   unsigned char* sV = sK + kStages * Cfg::kKVBytes;
-  auto* bars = reinterpret_cast<std::uint64_t*>(sV + kStages * Cfg::kKVBytes);
+  unsigned char* sO = sV + kStages * Cfg::kKVBytes;  // Cfg::kTmaStore: the out tile
+  auto* bars = reinterpret_cast<std::uint64_t*>(sO + (Cfg::kTmaStore ? Cfg::kOBytes : 0));
   std::uint64_t* full_q = bars;
   std::uint64_t* empty_q = bars + 1;
   std::uint64_t* bar_tail = bars + 2;  // the copy of a V tile whose tail rows get zeroed
@@ -577,23 +589,69 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
       }
     }
+    // A consumer whose 64 rows are all real stages them in shared memory (stmatrix, the
+    // 128-byte swizzle of the boxes) and one thread stores them by TMA, so the warps go on
+    // to the next tile while the copy drains; a slab with rows past the sequence (whose
+    // rows in the tensor may be another sequence's) stores from the registers.
+    bool staged = false;
+    if constexpr (Cfg::kTmaStore) {
+      staged = args.o_tma && w.m0 + 64 * cw + 64 <= w.s_q;
+      if (staged) {
+        const int bar_id = kConsumers + int(threadIdx.x) / 128;  // 1 + kConsumers + cw (named barriers)
+        unsigned char* const slab = sO + cw * 64 * kHeadDim * 2;
+        // The slab's previous store (a tile ago) has read it.
+        if (threadIdx.x % 128 == 0) bulk_wait_read<0>();
+        named_barrier_sync(bar_id, 128);
+        // stmatrix x4: matrices (rows 0-7 | 8-15 of the warp's 16) x (8-column chunks c, c + 1);
+        // lane l addresses row l % 8 of matrix l / 8.
+        const int mat = lane / 8;
+        const int r = 16 * warp_in + 8 * (mat % 2) + lane % 8;
+        const std::uint32_t row_addr = smem_addr(slab) + r * 128;
+#pragma unroll
+        for (int c = 0; c < kHeadDim / 8; c += 2) {
+          const int chunk = c + mat / 2;
+          const std::uint32_t addr = row_addr + (chunk / 8) * 64 * 128 + ((chunk % 8) ^ (r % 8)) * 16;
+          stmatrix_x4(addr, pack2<Out>(o[4 * c + 0] * inv[0], o[4 * c + 1] * inv[0]),
+                      pack2<Out>(o[4 * c + 2] * inv[1], o[4 * c + 3] * inv[1]),
+                      pack2<Out>(o[4 * c + 4] * inv[0], o[4 * c + 5] * inv[0]),
+                      pack2<Out>(o[4 * c + 6] * inv[1], o[4 * c + 7] * inv[1]));
+        }
+        fence_proxy_async_smem();
+        named_barrier_sync(bar_id, 128);
+        if (threadIdx.x % 128 == 0) {
+          const int q_row = (p.is_varlen() ? p.q_start(w.b) : 0) + w.m0 + 64 * cw;
+#pragma unroll
+          for (int box = 0; box < kHeadDim / 64; ++box) {
+            if (box * 64 < p.d_v)  // (a box wholly past d_v would write nothing)
+              tma_store_4d(&args.tmap_o, slab + box * 64 * 128, box * 64, q_row, w.h, p.is_varlen() ? 0 : w.b);
+          }
+          bulk_commit();
+        }
+      }
+    }
     Out* const o_base =
         static_cast<Out*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = row_lo + 8 * half;
       if (i < w.s_q) {
-        Out* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
+        if (!staged) {
+          Out* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
 #pragma unroll
-        for (int c = 0; c < kHeadDim / 8; ++c) {
-          if (8 * c + 2 * (lane % 4) < p.d_v) {
-            *reinterpret_cast<std::uint32_t*>(o_row + 8 * c) =
-                pack2<Out>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
+          for (int c = 0; c < kHeadDim / 8; ++c) {
+            if (8 * c + 2 * (lane % 4) < p.d_v) {
+              *reinterpret_cast<std::uint32_t*>(o_row + 8 * c) =
+                  pack2<Out>(o[4 * c + 2 * half] * inv[half], o[4 * c + 2 * half + 1] * inv[half]);
+            }
           }
         }
         if (p.lse != nullptr && lane % 4 == 0) p.lse[p.lse_offset(w.b, w.h) + i] = lse[half];
       }
     }
+  }
+  // The TMA stores have read the out slabs before the block's shared memory goes.
+  if constexpr (Cfg::kTmaStore) {
+    if (threadIdx.x % 128 == 0) bulk_wait_read<0>();
   }
   // The first consumer takes one more turn: it consumes the last consumer's final pass,
   // so no named barrier is left with pending arrivals.
