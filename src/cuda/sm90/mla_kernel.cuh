@@ -405,6 +405,9 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       row_sum[hf] *= corr[hf];
     }
     rescale(corr);
+    // Tile t's copy completed before its owner's S; this consumer's own wait on the full
+    // barrier (its phase long complete) is what makes the TMA's writes visible to it.
+    mbar_wait(&full[t % Cfg::kStages], (t / Cfg::kStages) & 1);
     const std::uint32_t vl = v_lo(t);
     wgmma_fence();
 #pragma unroll
