@@ -96,6 +96,10 @@ const MlaKV kKVCases[] = {
     {"decode_h128_paged8_auto", DType::kBFloat16, 2, 128, 1, 64, 512, 1, 0, 8, {257, 95}, false, 0},
     {"decode_h128_dense_split6", DType::kBFloat16, 2, 128, 1, 64, 512, 1, 1, 0, {3000, 129}, true, 6},
     {"spec_h128_dense_s2", DType::kFloat16, 2, 128, 1, 64, 512, 2, 2, 0, {1000, 64}, true, 1},
+    // The sm90 kernel's consumers take alternate tiles: 1, 2, 3 and 4 tiles per split (one
+    // consumer with no tile of its own; the last tile either's), the same over 3 splits.
+    {"decode_h64_paged64_tile_counts", DType::kBFloat16, 4, 64, 1, 64, 512, 1, 1, 64, {63, 127, 191, 255}, true, 1},
+    {"decode_h64_dense_tile_counts_split3", DType::kFloat16, 4, 64, 1, 64, 512, 1, 1, 0, {63, 191, 383, 511}, true, 3},
     // Blocks of 12 (boxes of gcd(12, 64) = 4 rows): the sm90 kernel declines, sm80 runs it.
     {"decode_h32_paged12_sm80", DType::kBFloat16, 2, 32, 1, 64, 512, 1, 1, 12, {100, 37}, true, 1},
 };

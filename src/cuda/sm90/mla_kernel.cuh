@@ -15,12 +15,25 @@
 //     tile: their P is exactly 0, but 0 * NaN would poison O. Its registers go to the
 //     consumers (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: q' = [q | qv] (64 rows x 576 dims, zero past d and
-//     d_v) is copied once into shared memory (cp.async, swizzled as TMA would); per tile
-//     each consumer computes the whole S = q' k'^T (64 x 64, 36 k-steps of m64n64k16, both
-//     operands in shared memory) and runs the same online softmax on it (the same bits in
-//     both: no exchange), then adds P V to its half of O: consumer c holds O's columns
-//     256 c .. 256 c + 255 (128 fp32 registers), P from registers as the A operand
-//     (m64n256k16, V read MN-major from the tile's latent blocks 1 + 4 c .. 4 + 4 c).
+//     d_v) is copied once into shared memory (cp.async, swizzled as TMA would). They take
+//     the tiles in turn: consumer c alone computes S = q' k'^T of the tiles 2 i + c (64 x
+//     64, 36 k-steps of m64n64k16, both operands in shared memory) and their online
+//     softmax, then hands P (16-bit, swizzled as an A operand), the rows' reference max and
+//     rescale factor over to the other through shared memory (a named barrier per
+//     direction); both add P V to their half of O: consumer c holds O's columns 256 c ..
+//     256 c + 255 (128 fp32 registers), the tile's owner with P from registers (m64n256k16
+//     rs), the other with P from shared memory (ss), V read MN-major from the tile's latent
+//     blocks 1 + 4 c .. 4 + 4 c. The reference max thus runs through the tiles in order,
+//     the same in both; each keeps its share of the row sums (its tiles' P, rescaled with
+//     every tile's factor as its O is), added up in the epilogue. S of a tile, the larger
+//     half of the work (576 of the 1088 MACs per key and row), is computed once, not by
+//     both consumers; S of a tile overlaps the other consumer's P V of the previous one.
+//     Alternate tiles rather than each S split by keys (32 / 32 with m64n32): that would
+//     read q' (the A operand) from shared memory twice per tile and exchange the row max
+//     within every tile; whole tiles read each of q' and k' once per S, and the one
+//     exchange per tile carries P and the max together. Shared memory fits one P buffer
+//     (8 KiB: 216 KiB of q' and the 2-stage ring, 227 KiB in all), reused each tile: its
+//     writer (the next tile's owner) was the last tile's only reader from shared memory.
 // Epilogue as the sm80 kernel's: each consumer writes its columns of out (or with splits
 // its fp32 partials; the last split of a row chunk merges them,
 // collective/split_kv_merge.cuh), consumer 0 the lse; masks, softcap, ALiBi and the
@@ -60,9 +73,19 @@ struct MlaConfig {
   static constexpr int kTileBytes = kSegs * kSegBytes;
   static constexpr int kStages = 2;
   static constexpr int kBarriers = 2 * kStages + 1;  // full, empty per stage; the tail copy
-  // Dynamic shared memory: 1024 bytes of alignment slack, q', the ring, the barriers, the
-  // split merge's flag (no static shared memory).
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + 8 * kBarriers + 8;
+  // P of one tile (64 rows x 64 keys, 16-bit: one column block) and per row its reference
+  // max and rescale factor, the owner's hand-over to the other consumer; the row sums'
+  // exchange of the epilogue (a share per consumer).
+  static constexpr int kPBytes = kSegBytes;
+  static constexpr int kRowBytes = 4 * kRows * (2 + kConsumers);
+  // Dynamic shared memory: 1024 bytes of alignment slack, q', the ring, P and the row
+  // arrays, the barriers, the split merge's flag (no static shared memory). The ring's 2
+  // stages leave room for one P buffer only (a third stage would not fit either).
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowBytes + 8 * kBarriers + 8;
+  // Named barriers (0 is __syncthreads): both consumers; "P of a tile of consumer c is in
+  // shared memory" (c arrives, the other waits).
+  static constexpr int kBarConsumers = 1;
+  static constexpr int kBarPReady = 2;  // + the owner's index
   // setmaxnreg: the block's pool is its launch allocation (__launch_bounds__(384, 1): 168
   // per thread); a setmaxnreg.inc the pool cannot serve waits forever.
   static constexpr int kProducerRegs = 24;
@@ -103,7 +126,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
   unsigned char* sQ = smem;
   unsigned char* sKV = sQ + Cfg::kQBytes;
-  auto* bars = reinterpret_cast<std::uint64_t*>(sKV + Cfg::kStages * Cfg::kTileBytes);
+  unsigned char* sP = sKV + Cfg::kStages * Cfg::kTileBytes;  // 1024-aligned: a column block
+  auto* sMax = reinterpret_cast<float*>(sP + Cfg::kPBytes);
+  float* sCorr = sMax + Cfg::kRows;
+  float* sL = sCorr + Cfg::kRows;  // [consumer][row]
+  auto* bars = reinterpret_cast<std::uint64_t*>(sP + Cfg::kPBytes + Cfg::kRowBytes);
   std::uint64_t* full = bars;
   std::uint64_t* empty = bars + Cfg::kStages;
   std::uint64_t* bar_tail = bars + 2 * Cfg::kStages;
@@ -256,7 +283,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     sm80::cp_async_commit();
     sm80::cp_async_wait<0>();
     fence_proxy_async_smem();  // q' written by the generic proxy, read by wgmma
-    named_barrier_sync(1, 128 * Cfg::kConsumers);
+    named_barrier_sync(Cfg::kBarConsumers, 128 * Cfg::kConsumers);
   }
 
   // ---- this thread's two rows (accumulator rows 16 warp_in + lane / 4, + 8)
@@ -298,48 +325,107 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   float o[128];
 #pragma unroll
   for (int n = 0; n < 128; ++n) o[n] = 0.0f;
+  // The rows' reference max (the same in both consumers: the owner of a tile computes it,
+  // the other reads it with the tile's P) and this consumer's share of the row sums (its
+  // own tiles' P, rescaled with every tile's factor as O is: the shares add up at the end).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   float s[32];
   std::uint32_t pa[4][4];
 
-  // Descriptor low words (sm90_wgmma.cuh): one add per k-step; q' and k' share the
+  // Descriptor low words (sm90_wgmma.cuh): one add per k-step; q', k' and P share the
   // column-block layout (64 rows of 128 bytes per block).
   const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ), 0);
   const std::uint32_t kv_addr = smem_addr(sKV);
+  const std::uint32_t p_lo = smem_desc_lo(smem_addr(sP), 0);
+  const int row_a = 16 * warp_in + lane / 4;  // this thread's rows row_a, row_a + 8
+  const int n_tiles = t_end > t_begin ? static_cast<int>((t_end - t_begin + splits - 1) / splits) : 0;
 
-  int it = 0;
-  for (std::int64_t tile = t_begin; tile < t_end; tile += splits, ++it) {
-    const int stage = it % Cfg::kStages;
-    const std::uint32_t phase = (it / Cfg::kStages) & 1;
-    mbar_wait(&full[stage], phase);
-    const std::uint32_t tile_addr = kv_addr + stage * Cfg::kTileBytes;
-
-    // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block.
-    {
-      // q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
-      std::uint32_t q_lo = q_lo0;
-      asm volatile("" : "+r"(q_lo));
-      const std::uint32_t k_lo = smem_desc_lo(tile_addr, 0);
-      wgmma_fence();
+  // Tile it (local index: the ring's order) is in stage it % kStages; each warp of both
+  // consumers releases it once, after its own P V of the tile completed.
+  auto release = [&](int it) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[it % Cfg::kStages]);
+  };
+  // O[:, 256 cw ..] += P V: V = the tile's latent blocks 1 + 4 cw .. 4 + 4 cw, MN-major
+  // (blocks 8192 bytes apart), 16 keys (2048 bytes) per k-step.
+  auto v_lo = [&](int it) {
+    return smem_desc_lo(kv_addr + (it % Cfg::kStages) * Cfg::kTileBytes + (1 + 4 * cw) * kSegBytes, kSegBytes);
+  };
+  auto rescale = [&](const float (&corr)[2]) {
+    // Warp-uniform: skipped unless some row of the warp moved its reference max.
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-      for (int ks = 0; ks < Cfg::kSegs * 4; ++ks) {
-        const std::uint32_t off = ((ks / 4) * kSegBytes + (ks % 4) * 32) / 16;
-        Wgmma<64>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + off), smem_desc_from_lo(k_lo + off),
-                                           ks > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+      for (int n = 0; n < 128; ++n) o[n] *= corr[(n % 4) / 2];
     }
+  };
 
-    // Scores, mask, online softmax (lazy rescale) on the accumulator layout: s[4 c + 2 hf
-    // + e] is row hf's key 8 c + 2 (lane % 4) + e of the tile.
-    const std::int64_t j0 = tile * kBlockN;
+  // Consumer cw owns the tiles it with it % 2 == cw: it alone computes their S and online
+  // softmax. A round of its loop takes the other's tile t and its own t + 1: once t's
+  // owner has handed P(t) over, P(t) V from shared memory, then S(t + 1) behind it; the
+  // wait for P(t) V releases tile t (the ring's next load) before S(t + 1) completes; then
+  // the softmax of t + 1 (from t's reference max), P(t + 1) to shared memory in place of
+  // P(t) (this consumer was P(t)'s only reader: its wgmma has completed) for the other
+  // consumer, and P(t + 1) V from registers. So S(t + 1) of one consumer overlaps P(t) V
+  // of the other.
+  // P(t) V goes first, not S(t + 1): with 2 stages S(t + 1) waits for its stage, which held
+  // t - 1, and whatever is issued behind that wait is late by the load; tile t's release
+  // (the load of t + 2) must not be. The rounds are straight-line code (the first and last
+  // apart), so that ptxas sees which wgmma group each wait leaves pending.
+  auto issue_s = [&](int own) {
+    // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block.
+    const int stage = own % Cfg::kStages;
+    mbar_wait(&full[stage], (own / Cfg::kStages) & 1);
+    // q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
+    std::uint32_t q_lo = q_lo0;
+    asm volatile("" : "+r"(q_lo));
+    const std::uint32_t k_lo = smem_desc_lo(kv_addr + stage * Cfg::kTileBytes, 0);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < Cfg::kSegs * 4; ++ks) {
+      const std::uint32_t off = ((ks / 4) * kSegBytes + (ks % 4) * 32) / 16;
+      Wgmma<64>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + off), smem_desc_from_lo(k_lo + off),
+                                         ks > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  };
+  // P(t) V from shared memory, once t's owner handed P(t), its rows' reference max and
+  // factor over (fenced before its arrive). Each warp reads the 16 rows of P its own warp
+  // of the owner wrote (an m64 wgmma's A rows are the warp's own).
+  auto pv_shared = [&](int t) {
+    if (cw == 0) {
+      named_barrier_sync(Cfg::kBarPReady + 1, 128 * Cfg::kConsumers);
+    } else {
+      named_barrier_sync(Cfg::kBarPReady, 128 * Cfg::kConsumers);
+    }
+    float corr[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      corr[hf] = sCorr[row_a + 8 * hf];
+      row_max[hf] = sMax[row_a + 8 * hf];
+      row_sum[hf] *= corr[hf];
+    }
+    rescale(corr);
+    // Tile t's copy completed before its owner's S; this consumer's own wait on the full
+    // barrier (its phase long complete) is what makes the TMA's writes visible to it.
+    mbar_wait(&full[t % Cfg::kStages], (t / Cfg::kStages) & 1);
+    const std::uint32_t vl = v_lo(t);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Wgmma<256>::template ss<Element, 1>(o, smem_desc_from_lo(p_lo + kk * 32 / 16),
+                                          smem_desc_from_lo(vl + kk * 16 * 128 / 16), 1);
+    }
+    wgmma_commit();
+  };
+  // Scores, mask, online softmax (lazy rescale) of the own tile on the accumulator layout:
+  // s[4 c + 2 hf + e] is row hf's key 8 c + 2 (lane % 4) + e of the tile; P to pa.
+  auto softmax = [&](int own, float (&corr)[2]) {
+    const std::int64_t j0 = (t_begin + std::int64_t(own) * splits) * kBlockN;
     const bool full_tile = j0 >= full_lo && j0 + kBlockN <= full_hi;
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       s[n] = score(s[n], (n % 4) / 2, j0 + 8 * (n / 4) + 2 * (lane % 4) + n % 2, full_tile);
     }
-    float corr[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       float m = row_max[hf];
@@ -365,11 +451,6 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       }
       row_sum[hf] = row_sum[hf] * corr[hf] + sum;
     }
-    // Warp-uniform: skipped unless some row of the warp moved its reference max.
-    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-      for (int n = 0; n < 128; ++n) o[n] *= corr[(n % 4) / 2];
-    }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -377,32 +458,105 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
       pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
     }
-
-    // O[:, 256 cw ..] += P V: V = the tile's latent blocks 1 + 4 cw .. 4 + 4 cw, MN-major
-    // (blocks 8192 bytes apart), 16 keys (2048 bytes) per k-step.
-    {
-      const std::uint32_t v_lo = smem_desc_lo(tile_addr + (1 + 4 * cw) * kSegBytes, kSegBytes);
-      wgmma_fence();
+  };
+  // P of the own tile to shared memory for the other consumer (whose P V of the previous
+  // tile, the buffer's last reader, was this consumer: completed before this): row r at
+  // 128 r, key chunk c (8 keys, 16 bytes) at the 128-byte swizzle's position c ^ (r % 8)
+  // (r % 8 = lane / 4); pa[kk][q] holds chunk 2 kk + q / 2 of row row_a + 8 (q % 2).
+  // Bank-conflict free (a warp's 32 words: 8 rows x 4 lanes over distinct chunks).
+  auto hand_over = [&](const float (&corr)[2]) {
+    // The swizzle opaque: hoisted out of the tile loop, the 8 chunks' offsets would stay live.
+    int swz = lane / 4;
+    asm volatile("" : "+r"(swz));
+    unsigned char* const p_row = sP + row_a * 128 + 4 * (lane % 4);
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        Wgmma<256>::template rs<Element, 1>(o, pa[kk], smem_desc_from_lo(v_lo + kk * 16 * 128 / 16), 1);
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int c = 2 * kk + q / 2;
+        *reinterpret_cast<std::uint32_t*>(p_row + 8 * 128 * (q % 2) + ((c ^ swz) * 16)) = pa[kk][q];
       }
-      wgmma_commit();
-      wgmma_wait<0>();
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[stage]);
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        sMax[row_a + 8 * hf] = row_max[hf];
+        sCorr[row_a + 8 * hf] = corr[hf];
+      }
+    }
+    fence_proxy_async_smem();  // P written by the generic proxy, read by the other's wgmma
+    if (cw == 0) {
+      named_barrier_arrive(Cfg::kBarPReady, 128 * Cfg::kConsumers);
+    } else {
+      named_barrier_arrive(Cfg::kBarPReady + 1, 128 * Cfg::kConsumers);
+    }
+  };
+  // P V of the own tile from registers; waited here: this consumer's next tile (own + 2)
+  // needs the stage back.
+  auto pv_own = [&](int own, const float (&corr)[2]) {
+    rescale(corr);
+    const std::uint32_t vl = v_lo(own);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Wgmma<256>::template rs<Element, 1>(o, pa[kk], smem_desc_from_lo(vl + kk * 16 * 128 / 16), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    release(own);
+  };
+
+  int t = cw - 1;
+  if (t < 0) {
+    // Consumer 0's tile 0: nothing to take over.
+    if (n_tiles > 0) {
+      float corr[2];
+      issue_s(0);
+      wgmma_wait<0>();
+      softmax(0, corr);
+      hand_over(corr);
+      pv_own(0, corr);
+    }
+    t += 2;
+  }
+  for (; t + 1 < n_tiles; t += 2) {
+    float corr[2];
+    pv_shared(t);
+    issue_s(t + 1);
+    wgmma_wait<1>();  // P(t) V: tile t done, the shared P free to overwrite
+    release(t);
+    wgmma_wait<0>();  // S(t + 1)
+    softmax(t + 1, corr);
+    hand_over(corr);
+    pv_own(t + 1, corr);
+  }
+  if (t < n_tiles) {
+    // The other consumer's last tile.
+    pv_shared(t);
+    wgmma_wait<0>();
+    release(t);
   }
 
-  // ---- epilogue: each consumer its 256 columns of its rows; lse from consumer 0.
-  const bool out_bf16 = __is_same(Element, __nv_bfloat16);
-  const bool sink_here = p.sink != nullptr && splits == 1;
+  // ---- the row sums: this consumer's share plus the other's.
+  float row_l[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     float l = row_sum[hf];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int r = r0 + 16 * warp_in + lane / 4 + 8 * hf;
+    row_l[hf] = l;
+    if (lane % 4 == 0) sL[cw * Cfg::kRows + row_a + 8 * hf] = l;
+  }
+  named_barrier_sync(Cfg::kBarConsumers, 128 * Cfg::kConsumers);
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) row_l[hf] += sL[(1 - cw) * Cfg::kRows + row_a + 8 * hf];
+  // ---- epilogue: each consumer its 256 columns of its rows; lse from consumer 0.
+  const bool out_bf16 = __is_same(Element, __nv_bfloat16);
+  const bool sink_here = p.sink != nullptr && splits == 1;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const float l = row_l[hf];
+    const int r = r0 + row_a + 8 * hf;
     const bool valid = r < nrows;
     const int i = row_i[hf], h = g_kv * h_ratio + (valid ? r % h_ratio : 0);
     // Base 0 when the row saw no key; a learnable sink (without splits; with them it joins
@@ -452,11 +606,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
   // (the consumers' 8 warps; the producer has left).
   if (splits > 1) {
-    named_barrier_sync(1, 128 * Cfg::kConsumers);  // both consumers' partials are stored
+    named_barrier_sync(Cfg::kBarConsumers, 128 * Cfg::kConsumers);  // both consumers' partials are stored
     if (ctid == 0) {
       *merge_flag = sm80::arrive_split(a.split.ws_count + (std::int64_t(b) * p.h_k + g_kv) * row_chunks + chunk, splits);
     }
-    named_barrier_sync(1, 128 * Cfg::kConsumers);
+    named_barrier_sync(Cfg::kBarConsumers, 128 * Cfg::kConsumers);
     if (!*merge_flag) return;
     for (int r = r0 + ctid / 32; r <= r_last; r += 4 * Cfg::kConsumers) {
       const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
