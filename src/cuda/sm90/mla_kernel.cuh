@@ -485,6 +485,10 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       }
     }
     fence_proxy_async_smem();  // P written by the generic proxy, read by the other's wgmma
+    // The arrive (all 128 writers) synchronizes with the other consumer's sync (PTX ISA 8.9.4),
+    // which orders these stores before its own of the next tile. (compute-sanitizer racecheck
+    // on H200, 2026-12-06, reported those two consumers' stores as write-write hazards: the
+    // tool does not seem to model arrive -> sync; docs/performance.md.)
     if (cw == 0) {
       named_barrier_arrive(Cfg::kBarPReady, 128 * Cfg::kConsumers);
     } else {
