@@ -70,9 +70,8 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
   // out (16-bit): TMA stores where its base and strides are 16-byte aligned (fwd_kernel's epilogue).
   args.o_tma = false;
   if constexpr (Cfg::kTmaStore) {
-    const auto aligned = [](std::int64_t extent, std::int64_t stride) { return extent <= 1 || stride * 2 % 16 == 0; };
-    if (reinterpret_cast<std::uintptr_t>(p.out) % 16 == 0 && aligned(q_rows, p.o_row_stride) &&
-        aligned(p.h_q, p.o_head_stride) && aligned(q_batches, p.o_batch_stride)) {
+    if (aligned16(p.out) && tma_stride_ok(q_rows, p.o_row_stride) && tma_stride_ok(p.h_q, p.o_head_stride) &&
+        tma_stride_ok(q_batches, p.o_batch_stride)) {
       args.tmap_o = make_tensor_map_4d(
           p.out, p.dtype,
           {std::uint64_t(p.d_v), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},

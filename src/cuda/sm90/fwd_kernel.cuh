@@ -619,7 +619,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         fence_proxy_async_smem();
         named_barrier_sync(bar_id, 128);
         if (threadIdx.x % 128 == 0) {
-          const int q_row = (p.is_varlen() ? p.q_start(w.b) : 0) + w.m0 + 64 * cw;
+          const int q_row = int(p.q_row0(w.b)) + w.m0 + 64 * cw;
 #pragma unroll
           for (int box = 0; box < kHeadDim / 64; ++box) {
             if (box * 64 < p.d_v)  // (a box wholly past d_v would write nothing)

@@ -28,15 +28,6 @@ std::int64_t kv_batches(const FwdParams& p) {
   return p.cu_seqlens_k ? 1 : p.cache_seqlens ? p.kv_cache_rows : p.batch;
 }
 
-// Whether TMA takes the stride tma_stride (tensor_map.hpp) gives a dimension: a multiple of
-// 16 bytes below 2^40, or any stride at extent 1.
-bool tma_stride_ok(std::int64_t extent, std::int64_t stride_elems) {
-  if (extent <= 1) return true;
-  const std::int64_t bytes = stride_elems * 2;
-  return bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t(1) << 40);
-}
-bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
-
 // Rows of one TMA copy: a whole 64-key tile (dense), or with a paged cache the largest
 // divisor of the tile that no block boundary crosses.
 int page_rows(const FwdParams& p) { return p.is_paged() ? std::gcd(p.block_size, MlaConfig::kBlockN) : 0; }
