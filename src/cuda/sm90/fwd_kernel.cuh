@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         const WorkTile w = work_tile<kBlockM, kBlockN>(p, u, part, args.m_blocks);
         if (!w.valid) continue;
         const int g = w.h / p.h_ratio;
-        const int q_row = p.is_varlen() ? p.q_start(w.b) + w.m0 : w.m0;
+        const int q_row = int(p.q_row0(w.b)) + w.m0;
         const int q_b = p.is_varlen() ? 0 : w.b;
         const int k_row0 = p.cu_seqlens_k != nullptr ? p.k_start(w.b) : 0;
         const int k_b = p.cu_seqlens_k != nullptr || p.is_paged() ? 0 : p.cache_row(w.b);

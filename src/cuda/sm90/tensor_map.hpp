@@ -24,11 +24,11 @@ inline std::uint64_t tma_stride(std::int64_t extent, std::int64_t stride_elems, 
   return extent > 1 ? std::uint64_t(stride_elems) * std::uint64_t(elem_bytes) : 16;
 }
 
-// Whether TMA takes the stride tma_stride gives a dimension of 16-bit elements: a multiple of
-// 16 bytes below 2^40, or any stride at extent 1.
-inline bool tma_stride_ok(std::int64_t extent, std::int64_t stride_elems) {
+// Whether TMA takes the stride tma_stride gives a dimension of elem_bytes-byte elements: a
+// multiple of 16 bytes below 2^40, or any stride at extent 1.
+inline bool tma_stride_ok(std::int64_t extent, std::int64_t stride_elems, int elem_bytes = 2) {
   if (extent <= 1) return true;
-  const std::int64_t bytes = stride_elems * 2;
+  const std::int64_t bytes = stride_elems * elem_bytes;
   return bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t(1) << 40);
 }
 // A tensor-map base address: 16-byte aligned.
