@@ -82,6 +82,13 @@ __device__ __forceinline__ void st_shared_v4(std::uint32_t addr, float a, float 
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
+// dst[0..3] += {a, b, c, d} in global memory, one 16-byte vector reduction (sm_90), no
+// result: a lane's four accumulator floats of one 8-column slab straight to the backward's
+// fp32 dQ workspace (sm80/bwd_kernel.cuh has its own, with an atomicAdd fallback).
+__device__ __forceinline__ void red_global_add_v4(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
+
 template <int N>
 struct Wgmma;  // m64nNk16, fp32 accumulators float d[N / 2]
 

@@ -24,7 +24,10 @@
 //   The producer's second warp, the dQ writer, adds each block to the workspace with one
 //   bulk reduction (cp.reduce.async.bulk .add.f32), so the consumers never wait on global
 //   reductions. Named barriers pair each consumer with it: kDqFull + w (block written),
-//   kDqEmpty + w (buffer read, may be overwritten).
+//   kDqEmpty + w (buffer read, may be overwritten). Head dims above 128 (kSplitHd) have
+//   no dQ buffers and no writer: their consumers add the dQ block from its accumulators
+//   (red.global.add.v4.f32, unordered, so deterministic calls run the sm80 kernel there),
+//   and the 64 KB the buffers took hold a second Q / dO stage.
 // The softmax scale is applied to dK here and to dQ by the postprocess.
 // Two fragments of the kernel's text are included in place (not functions: the code they
 // compile to must stay that of the inline text): bwd_kernel_producer.inc (the TMA warp and
@@ -70,9 +73,13 @@ struct BwdConfig {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer (split: P, then dS)
   static constexpr int kDqFloats = 64 * kDqCols;           // one consumer's fp32 dQ block
   static constexpr int kDqBytes = kDqFloats * 4;
+  // dQ staged in shared memory for the writer warp's bulk reductions; the split-hd
+  // consumers add theirs from registers instead.
+  static constexpr bool kDqStaged = !kSplitHd;
   static constexpr int kBarriers = 2 + 2 * kStages;
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
-                                    kConsumers * kDqBytes + 2 * kStages * kBlockM * 4 + 8 * kBarriers;
+                                    (kDqStaged ? kConsumers * kDqBytes : 0) + 2 * kStages * kBlockM * 4 +
+                                    8 * kBarriers;
   // dV's product is issued before dS is computed (overlapping it) where the registers
   // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
   // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
@@ -167,8 +174,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   unsigned char* sQ = sV + Cfg::kKVBytes;
   unsigned char* sdO = sQ + kStages * Cfg::kQBytes;
   unsigned char* sdS = sdO + kStages * Cfg::kQBytes;
-  float* sdQ = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);    // [kConsumers][kDqFloats]
-  float* sLse = sdQ + Cfg::kConsumers * Cfg::kDqFloats;               // [kStages][kBlockM], log2 units
+  float* sdQ = reinterpret_cast<float*>(sdS + 2 * Cfg::kDsBytes);    // [kConsumers][kDqFloats], kDqStaged
+  float* sLse = sdQ + (Cfg::kDqStaged ? Cfg::kConsumers * Cfg::kDqFloats : 0);  // [kStages][kBlockM], log2 units
   float* sDsum = sLse + kStages * kBlockM;                           // [kStages][kBlockM]
   auto* bars = reinterpret_cast<std::uint64_t*>(sDsum + kStages * kBlockM);
   std::uint64_t* full_kv = bars;
