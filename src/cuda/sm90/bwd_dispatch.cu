@@ -1,7 +1,6 @@
 // The sm90 backward's host side: which calls it runs, the tensor maps of a call, and the
 // configuration per head-dim bucket.
 #include <cstdint>
-#include <cstdlib>
 
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/sm90/bwd.hpp"
@@ -9,22 +8,6 @@
 #include "cuda/sm90/tensor_map.hpp"
 
 namespace flashattn::detail::cuda::sm90 {
-
-namespace {
-
-// A/B switch of branch bwd256-2s, to be removed before landing: FLASHATTN_BWD256_MAXLEN
-// replaces kBwdHdim256MaxLen (a large value runs the sm90 kernel at every length), so one
-// build measures both sides of the rule. Read once; unset or not a positive number: 2048.
-int bwd_hdim256_max_len() {
-  static const int len = [] {
-    const char* v = std::getenv("FLASHATTN_BWD256_MAXLEN");
-    const long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
-    return n > 0 && n <= 1L << 30 ? int(n) : kBwdHdim256MaxLen;
-  }();
-  return len;
-}
-
-}  // namespace
 
 const char* bwd_unsupported(const BwdParams& p) noexcept {
   if (device_attribute<cudaDevAttrComputeCapabilityMajor>(p.device_index, 0) != 9) {
@@ -43,9 +26,8 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
   // Above 128 the consumers add dQ with per-lane reductions in whatever order the key tiles
   // reach a query tile; the sm80 kernel orders its own behind ws.dq_sem.
   if (p.d > 128 && p.deterministic) return "deterministic at head dim above 128 (unordered dQ reductions)";
-  if (p.d > 128 && (p.seqlen_q > bwd_hdim256_max_len() || p.seqlen_k > bwd_hdim256_max_len())) {
-    return "head dim above 128 with more than 2048 (FLASHATTN_BWD256_MAXLEN) queries or keys (the sm80 kernel "
-           "is faster there)";
+  if (p.d > 128 && (p.seqlen_q > kBwdHdim256MaxLen || p.seqlen_k > kBwdHdim256MaxLen)) {
+    return "head dim above 128 with more than 2048 queries or keys (the sm80 kernel is faster there)";
   }
   return nullptr;
 }
