@@ -14,11 +14,8 @@ using BwdHdim128 = BwdConfig<128, 64, 2>;
 // staged it for the writer warp hold the second stage (FA3's route; with the staging, one
 // stage was all that fit, and the next pair's loads waited for this pair's end).
 using BwdHdim256 = BwdConfig<256, 64, 2>;
-// With one stage its loop was latency-bound where the sm80 kernel's is not: on an H100 it
-// led up to 2k (non-causal 512 / 1k / 2k +46 / +23 / +9 %, causal 512 / 2k +38 / +11 %),
-// tied at 4k and trailed at 16k (-10 % / -5 %), so calls with more queries or keys than
-// this run the sm80 kernel (not yet measured with two stages).
-inline constexpr int kBwdHdim256MaxLen = 2048;
+// It runs at every length: on the H200 (2026-12-07) 1.20-1.54x the one-stage kernel up to
+// 2k and 1.47-1.61x the sm80 kernel from 4k to 16k, which ran those lengths before.
 
 template <class Cfg, typename Element>
 void launch_bwd(const BwdArgs& args, void* stream);

@@ -26,9 +26,6 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
   // Above 128 the consumers add dQ with per-lane reductions in whatever order the key tiles
   // reach a query tile; the sm80 kernel orders its own behind ws.dq_sem.
   if (p.d > 128 && p.deterministic) return "deterministic at head dim above 128 (unordered dQ reductions)";
-  if (p.d > 128 && (p.seqlen_q > kBwdHdim256MaxLen || p.seqlen_k > kBwdHdim256MaxLen)) {
-    return "head dim above 128 with more than 2048 queries or keys (the sm80 kernel is faster there)";
-  }
   return nullptr;
 }
 
