@@ -114,7 +114,15 @@ INSTANTIATE_TEST_SUITE_P(
                       Feature{"alibi_batch", 2, 121, 187, 4, 2, 128, false, 60, 60, 0, 2, 0},
                       Feature{"dropout", 1, 137, 211, 2, 1, 64, false, -1, -1, 0, 0, 0.25f},
                       Feature{"dropout_causal_gqa", 1, 137, 130, 4, 2, 128, true, -1, -1, 0, 0, 0.4f},
-                      Feature{"everything", 2, 129, 164, 8, 2, 64, true, 51, -1, 4.0f, 2, 0.2f}),
+                      Feature{"everything", 2, 129, 164, 8, 2, 64, true, 51, -1, 4.0f, 2, 0.2f},
+                      // Above d = 128 (the sm90 family's split-head-dim consumers, dQ added
+                      // from registers): masks, softcap, ALiBi, GQA, a non-bucket head dim,
+                      // and lengths past 2048, which ran the sm80 kernel before.
+                      Feature{"d256_causal_gqa", 2, 150, 211, 4, 2, 256, true, -1, -1, 0, 0, 0},
+                      Feature{"d192_window_softcap", 1, 190, 260, 2, 1, 192, false, 45, 13, 3.0f, 0, 0},
+                      Feature{"d256_alibi_batch", 2, 121, 187, 4, 2, 256, false, 60, 60, 0, 2, 0},
+                      Feature{"d200_long_causal", 1, 2113, 2177, 2, 1, 200, true, -1, -1, 0, 0, 0},
+                      Feature{"d256_long", 1, 2100, 2305, 2, 2, 256, false, -1, -1, 0, 0, 0}),
     [](const ::testing::TestParamInfo<Feature>& i) { return std::string(i.param.name); });
 
 // Every bucket (those larger than the build's largest are skipped) and non-bucket dims,
