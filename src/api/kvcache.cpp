@@ -504,7 +504,10 @@ void kvcache_forward(const KVCacheArgs& args, const Tensor& out, const Tensor& l
   const std::size_t ws_bytes = detail::api::forward_workspace_size(target, p);
   detail::api::attach_workspace(c, target, workspace, ws_bytes, p, scratch);
   detail::cuda::AppendVerdict verdict;
-  if (target == Target::kCUDA && !contents_read) {
+  if (target == Target::kCUDA && !contents_read &&
+      detail::cuda::fuse_row_checks(p, detail::cuda::IndexCall::kKVCacheForward)) {
+    // The decode kernel checks cache_seqlens and cache_batch_idx itself: no check kernel.
+  } else if (target == Target::kCUDA && !contents_read) {
     // Before the append, in stream order (the append and the kernels clamp regardless).
     // An append's conflicts (what check_append_targets rejects on the host) are found there
     // too: the verdict, in the last append_check_bytes of the workspace, stops the append.

@@ -88,6 +88,11 @@ struct CounterSpan {
   std::size_t bytes = 0;
 };
 CounterSpan split_counters(const FwdParams& p);
+// Whether the decode kernel checks this KV-cache call's index tensors itself (a call that
+// the decode kernel runs with no append, no block table and no split counters to zero:
+// its only index tensors are cache_seqlens and cache_batch_idx); if so, sets p's row_check_*
+// for `call` and the call enqueues no check kernel (one graph node fewer per decode step).
+bool fuse_row_checks(FwdParams& p, IndexCall call);
 // Bytes of the verdict at the end of a KV-cache call's forward workspace (included in
 // forward_workspace_size): kAppendVerdictBytes for an append (s_new > 0) to a paged cache or
 // through cache_batch_idx, else 0.

@@ -176,6 +176,14 @@ struct FwdParams {
   // check's by programmatic dependent launch); null: it zeroes them itself.
   const void* zeroed_counters = nullptr;
   std::size_t zeroed_counter_bytes = 0;
+  // A KV-cache call whose index check the decode kernel makes itself, with no check kernel
+  // before it (cuda::fuse_row_checks: no append, no block table): one thread per sequence
+  // checks cache_seqlens[b] and cache_batch_idx[b] as the check kernel would and reports to
+  // the device's error record (null: nothing is recorded) under its report lock, as call
+  // row_check_call (an IndexCall); -1: no such check.
+  void* row_check_record = nullptr;
+  int* row_check_lock = nullptr;
+  int row_check_call = -1;
 
   // Execution.
   bool deterministic = false;

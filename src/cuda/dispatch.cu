@@ -58,6 +58,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/runtime/device_guard.hpp"
+#include "cuda/runtime/index_record.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/family.hpp"
 #include "cuda/sm90/bwd.hpp"
@@ -254,8 +255,28 @@ CounterSpan split_counters(const FwdParams& in) {
   FwdParams p = in;
   p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
   const sm80::DecodePlan plan = sm80::plan_decode(p);
-  if (!plan.use || plan.splits <= 1) return {};
+  if (!plan.use || plan.splits <= 1 || plan.cluster) return {};
   return {static_cast<char*>(p.workspace) + plan.counter_offset(), plan.counter_bytes};
+}
+
+// The decode kernel checks the call's rows itself (decode_kernel.cuh: FwdParams::
+// row_check_call) where its plan leaves no arrival counter to zero and the call's only
+// index tensors are cache_seqlens and cache_batch_idx (what check_rows checks for it).
+bool fuse_row_checks(FwdParams& p, IndexCall call) {
+  if (const char* v = std::getenv("FLASHATTN_DECODE_NO_FUSED_CHECK"); v != nullptr && v[0] == '1') return false;
+  if (p.cache_seqlens == nullptr || p.qv != nullptr || p.block_table != nullptr || p.seqlen_k_new > 0 ||
+      p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.seqused_q != nullptr) {
+    return false;
+  }
+  FwdParams q = p;
+  q.smem_limit = resolve_kernel_family("forward", q).smem_limit;
+  const sm80::DecodePlan plan = sm80::plan_decode(q);
+  if (!plan.use || (plan.splits > 1 && !plan.cluster)) return false;
+  index_record::IndexErrorRecord* record = nullptr;  // none yet (a captured call): nothing recorded
+  index_record::record_of(p.device_index, false, &record, &p.row_check_lock);
+  p.row_check_record = record;
+  p.row_check_call = static_cast<int>(call);
+  return true;
 }
 
 }  // namespace flashattn::detail::cuda

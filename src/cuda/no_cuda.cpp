@@ -27,6 +27,7 @@ std::size_t backward_workspace_size(const BwdParams&) { return 0; }
 void append_kv(const AppendParams&, AppendVerdict) { not_built(); }
 bool copy_to_host_for_validation(void*, const void*, std::size_t, void*) { return false; }
 AppendVerdict check_indices_on_device(const FwdParams&, IndexCall, int*) { return {}; }
+bool fuse_row_checks(FwdParams&, IndexCall) { return false; }
 CounterSpan split_counters(const FwdParams&) { return {}; }
 std::size_t append_check_bytes(const FwdParams&) { return 0; }
 std::size_t block_kinds_bytes(const FwdParams&) { return 0; }

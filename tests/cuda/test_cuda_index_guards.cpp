@@ -286,6 +286,110 @@ TEST(CudaIndexGuards, KVCacheOutOfRangeUnderCapture) {
   }
 }
 
+// A decode step without an append over a dense cache (cache_batch_idx): the decode kernel
+// checks cache_seqlens and cache_batch_idx itself, with no check kernel (captured: one graph
+// node where the call needs no split counters: one split, or on sm90 a cluster of splits).
+// One bad value at a time, eagerly and captured: the error names the entry and its range,
+// and the outputs are, bit for bit, those of the eager call with the value clamped.
+TEST(CudaIndexGuards, DecodeKernelChecksItsOwnRows) {
+  FA_REQUIRE_GPU();
+  FA_SEEDED_RNG(rng);
+  int dev = 0, major = 0;
+  FA_CUDA_OK(cudaGetDevice(&dev));
+  FA_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const int d = built_head_dims({128, 64, 256}).front();
+  KVCacheConfig cfg;
+  cfg.batch = 4;
+  cfg.s_q = 1;
+  cfg.s_new = 0;
+  cfg.h_q = 8;
+  cfg.h_k = 2;
+  cfg.d = d;
+  cfg.dtype = DType::kBFloat16;
+  cfg.cache_lens = {700, 37, 300, 20};
+  cfg.use_batch_idx = true;
+  cfg.cache_rows = 6;
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  const int capacity = static_cast<int>(c.k_cache.size(1));
+  // Runs c's call with these cache_seqlens / cache_batch_idx, eagerly or captured (then
+  // counting the graph's nodes); returns out and lse.
+  auto run = [&](const std::vector<int>& lens, const std::vector<int>& idx, int splits, KernelFamily family,
+                 bool captured, std::size_t* nodes) -> KVCacheCase {
+    KVCacheCase r = c;
+    r.poison_outputs();
+    r.num_splits = splits;
+    DeviceCopy q(c.q), kc(c.k_cache), vc(c.v_cache), lens_d(int_tensor(lens)), idx_d(int_tensor(idx)), out(r.out),
+        lse(r.lse);
+    KVCacheArgs a = r.args();
+    a.q = q.view(), a.k_cache = kc.view(), a.v_cache = vc.view(), a.cache_seqlens = lens_d.view();
+    a.cache_batch_idx = idx_d.view();
+    Options opts = r.call_options();
+    opts.kernel_family = family;
+    cudaStream_t s;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+    opts.stream = s;
+    if (!captured) {
+      EXPECT_NO_THROW(kvcache_forward(a, out.view(), lse.view(), opts));
+    } else {
+      cudaGraph_t graph;
+      EXPECT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed), cudaSuccess);
+      EXPECT_NO_THROW(kvcache_forward(a, out.view(), lse.view(), opts));
+      EXPECT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+      EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, nodes), cudaSuccess);
+      cudaGraphExec_t exec;
+      EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+    EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    cudaStreamDestroy(s);
+    out.download(r.out);
+    lse.download(r.lse);
+    return r;
+  };
+  struct Bad {
+    const char* argument;
+    int b;
+    int value, clamped;
+    const char* expected;
+  };
+  const Bad bads[] = {
+      {"cache_seqlens", 2, capacity + 5, capacity, "expected cache_seqlens[2] in [0, "},
+      {"cache_seqlens", 0, -3, 0, "expected cache_seqlens[0] in [0, "},
+      {"cache_batch_idx", 1, 99, cfg.cache_rows - 1, "expected cache_batch_idx[1] in [0, 5]"},
+  };
+  for (KernelFamily family : gpu_families()) {
+    for (const int splits : {1, 3}) {
+      for (const Bad& bad : bads) {
+        for (const bool captured : {false, true}) {
+          SCOPED_TRACE(std::string(family_str(family)) + " splits " + std::to_string(splits) + " " + bad.argument +
+                       "[" + std::to_string(bad.b) + "] = " + std::to_string(bad.value) +
+                       (captured ? " captured" : " eager"));
+          std::vector<int> lens = c.cache_lens, idx = c.batch_idx;
+          std::vector<int>& target = std::string(bad.argument) == "cache_seqlens" ? lens : idx;
+          target[std::size_t(bad.b)] = bad.clamped;
+          const KVCacheCase want = run(lens, idx, splits, family, false, nullptr);
+          EXPECT_NO_THROW(check_errors(0)) << "the clamped call is valid";
+          target[std::size_t(bad.b)] = bad.value;
+          std::size_t nodes = 0;
+          const KVCacheCase got = run(lens, idx, splits, family, captured, &nodes);
+          const std::string what = expect_recorded_index_error({bad.argument}, "kvcache_forward");
+          EXPECT_NE(what.find(bad.expected), std::string::npos) << what;
+          EXPECT_NE(what.find("got " + std::string(bad.argument) + "[" + std::to_string(bad.b) + "] = " +
+                              std::to_string(bad.value)),
+                    std::string::npos)
+              << what;
+          EXPECT_TRUE(got.out.bitwise_equal(want.out)) << "out: the clamped call's bits";
+          EXPECT_TRUE(got.lse.bitwise_equal(want.lse)) << "lse: the clamped call's bits";
+          if (captured && (splits == 1 || major >= 9)) EXPECT_EQ(nodes, 1u) << "graph nodes: the decode kernel alone";
+        }
+      }
+    }
+  }
+}
+
 // One bad value, checked on the device: the error names the tensor, the entry, the range
 // and the value; it is raised by check_errors() or, if nobody asked, by the next call on
 // the device (before that call runs), once; each replay of the graph checks again.

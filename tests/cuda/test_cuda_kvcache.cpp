@@ -182,7 +182,7 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
     c.num_splits = 1;
     check_case(c);
     const ForwardResults base = forward_results(c);
-    for (int splits : {2, 7, 0, 17, 31, 64}) {
+    for (int splits : {2, 7, 8, 0, 9, 17, 31, 64}) {  // sm90: <= 8 the cluster merge, above the workspace's
       c.num_splits = splits;
       check_case(c);
       const ForwardResults r = forward_results(c);
@@ -254,6 +254,43 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
   }
 }
 
+// On Hopper a row chunk's 2..8 splits (kMaxClusterSplits) are one thread-block cluster and
+// merge through each other's shared memory where every block of the grid can have an SM of
+// its own: such a call needs no workspace, and gives the oracle's answer with one row chunk
+// and with several (GQA rows over 16, causal); 9 splits, or a grid larger than the SMs,
+// take the workspace merge.
+TEST(CudaKVCache, ClusterMergeNeedsNoWorkspace) {
+  FA_REQUIRE_GPU();
+  int dev = 0, major = 0, sms = 0;
+  FA_CUDA_OK(cudaGetDevice(&dev));
+  FA_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FA_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (major < 9) GTEST_SKIP() << "thread-block clusters: compute capability 9.0 and newer";
+  FA_SEEDED_RNG(rng);
+  for (const int s_q : {1, 5}) {
+    KVCacheConfig cfg = decode_step_config();  // 32 query heads over 8 KV heads
+    cfg.s_q = s_q;
+    cfg.s_new = s_q;
+    cfg.batch = s_q == 1 ? 2 : 1;
+    cfg.cache_lens = s_q == 1 ? std::vector<int>{1999, 64} : std::vector<int>{700};
+    const int units = cfg.batch * cfg.h_k * ((s_q * 4 + 15) / 16);  // sequences x KV heads x row chunks
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = s_q > 1;
+    for (const int splits : {2, 8, 9}) {
+      c.num_splits = splits;
+      SCOPED_TRACE(describe_case(c) + " splits " + std::to_string(splits));
+      DeviceCase d(c);
+      const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
+      if (splits <= 8 && units * splits <= sms) {
+        EXPECT_EQ(ws, 0u);
+      } else {
+        EXPECT_GT(ws, 0u);
+      }
+      check_case(c);
+    }
+  }
+}
+
 // The split merge counts the splits' arrivals in the caller's workspace (decode_launch.hpp:
 // tag and count words, no zeroing asked of the caller). Whatever the workspace held
 // before (random bytes, all ones, another call's partials and words), and over replays of
@@ -265,7 +302,7 @@ TEST(CudaKVCache, SplitMergeIgnoresWhatTheWorkspaceHeld) {
   KVCacheConfig fa = decode_step_config();
   fa.cache_lens = {2999, 1500, 1};
   KVCacheCase a = KVCacheCase::make(rng, fa);
-  a.num_splits = 6;
+  a.num_splits = 11;  // above kMaxClusterSplits: the workspace merge on sm90 too
   KVCacheConfig fb = fa;  // another shape over the same workspace: 2 row chunks per KV head
   fb.dtype = DType::kFloat16;
   fb.batch = 2;

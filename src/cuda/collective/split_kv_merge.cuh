@@ -1,4 +1,6 @@
-// The split-KV merge of the decode kernel: each split of a row chunk writes fp32 partial O
+// The split-KV merge of the decode kernel, in two forms. With a thread-block cluster per row
+// chunk (sm90, up to 8 splits: merge_cluster_rows, below) the partials stay in the blocks'
+// shared memory. Else each split of a row chunk writes fp32 partial O
 // and lse to a workspace, counts itself in the chunk's arrival counter (arrive_split; the
 // counters are zeroed in the call's stream before the launch), and the last split to
 // arrive merges every split's partials by log-sum-exp (merge_split_row,
@@ -16,6 +18,7 @@
 #include <cstdint>
 
 #include "core/params.hpp"
+#include "cuda/arch/sm90_cluster.cuh"
 #include "cuda/collective/convert.cuh"
 #include "flashattn/semantics.hpp"
 
@@ -113,6 +116,64 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
       *reinterpret_cast<uint2*>(out + c) = packed;
     }
   }
+}
+
+// The cluster form (sm90; the decode kernel's DecodeArgs::cluster): the `splits` blocks of
+// a row chunk form one thread-block cluster, block `rank` holding split `rank`'s partials in
+// its shared memory at `part` (the same offset in every block): O rows [kRows][kHeadDim] fp32
+// (columns < width), then lse [kRows]. Between two cluster barriers (the first makes every
+// block's partials visible, the second keeps every block's shared memory alive until the
+// others have read it), block `rank` merges items rank, rank + splits, ... of the chunk's
+// nr rows x width / 4 column groups, one per thread at a time: every split's lse and O
+// group, read from the blocks' shared memory together, merged as merge_split_row merges
+// (log-sum-exp, the sink once, the weights of semantics::merge_weight, summed in split
+// order), then out (and lse, by the item of column 0) stored. All threads of every block
+// call it.
+template <int kRows, int kHeadDim, int kThreads, int kMaxSplits>
+__device__ __forceinline__ void merge_cluster_rows(const FwdParams& p, const float* part, int splits, int rank,
+                                                   bool out_bf16, int width, int b, int g_kv, int h_ratio, int r0,
+                                                   int nr, int tid) {
+  cluster_sync_all();  // every split's partials are in its block's shared memory
+  const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(part));
+  const int groups = width / 4;
+  const int items = nr * groups;
+  for (int it = rank + splits * tid; it < items; it += splits * kThreads) {
+    const int rr = it / groups, c = (it - rr * groups) * 4;
+    float ls[kMaxSplits];
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      ls[s] = -INFINITY;
+      v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (s < splits) {
+        const std::uint32_t peer = cluster_map(base, static_cast<std::uint32_t>(s));
+        ls[s] = ld_cluster_f32(peer + static_cast<std::uint32_t>((kRows * kHeadDim + rr) * 4));
+        v[s] = ld_cluster_f32x4(peer + static_cast<std::uint32_t>((rr * kHeadDim + c) * 4));
+      }
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) m = fmaxf(m, ls[s]);
+    const float mb = m == -INFINITY ? 0.0f : m;
+    float sum = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) sum += expf(ls[s] - mb);
+    float lse = sum == 0.0f ? -INFINITY : m + logf(sum);
+    const int r = r0 + rr;
+    const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
+    if (p.sink != nullptr) lse = semantics::lse_with_sink(lse, p.sink[h]);
+    if (c == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float w = s < splits && lse != -INFINITY ? semantics::merge_weight(ls[s], lse) : 0.0f;
+      if (w != 0.0f) acc.x += w * v[s].x, acc.y += w * v[s].y, acc.z += w * v[s].z, acc.w += w * v[s].w;
+    }
+    auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
+                std::int64_t(h) * p.o_head_stride + c;
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack_out(acc.x, acc.y, out_bf16), pack_out(acc.z, acc.w, out_bf16));
+  }
+  cluster_sync_all();  // no block leaves while another may still read its shared memory
 }
 
 }  // namespace flashattn::detail::cuda::sm80

@@ -14,6 +14,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/runtime/index_record.hpp"
+#include "cuda/runtime/index_report.cuh"
 
 namespace flashattn::detail::cuda {
 
@@ -22,46 +23,6 @@ namespace flashattn::detail::cuda {
 namespace {
 
 using namespace index_record;  // the record the checks write (index_record.hpp)
-
-// The report lock of a device (one per device: the module's global lives on each device).
-__device__ int g_report_lock = 0;
-
-// Where a check reports: the device pointer of the device's record (null: nothing is
-// recorded, e.g. a captured call on a device that never ran an eager one) and the call.
-struct Reporter {
-  IndexErrorRecord* record;
-  int call;
-};
-
-struct Finding {
-  int argument, kind = kOutOfRange, entry, entry2 = -1, other = -1, other2 = -1;
-  long long value, lo = 0, hi = 0, other_lo = 0, other_hi = 0;
-};
-
-__device__ void report(const Reporter& rep, int* claim, const Finding& f) {
-  if (rep.record == nullptr) return;
-  if (atomicCAS(claim, 0, 1) != 0) return;  // one report per check block
-  if (atomicCAS(&g_report_lock, 0, 1) != 0) return;  // another block is reporting
-  volatile IndexErrorRecord* r = rep.record;
-  if (r->state == 0) {  // else an earlier error is still pending
-    r->call = rep.call;
-    r->argument = f.argument;
-    r->kind = f.kind;
-    r->entry = f.entry;
-    r->entry2 = f.entry2;
-    r->other = f.other;
-    r->other2 = f.other2;
-    r->value = f.value;
-    r->lo = f.lo;
-    r->hi = f.hi;
-    r->other_lo = f.other_lo;
-    r->other_hi = f.other_hi;
-    __threadfence_system();
-    r->state = 2;
-  }
-  __threadfence();
-  atomicExch(&g_report_lock, 0);
-}
 
 // The check's grid: one block per kWalkChunk block-table columns of a sequence (or per
 // kWalkChunk sequences), at most kMaxCheckBlocks (each block then walks more of the
@@ -409,7 +370,7 @@ std::size_t append_check_bytes(const FwdParams& p) {
 AppendVerdict check_indices_on_device(const FwdParams& p, IndexCall call, int* append_flags) {
   DeviceGuard guard(p.device_index);
   IndexCheckArgs a{};
-  record_of(p.device_index, false, &a.rep.record);  // none yet: the check records nothing
+  record_of(p.device_index, false, &a.rep.record, &a.rep.lock);  // none yet: the check records nothing
   a.rep.call = static_cast<int>(call);
   a.batch = p.batch;
   a.cu_q = p.cu_seqlens_q;
@@ -478,7 +439,7 @@ std::size_t block_kinds_bytes(const FwdParams& p) {
 void build_block_kinds(FwdParams& p, std::uint8_t* table, IndexCall call) {
   BlockKindsArgs a{};
   a.rep.call = static_cast<int>(call);
-  record_of(p.device_index, false, &a.rep.record);
+  record_of(p.device_index, false, &a.rep.record, &a.rep.lock);
   a.lists[0] = p.bs_lists[0];
   a.lists[1] = p.bs_lists[1];
   a.heads = p.bs_table_heads;

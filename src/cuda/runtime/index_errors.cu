@@ -20,31 +20,44 @@ namespace {
 
 IndexErrorRecord* g_records[kMaxDevices] = {};
 IndexErrorRecord* g_device_records[kMaxDevices] = {};  // their device pointers
+int* g_report_locks[kMaxDevices] = {};                   // device memory, zeroed
 std::mutex g_records_mutex;
 
 }  // namespace
 
-IndexErrorRecord* record_of(int device, bool allocate, IndexErrorRecord** device_pointer) {
+IndexErrorRecord* record_of(int device, bool allocate, IndexErrorRecord** device_pointer, int** device_lock) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   std::lock_guard<std::mutex> lock(g_records_mutex);
   if (g_records[device] == nullptr && allocate) {
+    void* lock_word = nullptr;
+    const int zero = 0;
+    if (cudaMalloc(&lock_word, sizeof(int)) != cudaSuccess ||
+        cudaMemcpy(lock_word, &zero, sizeof(int), cudaMemcpyHostToDevice) != cudaSuccess) {
+      cudaGetLastError();
+      if (lock_word != nullptr) cudaFree(lock_word);
+      return nullptr;
+    }
     void* host = nullptr;
     if (cudaHostAlloc(&host, sizeof(IndexErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable) !=
         cudaSuccess) {
       cudaGetLastError();
+      cudaFree(lock_word);
       return nullptr;
     }
     void* dev = nullptr;
     if (cudaHostGetDevicePointer(&dev, host, 0) != cudaSuccess) {
       cudaGetLastError();
       cudaFreeHost(host);
+      cudaFree(lock_word);
       return nullptr;
     }
     *static_cast<IndexErrorRecord*>(host) = IndexErrorRecord{};
     g_records[device] = static_cast<IndexErrorRecord*>(host);
     g_device_records[device] = static_cast<IndexErrorRecord*>(dev);
+    g_report_locks[device] = static_cast<int*>(lock_word);
   }
   if (device_pointer != nullptr) *device_pointer = g_device_records[device];
+  if (device_lock != nullptr) *device_lock = g_report_locks[device];
   return g_records[device];
 }
 

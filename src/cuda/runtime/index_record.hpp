@@ -6,7 +6,8 @@ namespace flashattn::detail::cuda::index_record {
 
 // The first bad index a device check found on a device, in mapped (zero-copy) host memory.
 // A check block lets one of its threads report (a shared-memory claim); that thread takes
-// the device's report lock (g_report_lock, device memory), writes the fields of a record
+// the device's report lock (one word of device memory per device, allocated with the
+// record, which every reporting kernel uses: index_report.cuh), writes the fields of a record
 // in state 0 and then publishes state 2, and releases the lock; a block that finds the lock
 // taken drops its report (another one is being recorded). The host reads a record in state
 // 2 and resets it to 0. No atomics on the mapped memory (they would not be atomic for the
@@ -38,12 +39,14 @@ enum ErrorKind : int {
 
 inline constexpr int kMaxDevices = 64;
 
-// The record of a device; with `allocate`, allocated if missing (nullptr if that fails).
-// Allocation happens only outside stream capture (prepare_index_checks): under a global-mode
-// capture the allocation would invalidate the capture. A captured call on a device that
-// never ran an eager call records nothing (its check still guards the append, and its
-// kernels still clamp). device_pointer: the record's address on the device.
-IndexErrorRecord* record_of(int device, bool allocate, IndexErrorRecord** device_pointer = nullptr);
+// The record of a device; with `allocate`, allocated if missing (nullptr if that fails),
+// with its report lock. Allocation happens only outside stream capture
+// (prepare_index_checks): under a global-mode capture the allocation would invalidate the
+// capture. A captured call on a device that never ran an eager call records nothing (its
+// check still guards the append, and its kernels still clamp). device_pointer: the record's
+// address on the device; device_lock: the report lock's.
+IndexErrorRecord* record_of(int device, bool allocate, IndexErrorRecord** device_pointer = nullptr,
+                            int** device_lock = nullptr);
 
 // The public function whose call an IndexCall names.
 const char* call_name(int call);

@@ -11,11 +11,14 @@ struct DecodePlan {
   bool use = false;  // the call takes the decode kernel
   bool small = false;  // its small configuration (decode_launch.hpp: fewer stages, 99 KiB)
   int splits = 1;
+  // sm90 with 2..kMaxClusterSplits splits: merged within a thread-block cluster through
+  // shared memory (DecodeArgs::cluster), no workspace.
+  bool cluster = false;
   int row_chunks = 1;
   std::size_t o_bytes = 0;          // partial O, at workspace offset 0
   std::size_t lse_bytes = 0;        // partial lse, after it
   std::size_t counter_bytes = 0;    // the split merge's arrival counters, after it
-  std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival counters; 0 without splits
+  std::size_t workspace_bytes = 0;  // partial O + partial lse + arrival counters; 0 without splits or with the cluster merge
   std::size_t counter_offset() const { return o_bytes + lse_bytes; }
 };
 

@@ -33,8 +33,11 @@
 //
 // The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
 // decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
-// and with splits > 1 the split-KV merge by the last split of each row chunk to finish
-// (collective/split_kv_merge.cuh), one launch per call; the launch is decode_run.cuh.
+// and with splits > 1 the split-KV merge (collective/split_kv_merge.cuh), one launch per
+// call: on sm90 with up to 8 splits a row chunk's splits are one thread-block cluster and
+// merge through each other's shared memory (no workspace, no arrival counter); else the
+// last split of each row chunk to finish merges the partials in the workspace. The launch
+// is decode_run.cuh.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -46,9 +49,11 @@
 
 #include "core/params.hpp"
 #include "cuda/runtime/cuda_check.hpp"
+#include "cuda/runtime/index_report.cuh"
 #include "cuda/arch/pdl.cuh"
 #include "cuda/arch/sm80.cuh"
 #include "cuda/arch/sm90_bulk.cuh"
+#include "cuda/arch/sm90_cluster.cuh"
 #include "cuda/sm80/decode_launch.hpp"
 #include "cuda/collective/convert.cuh"
 #include "cuda/collective/split_kv_merge.cuh"
@@ -59,6 +64,23 @@ namespace flashattn::detail::cuda::sm80 {
 namespace decode_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
+
+// The index check of a KV-cache call that enqueued no check kernel (FwdParams::
+// row_check_call): sequence b's cache_seqlens and cache_batch_idx, as the check kernel's
+// check_rows words them (the kernel clamps them regardless).
+__device__ __forceinline__ void check_kvcache_row(const FwdParams& p, int b) {
+  using namespace index_record;
+  const Reporter rep{static_cast<IndexErrorRecord*>(p.row_check_record), p.row_check_lock, p.row_check_call};
+  const long long len = p.cache_seqlens[b];
+  const long long hi = p.cache_capacity() - p.seqlen_k_new;
+  if (len < 0 || len > hi) report(rep, nullptr, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = hi});
+  if (p.cache_batch_idx != nullptr) {
+    const long long r = p.cache_batch_idx[b];
+    if (r < 0 || r >= p.kv_cache_rows) {
+      report(rep, nullptr, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = p.kv_cache_rows - 1});
+    }
+  }
+}
 
 }  // namespace decode_detail
 
@@ -99,8 +121,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   }
   griddep_wait();  // nothing in global memory is touched before this
   griddep_launch_dependents();
-  const int chunk = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.row_chunks));
-  const int split = static_cast<int>(blockIdx.x / static_cast<unsigned>(a.row_chunks));
+  if (p.row_check_call >= 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    check_kvcache_row(p, static_cast<int>(blockIdx.z));
+  }
+  // A row chunk's splits: consecutive blocks (one cluster) with the cluster merge, else
+  // strided by the chunk count.
+  const int chunk = static_cast<int>(a.cluster ? blockIdx.x / static_cast<unsigned>(a.splits)
+                                               : blockIdx.x % static_cast<unsigned>(a.row_chunks));
+  const int split = static_cast<int>(a.cluster ? blockIdx.x % static_cast<unsigned>(a.splits)
+                                               : blockIdx.x / static_cast<unsigned>(a.row_chunks));
   const int g_kv = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
@@ -235,6 +264,16 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == Tr::kStages - 2);
     cp_async_commit();
   }
+  // A block with no more tiles than stages (tensor copies: small grids of short splits)
+  // issues its last one here too, so that all of its K/V is on its way at once; the key
+  // loop then refills nothing. (Its block ids came with the last prologue copy's prefetch.
+  // Not in the 16-row fp8 kernel, where it costs 12 / 32 more bytes of spills at d 128.)
+  constexpr bool kAllIn = kT8 || !kFp8;
+  const bool all_in = kAllIn && tma && t_begin + Tr::kStages * t_step >= t_end;
+  if (all_in && t_begin + (Tr::kStages - 1) * t_step < t_end) {
+    load_tile(t_begin + (Tr::kStages - 1) * t_step, Tr::kStages - 1, false);
+    cp_async_commit();
+  }
   // q: 16 packed rows into shared memory (as the MMA element type), while the first K/V
   // tiles are on their way.
   if (kFp8 && a.q_fp8) {
@@ -326,7 +365,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     // dense 4k 39.9 -> 40.8 us, fp8 4k 30.8 -> 34.1 us; the first tiles arrived later, not
     // sooner. docs/performance.md, the timeline entry.)
     __syncthreads();  // the tile is in; every warp is done with stage ns (tile - 1)
-    if (nxt < t_end) load_tile(nxt, ns, true);
+    if (!all_in && nxt < t_end) load_tile(nxt, ns, true);
     cp_async_commit();
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const unsigned char* vs = ks + Tr::kTileBytes;
@@ -591,7 +630,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   // ---- merge the warps' (max, sum, O), then store out / lse or the split's partials
 #include "cuda/sm80/decode_kernel_epilogue.inc"
 
-  // ---- splits: the last of this row chunk's splits to arrive merges them, a warp per row
+  // ---- splits: through the cluster's shared memory (sm90), or the last of this row
+  // chunk's splits to arrive merges them, a warp per row
+  if constexpr (kHasClusters) {
+    if (a.cluster) {
+      merge_cluster_rows<Tr::kRows, kHeadDim, Tr::kThreads, kMaxClusterSplits>(
+          p, part_o, a.splits, split, out_bf16, p.d, b, g_kv, h_ratio, r0, r_last - r0 + 1, tid);
+      return;
+    }
+  }
   if (a.splits > 1) {
     __shared__ int merges;
     __syncthreads();  // the block's partials are stored

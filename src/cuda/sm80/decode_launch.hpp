@@ -66,7 +66,10 @@ struct DecodeTraits {
       !kSmall ? kDefaultStages
               : (kSmallFitStages < 2 ? 2 : (kSmallFitStages > kDefaultStages ? kDefaultStages : kSmallFitStages));
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
-  static constexpr int kMergeBytes = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
+  // The warps' merge (per warp: O rows, max, sum), then the block's partial O and lse for
+  // the cluster split merge (DecodeArgs::cluster): [kRows][kHeadDim] and [kRows] fp32.
+  static constexpr int kPartOffset = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
+  static constexpr int kMergeBytes = kPartOffset + kRows * kHeadDim * 4 + kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   // + 1024: the pipeline starts at the first 1024-byte boundary (the swizzle's period).
   static constexpr int kSmemBytes =
@@ -78,6 +81,9 @@ struct DecodeTraits {
 template <int kHeadDim, bool kFp8, bool kT8>
 inline constexpr bool kDecodeHasSmall =
     DecodeTraits<kHeadDim, kFp8, kT8, true>::kStages != DecodeTraits<kHeadDim, kFp8, kT8>::kStages;
+
+// The most splits the cluster merge takes (DecodeArgs::cluster): the portable cluster size.
+inline constexpr int kMaxClusterSplits = 8;
 
 // A CUtensorMap (cuda.h), kept opaque here: 128 bytes, 64-byte aligned.
 struct alignas(64) TensorMapBytes {
@@ -96,6 +102,10 @@ struct DecodeArgs {
   int map_rank = 4;
   int box_rows = 0;
   int splits = 1;      // key splits; > 1 writes partials to ws_o / ws_lse, the last merges
+  // sm90, 2 <= splits <= kMaxClusterSplits: a row chunk's splits are one thread-block
+  // cluster (blockIdx.x = chunk * splits + split) and merge through each other's shared
+  // memory after a cluster barrier (split_kv_merge.cuh: merge_cluster_rows); no workspace.
+  bool cluster = false;
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
   bool q_bf16 = false; // q / out dtype, out's with fp8 q (read by the fp8 variant and the split merge)

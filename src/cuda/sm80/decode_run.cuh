@@ -33,11 +33,22 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   cfg.blockDim = dim3(Tr::kThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = static_cast<cudaStream_t>(p.stream);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n_attr = 0;
+  if (a.pdl) {
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attr;
+  }
+  if (a.cluster) {  // a row chunk's splits in one cluster (blockIdx.x = chunk * splits + split)
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(a.splits);
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    ++n_attr;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = a.pdl ? 1 : 0;
+  cfg.numAttrs = n_attr;
   FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
 }
 
