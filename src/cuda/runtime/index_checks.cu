@@ -14,7 +14,7 @@
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/runtime/device_guard.hpp"
 #include "cuda/runtime/index_record.hpp"
-#include "cuda/runtime/index_report.cuh"
+#include "cuda/collective/index_report.cuh"
 
 namespace flashattn::detail::cuda {
 

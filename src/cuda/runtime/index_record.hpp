@@ -7,7 +7,7 @@ namespace flashattn::detail::cuda::index_record {
 // The first bad index a device check found on a device, in mapped (zero-copy) host memory.
 // A check block lets one of its threads report (a shared-memory claim); that thread takes
 // the device's report lock (one word of device memory per device, allocated with the
-// record, which every reporting kernel uses: index_report.cuh), writes the fields of a record
+// record, which every reporting kernel uses: collective/index_report.cuh), writes the fields of a record
 // in state 0 and then publishes state 2, and releases the lock; a block that finds the lock
 // taken drops its report (another one is being recorded). The host reads a record in state
 // 2 and resets it to 0. No atomics on the mapped memory (they would not be atomic for the

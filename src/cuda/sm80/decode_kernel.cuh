@@ -49,7 +49,7 @@
 
 #include "core/params.hpp"
 #include "cuda/runtime/cuda_check.hpp"
-#include "cuda/runtime/index_report.cuh"
+#include "cuda/collective/index_report.cuh"
 #include "cuda/arch/pdl.cuh"
 #include "cuda/arch/sm80.cuh"
 #include "cuda/arch/sm90_bulk.cuh"

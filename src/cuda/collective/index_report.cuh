@@ -1,6 +1,7 @@
-// Reporting a bad index from the device into the device's error record (index_record.hpp),
-// shared by the check kernels (index_checks.cu) and the kernels that check their own index
-// tensors (the decode kernel's row check, FwdParams::row_check_call). Device code only.
+// Reporting a bad index from the device into the device's error record
+// (runtime/index_record.hpp), shared by the check kernels (runtime/index_checks.cu) and the
+// attention kernels that check their own index tensors (the decode kernel's row check,
+// FwdParams::row_check_call). Device code only.
 #pragma once
 
 #include "cuda/runtime/index_record.hpp"
