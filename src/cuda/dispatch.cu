@@ -263,7 +263,6 @@ CounterSpan split_counters(const FwdParams& in) {
 // row_check_call) where its plan leaves no arrival counter to zero and the call's only
 // index tensors are cache_seqlens and cache_batch_idx (what check_rows checks for it).
 bool fuse_row_checks(FwdParams& p, IndexCall call) {
-  if (const char* v = std::getenv("FLASHATTN_DECODE_NO_FUSED_CHECK"); v != nullptr && v[0] == '1') return false;
   if (p.cache_seqlens == nullptr || p.qv != nullptr || p.block_table != nullptr || p.seqlen_k_new > 0 ||
       p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.seqused_q != nullptr) {
     return false;

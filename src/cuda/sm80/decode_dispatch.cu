@@ -11,7 +11,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <numeric>
 
@@ -36,11 +35,16 @@ namespace {
 constexpr int kMaxSplits = 256;
 constexpr std::size_t kAlign = 256;
 constexpr int kMinTilesPerSplit = 4;
-// The cluster merge's split bounds (plan_decode; issue 23's batch-1 sweep on the H100, C++
-// decode bench: 1k 12.6 us at 4 cluster splits of 4 tiles, 11.0 at 8 of 2; 4k 17.7 at 8 of
-// 8 against 19.2 at 16 workspace splits of 4; 16k 44.8 at 8 of 32 against 37.6 at 32 of 8).
+// The cluster merge's split bounds (plan_decode; issue 23's sweep on the H100, C++ decode
+// bench, dense bf16, 32 / 8 heads, d 128): batch 1 (64 blocks at 8 splits) 1k 12.6 us at 4
+// cluster splits of 4 tiles, 11.0 at 8 of 2; 4k 17.7 at 8 of 8 against 19.2 at 16
+// workspace splits of 4; 8k 26.8 at 8 of 16 against 26.7 at 32 of 4; 16k 44.8 at 8 of 32
+// against 37.6 at 32 of 8. Batch 8 (128 blocks at 2 splits): 2k 32.1 us at 2 cluster
+// splits of 16 against 34.8 at 8 workspace splits, 4k 54.1 (2 of 32) against 55.3, 8k
+// 97.8 (2 of 64) against 97.8; 16k 185.7 against 180.7.
 constexpr int kMinTilesPerClusterSplit = 2;
-constexpr int kMaxTilesPerClusterSplit = 8;
+constexpr int kMaxTilesPerClusterSplit = 8;       // grids of at most half the SMs
+constexpr int kMaxTilesPerClusterSplitFull = 32;  // larger ones
 // The split heuristic (num_splits = 0) fills the block slots (SMs x blocks per SM) with
 // (sequence, KV head, row chunk, split) blocks in one wave, with at most kMaxWaveSplits
 // splits: the last split's merge of every partial grows with the count. Issue 23's sweep on
@@ -239,7 +243,7 @@ DecodePlan plan_decode(const FwdParams& p) {
   const std::int64_t max_tiles = (std::int64_t(p.seqlen_k) + tf.block_n - 1) / tf.block_n;
   const std::int64_t units = std::max<std::int64_t>(1, std::int64_t(p.batch) * p.h_k * plan.row_chunks);
   const std::int64_t sms = sm_count(p.device_index);
-  const bool clusters = cc_major(p.device_index) >= 9 && !(std::getenv("FLASHATTN_DECODE_NO_CLUSTER") && std::getenv("FLASHATTN_DECODE_NO_CLUSTER")[0] == '1');
+  const bool clusters = cc_major(p.device_index) >= 9;
   int splits = p.num_splits;
   if (splits == 0) {
     const int per_sm = std::max(1, std::min(16, (228 * 1024) / (tf.smem + 1024)));
@@ -249,12 +253,14 @@ DecodePlan plan_decode(const FwdParams& p) {
     splits = static_cast<int>(std::clamp<std::int64_t>(s, 1, kMaxSplits));
     // A small grid on sm90 with few key tiles: as many cluster splits (of at least
     // kMinTilesPerClusterSplit tiles) as one block per SM allows, where each split then
-    // has at most kMaxTilesPerClusterSplit tiles; the cluster merge costs less than the
-    // workspace's, so splits of two tiles pay.
+    // has at most kMaxTilesPerClusterSplit tiles (the long cap where the grid fills more
+    // than half the SMs); the cluster merge costs less than the workspace's, so splits of
+    // two tiles pay.
     if (clusters) {
       const std::int64_t s_cl = std::min<std::int64_t>(
           {std::int64_t{kMaxClusterSplits}, sms / units, std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit)});
-      if (s_cl >= 2 && max_tiles <= kMaxTilesPerClusterSplit * s_cl) splits = static_cast<int>(s_cl);
+      const std::int64_t cap = 2 * units * s_cl > sms ? kMaxTilesPerClusterSplitFull : kMaxTilesPerClusterSplit;
+      if (s_cl >= 2 && max_tiles <= cap * s_cl) splits = static_cast<int>(s_cl);
     }
   }
   plan.splits = std::max(1, splits);
