@@ -264,16 +264,6 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     if (t_begin + st * t_step < t_end) load_tile(t_begin + st * t_step, st, st == Tr::kStages - 2);
     cp_async_commit();
   }
-  // A block with no more tiles than stages (tensor copies: small grids of short splits)
-  // issues its last one here too, so that all of its K/V is on its way at once; the key
-  // loop then refills nothing. (Its block ids came with the last prologue copy's prefetch.
-  // Not in the 16-row fp8 kernel, where it costs 12 / 32 more bytes of spills at d 128.)
-  constexpr bool kAllIn = kT8 || !kFp8;
-  const bool all_in = kAllIn && tma && t_begin + Tr::kStages * t_step >= t_end;
-  if (all_in && t_begin + (Tr::kStages - 1) * t_step < t_end) {
-    load_tile(t_begin + (Tr::kStages - 1) * t_step, Tr::kStages - 1, false);
-    cp_async_commit();
-  }
   // q: 16 packed rows into shared memory (as the MMA element type), while the first K/V
   // tiles are on their way.
   if (kFp8 && a.q_fp8) {
@@ -365,7 +355,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     // dense 4k 39.9 -> 40.8 us, fp8 4k 30.8 -> 34.1 us; the first tiles arrived later, not
     // sooner. docs/performance.md, the timeline entry.)
     __syncthreads();  // the tile is in; every warp is done with stage ns (tile - 1)
-    if (!all_in && nxt < t_end) load_tile(nxt, ns, true);
+    if (nxt < t_end) load_tile(nxt, ns, true);
     cp_async_commit();
     const unsigned char* ks = pipe + stage * Tr::kStageBytes;
     const unsigned char* vs = ks + Tr::kTileBytes;
