@@ -250,11 +250,17 @@ std::size_t backward_workspace_size(const BwdParams& p) { return sm80::backward_
 
 // The decode path is the one forward above takes for a KV-cache call (no qv) whose decode
 // plan, under the same resolved shared-memory limit, uses the decode kernel.
-CounterSpan split_counters(const FwdParams& in) {
-  if (in.cache_seqlens == nullptr || in.qv != nullptr || in.workspace == nullptr) return {};
+namespace {
+sm80::DecodePlan forward_decode_plan(const FwdParams& in) {
   FwdParams p = in;
   p.smem_limit = resolve_kernel_family("forward", p).smem_limit;
-  const sm80::DecodePlan plan = sm80::plan_decode(p);
+  return sm80::plan_decode(p);
+}
+}  // namespace
+
+CounterSpan split_counters(const FwdParams& p) {
+  if (p.cache_seqlens == nullptr || p.qv != nullptr || p.workspace == nullptr) return {};
+  const sm80::DecodePlan plan = forward_decode_plan(p);
   if (!plan.use || plan.splits <= 1 || plan.cluster) return {};
   return {static_cast<char*>(p.workspace) + plan.counter_offset(), plan.counter_bytes};
 }
@@ -267,9 +273,7 @@ bool fuse_row_checks(FwdParams& p, IndexCall call) {
       p.cu_seqlens_q != nullptr || p.cu_seqlens_k != nullptr || p.seqused_k != nullptr || p.seqused_q != nullptr) {
     return false;
   }
-  FwdParams q = p;
-  q.smem_limit = resolve_kernel_family("forward", q).smem_limit;
-  const sm80::DecodePlan plan = sm80::plan_decode(q);
+  const sm80::DecodePlan plan = forward_decode_plan(p);
   if (!plan.use || (plan.splits > 1 && !plan.cluster)) return false;
   index_record::IndexErrorRecord* record = nullptr;  // none yet (a captured call): nothing recorded
   index_record::record_of(p.device_index, false, &record, &p.row_check_lock);

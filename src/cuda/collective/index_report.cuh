@@ -50,4 +50,21 @@ __device__ inline void report(const Reporter& rep, int* claim, const Finding& f)
   atomicExch(rep.lock, 0);
 }
 
+// The per-sequence KV-cache rules: cache_seqlens[b] in [0, len_hi] (capacity - s_new) and,
+// when given, cache_batch_idx[b] in [0, cache_rows). For the check kernels (check_rows) and
+// the decode kernel's own check (FwdParams::row_check_call) alike.
+__device__ inline void check_cache_row(const Reporter& rep, int* claim, const int* cache_seqlens, long long len_hi,
+                                       const int* cache_batch_idx, long long cache_rows, int b) {
+  if (cache_seqlens != nullptr) {
+    const long long len = cache_seqlens[b];
+    if (len < 0 || len > len_hi) report(rep, claim, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = len_hi});
+  }
+  if (cache_batch_idx != nullptr) {
+    const long long r = cache_batch_idx[b];
+    if (r < 0 || r >= cache_rows) {
+      report(rep, claim, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = cache_rows - 1});
+    }
+  }
+}
+
 }  // namespace flashattn::detail::cuda::index_record

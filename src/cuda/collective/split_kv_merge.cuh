@@ -151,14 +151,7 @@ __device__ __forceinline__ void merge_cluster_rows(const FwdParams& p, const flo
         v[s] = ld_cluster_f32x4(peer + static_cast<std::uint32_t>((rr * kHeadDim + c) * 4));
       }
     }
-    float m = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) m = fmaxf(m, ls[s]);
-    const float mb = m == -INFINITY ? 0.0f : m;
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) sum += expf(ls[s] - mb);
-    float lse = sum == 0.0f ? -INFINITY : m + logf(sum);
+    float lse = semantics::merged_lse(ls, kMaxSplits, 1);  // the unused splits' -inf add nothing
     const int r = r0 + rr;
     const int i = r / h_ratio, h = g_kv * h_ratio + r % h_ratio;
     if (p.sink != nullptr) lse = semantics::lse_with_sink(lse, p.sink[h]);

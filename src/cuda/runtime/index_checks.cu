@@ -218,18 +218,7 @@ __device__ void check_rows(const IndexCheckArgs& a, int* claim) {
       const long long u = a.seqused_q[b];
       if (u < 0 || u > len) report(a.rep, claim, {.argument = kSequsedQ, .entry = b, .value = u, .hi = len});
     }
-    if (a.cache_seqlens) {
-      const long long len = a.cache_seqlens[b];
-      if (len < 0 || len > a.capacity - a.s_new) {
-        report(a.rep, claim, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = a.capacity - a.s_new});
-      }
-    }
-    if (a.cache_batch_idx) {
-      const long long r = a.cache_batch_idx[b];
-      if (r < 0 || r >= a.cache_rows) {
-        report(a.rep, claim, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = a.cache_rows - 1});
-      }
-    }
+    check_cache_row(a.rep, claim, a.cache_seqlens, a.capacity - a.s_new, a.cache_batch_idx, a.cache_rows, b);
   }
 }
 

@@ -65,23 +65,6 @@ namespace decode_detail {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The index check of a KV-cache call that enqueued no check kernel (FwdParams::
-// row_check_call): sequence b's cache_seqlens and cache_batch_idx, as the check kernel's
-// check_rows words them (the kernel clamps them regardless).
-__device__ __forceinline__ void check_kvcache_row(const FwdParams& p, int b) {
-  using namespace index_record;
-  const Reporter rep{static_cast<IndexErrorRecord*>(p.row_check_record), p.row_check_lock, p.row_check_call};
-  const long long len = p.cache_seqlens[b];
-  const long long hi = p.cache_capacity() - p.seqlen_k_new;
-  if (len < 0 || len > hi) report(rep, nullptr, {.argument = kCacheSeqlens, .entry = b, .value = len, .hi = hi});
-  if (p.cache_batch_idx != nullptr) {
-    const long long r = p.cache_batch_idx[b];
-    if (r < 0 || r >= p.kv_cache_rows) {
-      report(rep, nullptr, {.argument = kCacheBatchIdx, .entry = b, .value = r, .hi = p.kv_cache_rows - 1});
-    }
-  }
-}
-
 }  // namespace decode_detail
 
 // kT8 (at most 8 packed rows): the transposed products S^T = K Q^T and O^T = V^T P^T, keys
@@ -121,8 +104,13 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   }
   griddep_wait();  // nothing in global memory is touched before this
   griddep_launch_dependents();
+  // The call's index check when it enqueued no check kernel (FwdParams::row_check_call):
+  // one thread per sequence (the kernel clamps the values regardless).
   if (p.row_check_call >= 0 && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-    check_kvcache_row(p, static_cast<int>(blockIdx.z));
+    const index_record::Reporter rep{static_cast<index_record::IndexErrorRecord*>(p.row_check_record),
+                                     p.row_check_lock, p.row_check_call};
+    index_record::check_cache_row(rep, nullptr, p.cache_seqlens, p.cache_capacity() - p.seqlen_k_new,
+                                  p.cache_batch_idx, p.kv_cache_rows, static_cast<int>(blockIdx.z));
   }
   // A row chunk's splits: consecutive blocks (one cluster) with the cluster merge, else
   // strided by the chunk count.
