@@ -57,6 +57,24 @@ void run(const BwdParams& p, BwdArgs& args, void* stream) {
                                    {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
                                     tma_stride(k_batches, p.v_batch_stride)},
                                    Cfg::kBlockN);
+  // dk, dv: TMA stores where their bases and strides are 16-byte aligned (bwd_kernel's epilogue).
+  args.dkv_tma = false;
+  if constexpr (Cfg::kTmaStoreDkv) {
+    if (aligned16(p.dk) && aligned16(p.dv) && tma_stride_ok(k_rows, p.dk_row_stride) &&
+        tma_stride_ok(p.h_k, p.dk_head_stride) && tma_stride_ok(k_batches, p.dk_batch_stride) &&
+        tma_stride_ok(k_rows, p.dv_row_stride) && tma_stride_ok(p.h_k, p.dv_head_stride) &&
+        tma_stride_ok(k_batches, p.dv_batch_stride)) {
+      args.tmap_dk = make_tensor_map_4d(p.dk, p.dtype, k_dims,
+                                        {tma_stride(k_rows, p.dk_row_stride), tma_stride(p.h_k, p.dk_head_stride),
+                                         tma_stride(k_batches, p.dk_batch_stride)},
+                                        64);
+      args.tmap_dv = make_tensor_map_4d(p.dv, p.dtype, k_dims,
+                                        {tma_stride(k_rows, p.dv_row_stride), tma_stride(p.h_k, p.dv_head_stride),
+                                         tma_stride(k_batches, p.dv_batch_stride)},
+                                        64);
+      args.dkv_tma = true;
+    }
+  }
   launch_bwd<Cfg, Element>(args, stream);
 }
 

@@ -28,7 +28,11 @@
 //   no dQ buffers and no writer: their consumers add the dQ block from its accumulators
 //   (red.global.add.v4.f32, unordered, so deterministic calls run the sm80 kernel there),
 //   and the 64 KB the buffers took hold a second Q / dO stage.
-// The softmax scale is applied to dK here and to dQ by the postprocess.
+// The epilogue: once both consumers are done with the ring, each stages its 64 rows of dK
+// (times the softmax scale) and dV in it (consumer 0 in the Q slots, 1 in the dO slots) and
+// one thread stores them by TMA, so the block leaves as soon as the copies have read them;
+// slabs with rows past the sequence store from the registers. The softmax scale is applied
+// to dK here and to dQ by the postprocess.
 // Two fragments of the kernel's text are included in place (not functions: the code they
 // compile to must stay that of the inline text): bwd_kernel_producer.inc (the TMA warp and
 // the dQ writer) and bwd_kernel_split_hd.inc (the consumers for head dims above 128).
@@ -84,6 +88,10 @@ struct BwdConfig {
   // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
   // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
   static constexpr bool kEarlyDv = kBlockM + kHeadDim + kBlockM / 4 <= 208;
+  // dK and dV leave through shared memory and TMA stores (the epilogue): each consumer's
+  // 64 key rows of both, 16-bit, staged in the Q / dO ring once every product is done.
+  static constexpr bool kTmaStoreDkv = !kSplitHd;
+  static constexpr int kDkvSlabBytes = 64 * kHeadDim * 2;  // one consumer's dK (or dV) rows
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
@@ -94,6 +102,8 @@ struct BwdConfig {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(!kTmaStoreDkv || (kConsumers == 2 && 2 * kDkvSlabBytes <= kStages * kQBytes),
+                "the epilogue stages consumer 0's dK / dV in the Q ring and consumer 1's in the dO ring");
 };
 
 struct BwdArgs {
@@ -101,10 +111,13 @@ struct BwdArgs {
   CUtensorMap tmap_do;  // like q
   CUtensorMap tmap_k;   // {d, rows, h_k, batch}, box rows kBlockN
   CUtensorMap tmap_v;
+  CUtensorMap tmap_dk;  // {d, rows, h_k, batch} like k's, box rows 64 (when dkv_tma)
+  CUtensorMap tmap_dv;
   BwdParams p;
   BwdWorkspace ws;
   float scale_log2;  // scale * log2(e)
   bool raw_scores;   // no softcap, no ALiBi: the kRaw kernel
+  bool dkv_tma;      // dk and dv take TMA stores (16-byte aligned bases and strides): tmap_dk / tmap_dv are set
 };
 
 __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* ptr) {
@@ -135,6 +148,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kDqColBlocks = kHeadDim / Cfg::kDqCols;
   constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
   constexpr int kPdsFree = 2 + 2 * Cfg::kConsumers;  // split: both consumers done with P / dS
+  constexpr int kDkvStaged = 3 + 2 * Cfg::kConsumers;  // + w: consumer w's dK / dV rows staged
   const BwdParams& p = args.p;
   const BwdWorkspace& ws = args.ws;
 
@@ -475,23 +489,76 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
     // Epilogue: dK (times scale) and dV in the output type; rows past s_k (seqused_k) are
     // zero by a select: their accumulators hold 0 * x sums, NaN where a query row of the
     // pair held one (docs/semantics.md rule 5).
-    Element* const dk_ptr = static_cast<Element*>(p.dk);
-    Element* const dv_ptr = static_cast<Element*>(p.dv);
+    bool used[2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int j = n0 + key_in_tile + 8 * half;
-      if (j < len_k) {
-        const bool used = j < s_k;
-        Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
-        Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
+    for (int half = 0; half < 2; ++half) used[half] = n0 + key_in_tile + 8 * half < s_k;
+    // A consumer whose 64 key rows are all this sequence's (a tensor row past them may be
+    // another sequence's) stages them in shared memory (stmatrix, the boxes' 128-byte
+    // swizzle) and one thread stores them by TMA: consumer 0 in the Q ring, consumer 1 in
+    // the dO ring, once both have finished their products (the ring's last reads). Other
+    // slabs store from the registers.
+    bool staged = false;
+    if constexpr (Cfg::kTmaStoreDkv) {
+      if (args.dkv_tma) {
+        named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
+        staged = n0 + 64 * cw + 64 <= len_k;
+        if (staged) {
+          unsigned char* const slab = cw == 0 ? sQ : sdO;  // dK's kColBlocks boxes, then dV's
+          // stmatrix x4: matrices (rows 0-7 | 8-15 of the warp's 16) x (8-column chunks c,
+          // c + 1); lane l addresses row l % 8 of matrix l / 8.
+          const int mat = lane / 8;
+          const int r = 16 * warp_in + 8 * (mat % 2) + lane % 8;
+          const std::uint32_t row_addr = smem_addr(slab) + r * 128;
+          const float k_scale = p.scale;
+          auto frag = [&](const float (&acc)[kKN], int c, int half, float mul) {
+            return pack2<Element>(used[half] ? acc[4 * c + 2 * half] * mul : 0.0f,
+                                  used[half] ? acc[4 * c + 2 * half + 1] * mul : 0.0f);
+          };
 #pragma unroll
-        for (int c = 0; c < kHeadDim / 8; ++c) {
-          if (8 * c + 2 * (lane % 4) < p.d) {
-            const float k0 = used ? dk[4 * c + 2 * half] * p.scale : 0.0f;
-            const float k1 = used ? dk[4 * c + 2 * half + 1] * p.scale : 0.0f;
-            *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
-            *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) =
-                pack2<Element>(used ? dv[4 * c + 2 * half] : 0.0f, used ? dv[4 * c + 2 * half + 1] : 0.0f);
+          for (int c = 0; c < kHeadDim / 8; c += 2) {
+            const int chunk = c + mat / 2;
+            const std::uint32_t addr = row_addr + (chunk / 8) * 64 * 128 + ((chunk % 8) ^ (r % 8)) * 16;
+            stmatrix_x4(addr, frag(dk, c, 0, k_scale), frag(dk, c, 1, k_scale), frag(dk, c + 1, 0, k_scale),
+                        frag(dk, c + 1, 1, k_scale));
+            stmatrix_x4(addr + Cfg::kDkvSlabBytes, frag(dv, c, 0, 1.0f), frag(dv, c, 1, 1.0f), frag(dv, c + 1, 0, 1.0f),
+                        frag(dv, c + 1, 1, 1.0f));
+          }
+          fence_proxy_async_smem();
+          named_barrier_sync(kDkvStaged + cw, 128);
+          if (threadIdx.x % 128 == 0) {
+            const int k_row = (p.cu_seqlens_k ? p.k_start(b) : 0) + n0 + 64 * cw;
+            const int k_b = p.cu_seqlens_k ? 0 : b;
+#pragma unroll
+            for (int box = 0; box < Cfg::kColBlocks; ++box) {
+              if (box * 64 < p.d) {  // (a box wholly past d would write nothing)
+                tma_store_4d(&args.tmap_dk, slab + box * 64 * 128, box * 64, k_row, g, k_b);
+                tma_store_4d(&args.tmap_dv, slab + Cfg::kDkvSlabBytes + box * 64 * 128, box * 64, k_row, g, k_b);
+              }
+            }
+            bulk_commit();
+            bulk_wait_read<0>();  // before the block's shared memory goes
+          }
+        }
+      }
+    }
+    if (!staged) {
+      Element* const dk_ptr = static_cast<Element*>(p.dk);
+      Element* const dv_ptr = static_cast<Element*>(p.dv);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = n0 + key_in_tile + 8 * half;
+        if (j < len_k) {
+          Element* const dk_row = dk_ptr + p.dk_offset(b, j, g) + 2 * (lane % 4);
+          Element* const dv_row = dv_ptr + p.dv_offset(b, j, g) + 2 * (lane % 4);
+#pragma unroll
+          for (int c = 0; c < kHeadDim / 8; ++c) {
+            if (8 * c + 2 * (lane % 4) < p.d) {
+              const float k0 = used[half] ? dk[4 * c + 2 * half] * p.scale : 0.0f;
+              const float k1 = used[half] ? dk[4 * c + 2 * half + 1] * p.scale : 0.0f;
+              *reinterpret_cast<std::uint32_t*>(dk_row + 8 * c) = pack2<Element>(k0, k1);
+              *reinterpret_cast<std::uint32_t*>(dv_row + 8 * c) = pack2<Element>(
+                  used[half] ? dv[4 * c + 2 * half] : 0.0f, used[half] ? dv[4 * c + 2 * half + 1] : 0.0f);
+            }
           }
         }
       }
