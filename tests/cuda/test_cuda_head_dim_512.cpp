@@ -36,7 +36,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-bool built_512() { return detail::cuda::supports_forward_head_dim(512); }
+bool built_512() { return detail::cuda::supports_wide_head_dim(512); }
 // Under gpu.sh's 99 KiB rerun (FLASHATTN_SMEM_CAP) the 512 bucket has no tile: the forward
 // tests skip there, and CudaHeadDim512Declined.SmallSharedMemory checks the error.
 bool fits_env_cap_512() {
