@@ -53,6 +53,12 @@ std::vector<int> caps() {
   if (env_smem_cap() == 0 || env_smem_cap() > kSm80Cap) c.push_back(kSm80Cap);
   return c;
 }
+// The dtypes a case runs under a cap: both at the device's limit, bf16 alone under A100's
+// (the tiles share their MMA code per dtype; the fp64 oracle is most of a case's time).
+std::vector<DType> dtypes(int cap) {
+  if (cap == 0) return {DType::kFloat16, DType::kBFloat16};
+  return {DType::kBFloat16};
+}
 
 std::string cap_str(int cap) { return cap == 0 ? "device smem limit" : "smem_cap " + std::to_string(cap); }
 
@@ -141,7 +147,7 @@ TEST_P(CudaBackward512, MatchesOracle) {
   }
   FA_SEEDED_RNG(rng);
   for (int cap : caps()) {
-    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (DType dtype : dtypes(cap)) {
       DenseCase c = DenseCase::random(rng, Shape{f.b, f.s_q, f.s_k, f.h_q, f.h_k, f.d, f.d_v}, dtype);
       c.opts.causal = f.causal;
       c.opts.window_left = f.left;
@@ -157,7 +163,7 @@ TEST_P(CudaBackward512, MatchesOracle) {
   }
 }
 
-// Lengths end inside the 32- and 64-row query tiles and the 32-key tiles; s_k = 1000 walks
+// Lengths end inside the 32- and 64-row query tiles and the 32-key tiles; s_k = 700 walks
 // many query tiles per key tile; d below the bucket leaves the upper S / dP head-dim part,
 // dK / dV warps and dQ column passes with nothing (or part) to do.
 INSTANTIATE_TEST_SUITE_P(
@@ -172,7 +178,7 @@ INSTANTIATE_TEST_SUITE_P(
         Dims{"d192_dv512_causal_gqa2", 2, 130, 130, 4, 2, 192, 512, true, -1, -1, 0, 0, false, 0},
         Dims{"d512_dv64_alibi", 1, 100, 150, 2, 2, 512, 64, false, -1, -1, 0, 1, false, 0},
         Dims{"d512_causal_sq_gt_sk", 1, 300, 90, 2, 1, 512, 512, true, -1, -1, 0, 0, false, 0},
-        Dims{"d512_causal_long_gqa4", 1, 150, 1000, 8, 2, 512, 512, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512_causal_long_gqa2", 1, 100, 700, 4, 2, 512, 512, true, -1, -1, 0, 0, false, 0},
         Dims{"d512_window_zero", 1, 140, 140, 2, 2, 512, 512, false, 0, 0, 0, 0, false, 0},
         Dims{"d512_causal_window", 1, 260, 190, 4, 2, 512, 512, true, 70, -1, 0, 0, false, 0},
         Dims{"d512_alibi_batch_window", 2, 121, 187, 4, 2, 512, 512, false, 60, 60, 0, 2, false, 0},
@@ -208,9 +214,9 @@ TEST(CudaBackward512More, EndToEnd) {
 }
 
 // Deterministic mode: two runs give the same bits, under both tiles. s_q = 141 leaves the
-// last 32-row query tile of 13 rows (the second half of its dq workspace tile absent); a
-// left window starts key tiles' query ranges at odd 32-row tiles (the half-tile ordering),
-// GQA adds several heads per key tile, dropout the general score path.
+// last 32-row query tile of 13 rows (the second half of its dq workspace tile absent); left
+// windows start key tiles' query ranges at odd 32-row tiles (the half-tile ordering), GQA
+// adds several heads per key tile, dropout the general score path.
 TEST(CudaBackward512More, DeterministicRunsAreBitIdentical) {
   FA_REQUIRE_GPU();
   if (!built_512()) GTEST_SKIP() << "head-dim bucket 512 not in this build";
@@ -218,9 +224,9 @@ TEST(CudaBackward512More, DeterministicRunsAreBitIdentical) {
   FA_SEEDED_RNG(rng);
   for (int cap : caps()) {
     for (int variant = 0; variant < 3; ++variant) {
-      const int s_q = variant == 2 ? 141 : 333;
+      const int s_q = variant == 2 ? 141 : 205;
       const int d_v = variant == 1 ? 320 : 512;
-      DenseCase c = DenseCase::random(rng, Shape{2, s_q, 517, 4, 2, 512, d_v}, DType::kBFloat16);
+      DenseCase c = DenseCase::random(rng, Shape{1, s_q, 333, 4, 2, 512, d_v}, DType::kBFloat16);
       c.opts.causal = variant == 1;
       if (variant == 2) c.opts.window_left = 150;
       if (variant == 0) c.opts.window_left = 97;
@@ -265,7 +271,7 @@ TEST(CudaBackward512More, VarlenEmptySequencesSequsedKAndQ) {
   if (backward_over_cap(512)) GTEST_SKIP() << "no 512 tile within FLASHATTN_SMEM_CAP=" << env_smem_cap();
   FA_SEEDED_RNG(rng);
   for (int cap : caps()) {
-    for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (DType dtype : dtypes(cap)) {
       for (int variant = 0; variant < 2; ++variant) {
         // Lengths 70, 0, 133, 1, 200 (queries) and 90, 40, 0, 150, 201 (keys).
         VarlenCase c = VarlenCase::make(rng, {0, 70, 70, 203, 204, 404}, {0, 90, 130, 130, 280, 481}, 4, 2,
