@@ -235,9 +235,18 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   // Warp coordinates in the three products.
   // Split S / dP (kSdpSplitK > 1): warp w computes head-dim part w / kSdpWarps of the warp
   // tile of w % kSdpWarps.
-  const unsigned sdp_warp = Cfg::kSdpSplitK > 1 ? unsigned(warp) % Cfg::kSdpWarps : unsigned(warp);
-  const int sdp_part = Cfg::kSdpSplitK > 1 ? warp / Cfg::kSdpWarps : 0;
-  const int wm_s = sdp_warp / Cfg::kWarpsNsdp, wn_s = sdp_warp % Cfg::kWarpsNsdp;
+  // (Without a split, the other buckets' code as it was: their registers are tuned to it.)
+  int wm_s, wn_s, sdp_part = 0;
+  unsigned sdp_warp = 0;
+  if constexpr (Cfg::kSdpSplitK > 1) {
+    sdp_warp = unsigned(warp) % Cfg::kSdpWarps;
+    sdp_part = warp / Cfg::kSdpWarps;
+    wm_s = sdp_warp / Cfg::kWarpsNsdp;
+    wn_s = sdp_warp % Cfg::kWarpsNsdp;
+  } else {
+    wm_s = warp / Cfg::kWarpsNsdp;
+    wn_s = warp % Cfg::kWarpsNsdp;
+  }
   // dK / dV: with named barriers, warp w takes the key slice of its own S / dP keys.
   constexpr bool kNamedBarriers = bwd_named_barriers<Cfg>();
   const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
