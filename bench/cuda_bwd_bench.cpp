@@ -6,7 +6,9 @@
 // caller-given workspace keeps allocation out of the timing.
 //
 //   flashattn_cuda_bwd_bench            the grid, one line per cell: "bwd d causal s ms tflops"
-//   flashattn_cuda_bwd_bench --one D C S one cell (hdim D, causal C, seqlen S)
+//   flashattn_cuda_bwd_bench --one D C S one cell (hdim D, causal C, seqlen S); each may be a
+//                                       comma list (--one 256,512 0,1 2048,8192: the cells of
+//                                       their product, in one process)
 //   ... --deterministic                 (last argument) the same in deterministic mode
 //   flashattn_cuda_bwd_bench --memory   forward + backward at seqlen 128k (b 1, h 16, d 128):
 //                                       the device memory the calls add beyond their tensors
@@ -349,6 +351,18 @@ void run_sparse(int d, int s) {
 
 }  // namespace
 
+// "256,512" -> {256, 512}.
+std::vector<int> int_list(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p != '\0';) {
+    char* end = nullptr;
+    v.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+    p = *end == ',' ? end + 1 : end;
+    if (end == p && *p != '\0') break;  // not a number: stop
+  }
+  return v;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[argc - 1], "--deterministic") == 0) {
     g_deterministic = true;
@@ -359,7 +373,7 @@ int main(int argc, char** argv) {
   } else if (argc == 4 && std::strcmp(argv[1], "--sparse") == 0) {
     run_sparse(std::atoi(argv[2]), std::atoi(argv[3]));
   } else if (argc == 5 && std::strcmp(argv[1], "--one") == 0) {
-    run_grid({std::atoi(argv[2])}, {std::atoi(argv[3])}, {std::atoi(argv[4])});
+    run_grid(int_list(argv[2]), int_list(argv[3]), int_list(argv[4]));
   } else {
     run_grid({64, 128, 256}, {0, 1}, {512, 1024, 2048, 4096, 8192, 16384});
   }

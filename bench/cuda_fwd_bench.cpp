@@ -344,7 +344,7 @@ int main(int argc, char** argv) {
   std::printf("%5s %6s %6s %5s %5s %9s %8s\n", "hdim", "causal", "seqlen", "batch", "heads", "ms",
               "TFLOP/s");
   std::vector<int> hdims = {64, 128, 256};
-  if (flashattn::detail::cuda::supports_forward_head_dim(512)) hdims.push_back(512);
+  if (flashattn::detail::cuda::supports_wide_head_dim(512)) hdims.push_back(512);
   for (int d : hdims) {
     for (int causal : {0, 1}) {
       for (int s : {512, 1024, 2048, 4096, 8192, 16384}) {

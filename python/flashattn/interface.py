@@ -144,14 +144,16 @@ def _block_sparse(fn: str, bst) -> tuple:
     return (*tensors, bq, bk, *extra)
 
 
-def _padded_head_dim(q, k, v) -> int:
+def _padded_head_dim(q, k, v, max_d: int = 512) -> int:
     """The head dim a CUDA call pads q, k, v to (as flash_attn does: the next multiple of
     8), or 0 when it does not pad: CPU tensors (any d), d already a multiple of 8, head
-    dims that differ or exceed 256 (the library's error names them as they are)."""
+    dims that differ or exceed max_d (the library's error names them as they are). max_d:
+    512 for the dense and varlen forward and backward (the CUDA kernels' 512 bucket), 256
+    for KV-cache calls."""
     if not _cuda_path(q) or not all(isinstance(t, Tensor) and t.dim() >= 1 for t in (q, k, v)):
         return 0
     d = q.shape[-1]
-    if d % 8 == 0 or d > 256 or k.shape[-1] != d or v.shape[-1] != d:
+    if d % 8 == 0 or d > max_d or k.shape[-1] != d or v.shape[-1] != d:
         return 0
     return (d + 7) // 8 * 8
 
@@ -705,7 +707,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     d = q.shape[-1]
     # fp8 q goes unpadded: on CUDA tensors the library declines a head dim that is not a
     # multiple of 8 naming q.
-    d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache)
+    d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache, max_d=256)
     if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
         d8 = 0  # the library names the mismatch
     if d8:

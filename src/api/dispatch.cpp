@@ -11,8 +11,8 @@ namespace flashattn::detail::api {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;     // CUDA kernels: backward, KV cache
-constexpr int kMaxHeadDimFwd = 512;  // CUDA forward (dense, varlen)
+constexpr int kMaxHeadDim = 256;     // CUDA kernels: KV cache
+constexpr int kMaxHeadDimWide = 512;  // CUDA forward and backward (dense, varlen)
 constexpr int kMaxHeadDimCpu = 512;  // CPU backend (tiles sized at run time)
 constexpr std::size_t kCudaAlignBytes = 16;
 constexpr std::int64_t kCudaStrideMultiple = 8;
@@ -96,7 +96,8 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
                      int h_q, CudaCall call, std::string_view v_name) {
   const bool fp8 = dtype == DType::kFloat8E4M3;
-  const bool fwd = call == CudaCall::kForward;  // the dense and varlen forward: fp8, d to 512
+  // The dense and varlen forward and backward: d to 512.
+  const bool wide = call == CudaCall::kForward || call == CudaCall::kBackward;
   const bool fp8_call = call != CudaCall::kBackward;  // fp8 q: the forward and KV-cache calls
   if (fp8 && target == Target::kCUDA && !fp8_call) {
     check.unsupported("q",
@@ -148,11 +149,10 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
     }
     return;
   }
-  const int max_d = fwd ? kMaxHeadDimFwd : kMaxHeadDim;
-  const char* const which = fwd ? "(CUDA backend)"
-                            : call == CudaCall::kBackward
-                                ? "(CUDA backward; the CUDA forward takes head dims up to 512)"
-                                : "(CUDA KV-cache calls; the dense and varlen CUDA forward take head dims up to 512)";
+  const int max_d = wide ? kMaxHeadDimWide : kMaxHeadDim;
+  const char* const which =
+      wide ? "(CUDA backend)"
+           : "(CUDA KV-cache calls; the dense and varlen CUDA forward and backward take head dims up to 512)";
   if (d < 1 || d % 8 != 0 || d > max_d) {
     check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + std::to_string(max_d) + " " + which,
                       "d = " + std::to_string(d));
@@ -162,7 +162,7 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
                       "d_v = " + std::to_string(d_v));
   }
   // The kernels run d_v != d in the bucket of the larger head dim.
-  if (!(fwd ? cuda::supports_forward_head_dim : cuda::supports_head_dim)(std::max(d, d_v))) {
+  if (!(wide ? cuda::supports_wide_head_dim : cuda::supports_head_dim)(std::max(d, d_v))) {
     check.unsupported(d_v > d ? v_name : std::string_view("q"),
                       "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
                       d_v > d ? "d_v = " + std::to_string(d_v) : "d = " + std::to_string(d));

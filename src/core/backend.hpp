@@ -30,8 +30,9 @@ int compute_capability(int device) noexcept;
 // Whether the CUDA backend's kernels (forward, backward, KV-cache decode) support head dim d:
 // d % 8 == 0 up to the largest compiled bucket (for clear errors).
 bool supports_head_dim(int d) noexcept;
-// The same for the dense and varlen forward, whose buckets reach further (512).
-bool supports_forward_head_dim(int d) noexcept;
+// The same for the dense and varlen forward and backward, whose buckets reach further (512;
+// KV-cache calls stop at supports_head_dim).
+bool supports_wide_head_dim(int d) noexcept;
 // Whether the KV-cache decode kernel (sm80 family, every GPU) has a configuration for head
 // dim d (a compiled bucket) with a 16-bit or an fp8 cache within smem_limit bytes of shared
 // memory per block (the device's opt-in limit or Options::smem_cap; <= 0: no limit), for

@@ -15,9 +15,9 @@
 //              else sm80's (logged)
 //   backward   sm90's main kernel inside the      sm80
 //              shared pipeline (workspace, D, dQ
-//              conversion) where
-//              sm90::bwd_unsupported is null,
-//              else sm80 (logged)
+//              conversion) where d, d_v <= 256
+//              and sm90::bwd_unsupported is
+//              null, else sm80 (logged)
 //
 // seqused_q (varlen) runs in every family: the kernels compute seq_len_q(b) rows, the
 // forward's remaining stored rows are written after them (collective/unused_rows.hpp), the
@@ -105,16 +105,16 @@ std::size_t fp8_vt_offset(const FwdParams& p) {
 }
 
 // Checks every family shares; a family's own limits are its own. `wide`: the call may take
-// the forward's own buckets above 256 (the dense and varlen forward; not the backward, not
-// KV-cache calls, whose decode kernel stops at 256).
+// the buckets above 256 (the dense and varlen forward and backward; not KV-cache calls,
+// whose decode kernel stops at 256).
 void check_common(const char* fn, const FwdParams& p, bool wide) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
     throw Unsupported(fn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
   }
   if (p.qv != nullptr) return;  // the MLA kernel's own rules (sm80::plan_mla)
-  const auto supported = wide ? supports_forward_head_dim : supports_head_dim;
-  const char* buckets = wide ? "within the compiled CUDA forward buckets"
-                             : "within the compiled CUDA buckets (the backward and KV-cache calls stop at 256)";
+  const auto supported = wide ? supports_wide_head_dim : supports_head_dim;
+  const char* buckets = wide ? "within the compiled CUDA buckets"
+                             : "within the compiled CUDA buckets (KV-cache calls stop at 256)";
   if (p.d % 8 != 0 || !supported(p.d)) {
     throw Unsupported(fn, "q", std::string("a head dim d % 8 == 0 ") + buckets, "d = " + std::to_string(p.d));
   }
@@ -221,7 +221,7 @@ std::size_t forward_workspace_size(const FwdParams& in) {
 
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
-  check_common(kFn, in, false);
+  check_common(kFn, in, true);
   if (in.batch == 0 || in.h_q == 0) {
     // No rows: d sink (when asked for) is 0; nothing else to write.
     if (in.dsink != nullptr && in.h_q > 0) {
@@ -236,7 +236,10 @@ void backward(const BwdParams& in) {
   p.smem_limit = choice.smem_limit;
   DeviceGuard guard(p.device_index);
   if (choice.family == KernelFamily::kSm90) {
-    const char* why = sm90::bwd_unsupported(p);
+    // Head dims above 256 (d or d_v): the sm90 backward's tiles stop at 256; the sm80
+    // family's 512 bucket runs them.
+    const char* why = std::max(p.d, p.d_v) > 256 ? "head dim above 256: the sm80 family's 512 bucket"
+                                                  : sm90::bwd_unsupported(p);
     if (why == nullptr) {
       sm80::backward(p, &sm90::run_bwd_main);
       return;

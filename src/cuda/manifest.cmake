@@ -4,8 +4,8 @@
 #
 #   family  templates             head-dim buckets        code generated
 #   sm80    sm80/*.inst.cu.in     FLASHATTN_CUDA_BUCKETS  for each arch in FLASHATTN_CUDA_ARCHS:
-#           (fwd.inst.cu.in also  (and FWD_ONLY_BUCKETS)
-#           FWD_ONLY_BUCKETS)
+#           (fwd and bwd also     (and WIDE_BUCKETS)
+#           WIDE_BUCKETS)
 #                                                         its SASS and its PTX (the compute_80
 #                                                         and compute_90 PTX run GPUs newer
 #                                                         than the SASS: sm100, sm120, ...)
@@ -23,20 +23,23 @@
 # Features that keep the tile shapes (masks, softcap, ALiBi, dropout, varlen, KV cache)
 # are run-time branches inside a kernel, never further instantiations.
 #
-# FLASHATTN_CUDA_FWD_ONLY_BUCKETS are expanded for the sm80 forward template (fwd) alone:
-# head dims that only the forward runs (512: d or d_v in 264 .. 512, V and O split into
-# 256-column slices over the grid, sm80/tile_size.hpp's fwd_v_cols; no backward, decode or
-# sm90 kernel).
+# FLASHATTN_CUDA_WIDE_BUCKETS are expanded for the sm80 templates in
+# FLASHATTN_CUDA_WIDE_KERNELS alone (the forward and the backward): head dims that only the
+# dense and varlen forward and backward run (512: d or d_v in 264 .. 512; the forward splits
+# V and O into 256-column slices over the grid, sm80/tile_size.hpp's fwd_v_cols; the
+# backward runs 32-key tiles, sm80/bwd_config.cuh's kWide; no decode, MLA or sm90 kernel).
 #
 # The generated header flashattn_cuda_manifest.hpp hands the lists to the dispatch:
 #   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)       X(32) X(64) ...  (sm80 buckets of every kernel
 #                                             compiled, ascending)
-#   FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(X)  X(512) when compiled (the forward's alone)
+#   FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(X)  X(512) when compiled (the forward's and the
+#                                             backward's alone)
 #   FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)  the same for sm90 (empty when not built)
 #   FLASHATTN_CUDA_FOR_EACH_DTYPE(X)          X(fp16, __half) X(bf16, __nv_bfloat16)
 
 set(FLASHATTN_CUDA_BUCKETS 32 64 96 128 160 192 224 256)
-set(FLASHATTN_CUDA_FWD_ONLY_BUCKETS 512)
+set(FLASHATTN_CUDA_WIDE_BUCKETS 512)
+set(FLASHATTN_CUDA_WIDE_KERNELS fwd bwd)
 set(FLASHATTN_CUDA_SM90_BUCKETS 32 64 96 128 160 192 224 256)
 set(FLASHATTN_CUDA_SM90_GENCODE -gencode=arch=compute_90a,code=sm_90a)
 set(FLASHATTN_CUDA_DTYPES fp16 bf16)
@@ -51,7 +54,7 @@ function(flashattn_cuda_expand family buckets gen_dir out_sources)
     get_filename_component(name ${template} NAME)
     string(REGEX REPLACE "\\.inst\\.cu\\.in$" "" kernel ${name})
     foreach(d ${buckets})
-      if(d IN_LIST FLASHATTN_CUDA_FWD_ONLY_BUCKETS AND NOT kernel STREQUAL "fwd")
+      if(d IN_LIST FLASHATTN_CUDA_WIDE_BUCKETS AND NOT kernel IN_LIST FLASHATTN_CUDA_WIDE_KERNELS)
         continue()
       endif()
       foreach(dtype ${FLASHATTN_CUDA_DTYPES})
@@ -82,15 +85,15 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
   list(SORT head_dims COMPARE NATURAL)
   list(REMOVE_DUPLICATES head_dims)
   set(all_dims)
-  set(fwd_only_dims)
+  set(wide_dims)
   foreach(d ${head_dims})
-    if(d IN_LIST FLASHATTN_CUDA_FWD_ONLY_BUCKETS)
-      list(APPEND fwd_only_dims ${d})
+    if(d IN_LIST FLASHATTN_CUDA_WIDE_BUCKETS)
+      list(APPEND wide_dims ${d})
     elseif(d IN_LIST FLASHATTN_CUDA_BUCKETS)
       list(APPEND all_dims ${d})
     else()
       message(FATAL_ERROR "FLASHATTN_HEAD_DIMS: ${d} is not a bucket "
-                          "(${FLASHATTN_CUDA_BUCKETS} ${FLASHATTN_CUDA_FWD_ONLY_BUCKETS})")
+                          "(${FLASHATTN_CUDA_BUCKETS} ${FLASHATTN_CUDA_WIDE_BUCKETS})")
     endif()
   endforeach()
   set(with_sm90 OFF)
@@ -112,7 +115,7 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
   flashattn_cuda_expand(sm90 "${sm90_dims}" ${gen_dir} sm90_sources)
 
   flashattn_x_list(head_dim_list ${all_dims})
-  flashattn_x_list(fwd_only_dim_list ${fwd_only_dims})
+  flashattn_x_list(wide_dim_list ${wide_dims})
   flashattn_x_list(sm90_dim_list ${sm90_dims})
   set(dtype_list "")
   foreach(dtype ${FLASHATTN_CUDA_DTYPES})
@@ -122,7 +125,7 @@ function(flashattn_cuda_manifest out_sm80 out_sm90 out_with_sm90 out_include_dir
 "// Generated from src/cuda/manifest.cmake: the compiled kernel instantiations.
 #pragma once
 #define FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)${head_dim_list}
-#define FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(X)${fwd_only_dim_list}
+#define FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(X)${wide_dim_list}
 #define FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)${sm90_dim_list}
 #define FLASHATTN_CUDA_FOR_EACH_DTYPE(X)${dtype_list}
 " @ONLY)

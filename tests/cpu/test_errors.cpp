@@ -541,7 +541,7 @@ TEST(ErrorsCudaRules, HeadDimMustBeAMultipleOf8) {
 }
 
 // d_v != d runs on CUDA (DeepSeek-V3's (192, 128)) where d_v follows d's rules: up to 512 in
-// the forward, 256 in the backward.
+// the forward and the backward.
 TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
   namespace api = fa::detail::api;
   const api::Check check("forward");
@@ -552,9 +552,11 @@ TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
     EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 128, 2, 8,
                                          api::CudaCall::kBackward));
   }
-  if (fa::detail::cuda::supports_forward_head_dim(512)) {
+  if (fa::detail::cuda::supports_wide_head_dim(512)) {
     EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 192, 512, 2, 8,
                                          api::CudaCall::kForward));
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 128, 264, 2, 8,
+                                         api::CudaCall::kBackward));
   }
   for (int d_v : {100, 0, 520}) {
     try {
@@ -566,12 +568,14 @@ TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
     }
   }
   const api::Check bwd("backward");
-  try {
-    api::check_supported(bwd, api::Target::kCUDA, fa::DType::kFloat16, 128, 264, 2, 8, api::CudaCall::kBackward);
-    FAIL() << "d_v = 264 accepted for the CUDA backward";
-  } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256 "
-                                    "(CUDA backward; the CUDA forward takes head dims up to 512), got d_v = 264"));
+  for (int d_v : {100, 520}) {
+    try {
+      api::check_supported(bwd, api::Target::kCUDA, fa::DType::kFloat16, 128, d_v, 2, 8, api::CudaCall::kBackward);
+      FAIL() << "d_v = " << d_v << " accepted for the CUDA backward";
+    } catch (const fa::Unsupported& e) {
+      EXPECT_THAT(e.what(), HasSubstr("argument 'v': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 512 "
+                                      "(CUDA backend), got d_v = " + std::to_string(d_v)));
+    }
   }
 }
 
@@ -914,12 +918,12 @@ TEST(ErrorsCudaRules, CausalForwardRowsFitTheGrid) {
   EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p));
 }
 
-// Head dims above 256 (issue 22): the CUDA forward takes them up to 512; the backward and
-// KV-cache calls decline them naming q's head dim.
+// Head dims above 256 (issue 22): the CUDA forward and backward take them up to 512 (the
+// 512 bucket); KV-cache calls decline them naming q's head dim.
 TEST(ErrorsCudaRules, HeadDimAbove256) {
   namespace api = fa::detail::api;
   const api::Check fwd("forward");
-  if (fa::detail::cuda::supports_forward_head_dim(512)) {
+  if (fa::detail::cuda::supports_wide_head_dim(512)) {
     EXPECT_NO_THROW(api::check_supported(fwd, api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8,
                                          api::CudaCall::kForward));
     EXPECT_NO_THROW(api::check_supported(fwd, api::Target::kCUDA, fa::DType::kFloat16, 264, 128, 2, 8,
@@ -932,12 +936,18 @@ TEST(ErrorsCudaRules, HeadDimAbove256) {
     EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 512 (CUDA backend), got d = 520"));
   }
   const api::Check bwd("backward");
+  if (fa::detail::cuda::supports_wide_head_dim(512)) {
+    EXPECT_NO_THROW(api::check_supported(bwd, api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8,
+                                         api::CudaCall::kBackward));
+    EXPECT_NO_THROW(api::check_supported(bwd, api::Target::kCUDA, fa::DType::kFloat16, 320, 512, 2, 8,
+                                         api::CudaCall::kBackward));
+  }
   try {
-    api::check_supported(bwd, api::Target::kCUDA, fa::DType::kBFloat16, 512, 512, 2, 8, api::CudaCall::kBackward);
-    FAIL() << "d = 512 accepted for the CUDA backward";
+    api::check_supported(bwd, api::Target::kCUDA, fa::DType::kBFloat16, 520, 512, 2, 8, api::CudaCall::kBackward);
+    FAIL() << "d = 520 accepted for the CUDA backward";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA "
-                                    "backward; the CUDA forward takes head dims up to 512), got d = 512"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 512 (CUDA "
+                                    "backend), got d = 520"));
   }
   const api::Check kv("kvcache_forward");
   try {

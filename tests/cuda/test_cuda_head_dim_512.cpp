@@ -6,9 +6,9 @@
 // 512 / 64), causal (s_q below and above s_k), sliding windows, softcap, ALiBi, dropout,
 // learnable sinks, GQA, odd lengths, lse; varlen with empty sequences, seqused_k and
 // seqused_q. What the 512 bucket declines is an Unsupported error naming the argument with
-// nothing written: the backward (dense and varlen), KV-cache calls, block-sparse masks and
-// less shared memory than its tile (a 99 KiB GPU, here opts.smem_cap). Skipped where the
-// build has no 512 bucket (FLASHATTN_HEAD_DIMS).
+// nothing written: KV-cache calls, block-sparse masks and less shared memory than its tile
+// (a 99 KiB GPU, here opts.smem_cap). Skipped where the build has no 512 bucket
+// (FLASHATTN_HEAD_DIMS). The backward at these head dims: test_cuda_backward_512.cpp.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -36,7 +36,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-bool built_512() { return detail::cuda::supports_forward_head_dim(512); }
+bool built_512() { return detail::cuda::supports_wide_head_dim(512); }
 // Under gpu.sh's 99 KiB rerun (FLASHATTN_SMEM_CAP) the 512 bucket has no tile: the forward
 // tests skip there, and CudaHeadDim512Declined.SmallSharedMemory checks the error.
 bool fits_env_cap_512() {
@@ -144,54 +144,6 @@ TEST(CudaHeadDim512Varlen, SequsedKAndQ) {
         for (double x : c.lse_unused_rows()) ASSERT_EQ(x, -INFINITY) << "lse of a row past seqused_q";
       }
     }
-  }
-}
-
-// The backward stops at 256 on CUDA: dense and varlen, d or d_v above it, an Unsupported
-// naming the head dim, dq / dk / dv not written.
-TEST(CudaHeadDim512Declined, BackwardNamesTheHeadDim) {
-  FA_REQUIRE_GPU();
-  FA_SEEDED_RNG(rng);
-  struct Pair {
-    int d, d_v;
-    const char* arg;
-  };
-  for (const Pair& pr : {Pair{512, 512, "argument 'q'"}, Pair{320, 128, "argument 'q'"}, Pair{128, 512, "argument 'v'"}}) {
-    DenseCase c = DenseCase::random(rng, Shape{1, 40, 50, 2, 1, pr.d, pr.d_v}, DType::kBFloat16);
-    ASSERT_NO_THROW(c.run_forward());  // out / lse from the CPU backend
-    c.poison_backward();
-    const HostTensor dq0 = c.dq, dk0 = c.dk, dv0 = c.dv;
-    DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
-    const std::string dim = pr.arg == std::string("argument 'v'") ? "got d_v = " + std::to_string(pr.d_v)
-                                                                  : "got d = " + std::to_string(pr.d);
-    SCOPED_TRACE("d " + std::to_string(pr.d) + ", d_v " + std::to_string(pr.d_v));
-    try {
-      flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
-                          dv.view(), c.call_options());
-      ADD_FAILURE() << "the CUDA backward accepted a head dim above 256";
-    } catch (const Unsupported& e) {
-      EXPECT_THAT(e.what(), HasSubstr(pr.arg));
-      EXPECT_THAT(e.what(), HasSubstr("<= 256 (CUDA backward"));
-      EXPECT_THAT(e.what(), HasSubstr(dim));
-    }
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    dq.download(c.dq);
-    dk.download(c.dk);
-    dv.download(c.dv);
-    EXPECT_TRUE(c.dq.bitwise_equal(dq0) && c.dk.bitwise_equal(dk0) && c.dv.bitwise_equal(dv0))
-        << "gradients written by a declined backward";
-  }
-  VarlenCase c = VarlenCase::make(rng, {0, 30, 75}, {0, 40, 90}, 2, 1, 512, DType::kFloat16);
-  ASSERT_NO_THROW(c.run_forward());
-  DeviceVarlen d(c);
-  DeviceCopy out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
-  try {
-    flashattn::varlen_backward(d.args, dout.view(), out.view(), lse.view(), dq.view(), dk.view(), dv.view(),
-                               c.call_options());
-    ADD_FAILURE() << "the CUDA varlen backward accepted d = 512";
-  } catch (const Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
-    EXPECT_THAT(e.what(), HasSubstr("got d = 512"));
   }
 }
 

@@ -236,7 +236,7 @@ def recorded_head_dims(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("d", [59, 111, 33, 301])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_padded_head_dim_forward_backward(seed, d, dtype, recorded_head_dims):
     g = torch.Generator().manual_seed(seed)
@@ -261,7 +261,7 @@ def test_padded_head_dim_forward_backward(seed, d, dtype, recorded_head_dims):
         torch.testing.assert_close(got, want, **tol, msg=name)
 
 
-@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("d", [59, 111, 33, 301])
 def test_padded_head_dim_varlen(seed, d, recorded_head_dims):
     g = torch.Generator().manual_seed(seed)
     cu_q = torch.tensor([0, 5, 5, 17], dtype=torch.int32)
@@ -314,7 +314,13 @@ def test_head_dim_not_padded_on_cpu_or_when_mismatched(recorded_head_dims):
     flash_attn_func(q, q, q)
     with emulate_cuda(), pytest.raises(flashattn.InvalidArgumentError, match="argument 'k'"):
         flash_attn_func(q, q[..., :58], q[..., :58])
-    assert recorded_head_dims == [59, 59]
+    # KV-cache calls pad only up to 256 (their CUDA kernels stop there; the dense and varlen
+    # forward and backward up to 512): d = 301 goes to the library as it is.
+    q3 = torch.randn(1, 1, 2, 301, dtype=torch.float64)
+    kc = torch.randn(1, 8, 2, 301, dtype=torch.float64)
+    with emulate_cuda():
+        flash_attn_with_kvcache(q3, kc, kc.clone(), cache_seqlens=torch.tensor([5], dtype=torch.int32))
+    assert recorded_head_dims == [59, 59, 301]
 
 
 # ------------------------------------------------------------------ S_dmask with dropout

@@ -150,6 +150,28 @@ __device__ __forceinline__ void load_tile_async(std::uint32_t s_base, const Elem
       const Element* src = valid ? g_thread + k * kRowsPerPass * row_stride : g_base;
       cp_async_16(s_thread + 2u * (k * kRowsPerPass * Tile::kBlockCols), src, valid);
     }
+  } else if constexpr (kNThreads % kChunksPerRow == 0 && kRowsPerPass > 0 && 8 % kRowsPerPass == 0 &&
+                       Tile::kRows % 8 == 0) {
+    // Rows wider than the threads cover 8 at a time (512 columns: 4 rows per pass): the
+    // passes within 8 rows take kVariants shared addresses, each 8-row group adds a
+    // constant, so the loop keeps kVariants addresses and a pointer instead of one
+    // address per chunk.
+    constexpr int kVariants = 8 / kRowsPerPass;
+    const int row = tid / kChunksPerRow;
+    const int col = (tid % kChunksPerRow) * 8;
+    const bool col_ok = col < d;
+    std::uint32_t s_thread[kVariants];
+#pragma unroll
+    for (int v = 0; v < kVariants; ++v) s_thread[v] = s_base + 2u * Tile::offset(row + v * kRowsPerPass, col);
+    const Element* const g_thread = g_base + row * row_stride + col;
+    const std::int64_t pass_stride = kRowsPerPass * row_stride;
+    const bool interior = rows_valid >= Tile::kRows && d >= Tile::kCols;  // block-uniform
+#pragma unroll
+    for (int k = 0; k < Tile::kRows / kRowsPerPass; ++k) {
+      const bool valid = interior || (col_ok && row + k * kRowsPerPass < rows_valid);
+      const Element* src = valid ? g_thread + k * pass_stride : g_base;
+      cp_async_16(s_thread[k % kVariants] + 2u * ((k / kVariants) * 8 * Tile::kBlockCols), src, valid);
+    }
   } else {
     constexpr int kChunks = Tile::kRows * kChunksPerRow;
 #pragma unroll

@@ -39,7 +39,8 @@ int compute_capability(int device) noexcept {
 }
 
 namespace {
-// The largest bucket of every sm80 kernel, and of the forward alone (its 512 bucket).
+// The largest bucket of every sm80 kernel, and of the dense and varlen forward and backward
+// (their 512 bucket).
 constexpr int largest_bucket() {
   int d = 0;
 #define FLASHATTN_MAX_BUCKET_D(D) d = D > d ? D : d;
@@ -47,10 +48,10 @@ constexpr int largest_bucket() {
 #undef FLASHATTN_MAX_BUCKET_D
   return d;
 }
-constexpr int largest_forward_bucket() {
+constexpr int largest_wide_bucket() {
   int d = largest_bucket();
 #define FLASHATTN_MAX_BUCKET_D(D) d = D > d ? D : d;
-  FLASHATTN_CUDA_FOR_EACH_FWD_ONLY_HEAD_DIM(FLASHATTN_MAX_BUCKET_D)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_MAX_BUCKET_D)
 #undef FLASHATTN_MAX_BUCKET_D
   return d;
 }
@@ -58,8 +59,8 @@ constexpr int largest_forward_bucket() {
 
 // Any d % 8 == 0 up to the largest compiled bucket runs in the next bucket up.
 bool supports_head_dim(int d) noexcept { return d > 0 && d % 8 == 0 && d <= largest_bucket(); }
-bool supports_forward_head_dim(int d) noexcept {
-  return d > 0 && d % 8 == 0 && d <= largest_forward_bucket();
+bool supports_wide_head_dim(int d) noexcept {
+  return d > 0 && d % 8 == 0 && d <= largest_wide_bucket();
 }
 
 bool copy_to_host_for_validation(void* dst, const void* src, std::size_t bytes, void* stream) {

@@ -28,6 +28,19 @@ namespace flashattn::detail::cuda::sm80 {
 // sm86 / sm89's 99 KiB, where every bucket takes 64 query rows and the buckets above
 // d = 64 64 keys (d <= 160 fit; d >= 192 do not: their K / V and one Q / dO stage alone
 // need 112.5 KiB at 64 x 64, so those GPUs have no backward above d = 160).
+//
+// The 512 bucket (kWide: d or d_v in 264 .. 512; the forward's wide bucket, tile_size.hpp)
+// keeps every column of dK, dV and dQ in one block (no slices over the grid, so nothing is
+// recomputed): a 16-bit row of 512 columns is 1 KiB, and K, V, Q and dO must all be in
+// shared memory, so the tiles are 32 keys by 64 query rows on sm90 (K + V 64 KiB, one Q / dO
+// stage 128 KiB: 216.5 KiB with P / dS and the split-k buffer below) and by 32 query rows
+// within sm80's 163 KiB (140.25 KiB; no 99 KiB tile: K, V and one 32-row Q / dO stage alone
+// are 128 KiB). dK + dV of 32 keys x 512 columns are the d = 256 tall tile's 128 fp32 per
+// thread (each warp one [32 x 128] part of one product). S and dP [BM x 32] over k = 512 are
+// split over the head dim (kSdpSplitK): warps w and w + 4 compute the same S / dP warp tile
+// over columns [0, 256) and [256, 512); the upper warp hands its fp32 partials to the lower
+// one through shared memory (a named barrier per pair), which alone computes P and dS. dQ
+// [BM x 512] runs in column passes of kDqCols (32 x 32 warp tiles, 32 fp32 each).
 inline constexpr int kSm86SmemLimit = 99 * 1024;
 inline constexpr int kSm80SmemLimit = 163 * 1024;
 inline constexpr int kSm90SmemLimit = 227 * 1024;
@@ -45,19 +58,32 @@ struct BwdTileConfig {
   // d = 160 / 192 (4k) +15% / +11-13%. Not d = 224: there it spills 184 B and measured as
   // its 64-row kernel, while the d = 256 tall kernel runs d = 224 1.20-1.25x faster (the
   // dispatch sends it there, bwd_main_runs_tall).
-  static constexpr bool kTall = kHeadDim > 128 && kHeadDim != 224 && kSmemLimit >= kSm90SmemLimit;
+  // kWide: the 512 bucket (above).
+  static constexpr bool kWide = kHeadDim > 256;
+  static constexpr bool kTall = !kWide && kHeadDim > 128 && kHeadDim != 224 && kSmemLimit >= kSm90SmemLimit;
   // kSmall: a 99 KiB part (sm86 / sm89): 64 query rows always, 128 keys only up to d = 64.
   static constexpr bool kSmall = kSmemLimit < kSm80SmemLimit;
-  static constexpr int kBlockM = (kHeadDim <= 64 && !kSmall) || kTall ? 2 * kBwdBlockM : kBwdBlockM;
-  static constexpr int kBlockN = kHeadDim <= (kSmall ? 64 : 128) ? 128 : 64;
+  static constexpr int kBlockM = kWide ? (kSmemLimit >= kSm90SmemLimit ? kBwdBlockM : kBwdBlockM / 2)
+                                 : (kHeadDim <= 64 && !kSmall) || kTall ? 2 * kBwdBlockM
+                                                                         : kBwdBlockM;
+  static constexpr int kBlockN = kWide ? 32 : kHeadDim <= (kSmall ? 64 : 128) ? 128 : 64;
   static constexpr int kWorkspaceTilesPerM = kBlockM / kBwdBlockM;  // dq_accum tiles per Q tile
+  // kHalfTiles: a query tile is half a dq_accum tile (the wide bucket within sm80's shared
+  // memory): the deterministic mode's counter of a 64-row workspace tile then orders a key
+  // tile's visits of both halves together (bwd_kernel.cuh).
+  static constexpr bool kHalfTiles = kBlockM < kBwdBlockM;
   static constexpr int kNWarps = 8;
   static constexpr int kNThreads = kNWarps * 32;
+  // S and dP over the head dim in kSdpSplitK parts, each on kSdpWarps warps (kWide: 2).
+  static constexpr int kSdpSplitK = kWide ? 2 : 1;
+  static constexpr int kSdpWarps = kNWarps / kSdpSplitK;
+  static constexpr int kSdpK = kHeadDim / kSdpSplitK;  // head-dim columns of one part
   // S and dP [kBlockM x kBlockN]: 2 (rows) x 4 (keys) warps. (For 128 rows, 4 x 2 warps
-  // spilled 76 bytes at d = 64 where 2 x 4 spills nothing; ptxas, sm_90.)
-  static constexpr int kWarpsNsdp = kTall ? 2 : 4;
-  static constexpr int kWarpMsdp = kBlockM / (kNWarps / kWarpsNsdp);  // 32 or 64 query rows
-  static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;              // 32 or 16 keys
+  // spilled 76 bytes at d = 64 where 2 x 4 spills nothing; ptxas, sm_90.) kWide: 2 x 2 warps
+  // per part, [32 x 16] (64 rows) or [16 x 16] (32 rows) warp tiles.
+  static constexpr int kWarpsNsdp = kTall || kWide ? 2 : 4;
+  static constexpr int kWarpMsdp = kBlockM / (kSdpWarps / kWarpsNsdp);  // 32 or 64 query rows
+  static constexpr int kWarpNsdp = kBlockN / kWarpsNsdp;                // 32 or 16 keys
   // dK / dV [kBlockN x kHeadDim] and dQ [kBlockM x kHeadDim]: (8 / kWarpsD) row groups x
   // kWarpsD head-dim parts. Rows or keys of a 64-wide tile split 4 ways would give
   // 16-row warp tiles that reload their B fragments (the wide side) for a single m16 tile:
@@ -71,7 +97,7 @@ struct BwdTileConfig {
   // a tile half as wide (d = 64: 192 instead of 256 KiB per pair, d = 128 and d = 256 tall:
   // 64 x 64 warp tiles, 128 instead of 192 / 256 instead of 384 KiB). Not the sm80-sized
   // tiles above d = 128 (their named key-group barriers assume both products per warp).
-  static constexpr bool kSplitDkDv = kHeadDim <= 128 || kTall;
+  static constexpr bool kSplitDkDv = kHeadDim <= 128 || kTall || kWide;
   static constexpr int kKvWarps = kSplitDkDv ? kNWarps / 2 : kNWarps;  // warps per product
   // Head-dim parts of a split product: of 1, 2, 4 the one with whole n16 / m16 warp tiles
   // and the least operand traffic (M_w + N_w), the narrower key slice on a tie.
@@ -94,11 +120,14 @@ struct BwdTileConfig {
   // since the interval mask freed registers; before it, 32 x 32 spilled 100 B / 232 B.)
   // dQ runs in passes of kDqRows query rows (each its own accumulators) where the whole
   // tile's would not fit beside dK / dV.
+  // kWide: passes of kDqCols head-dim columns instead (kDqColPasses), 32 x 32 warp tiles.
   static constexpr int kDqRows = kTall ? kBwdBlockM : kBlockM;
   static constexpr int kDqPasses = kBlockM / kDqRows;
-  static constexpr int kWarpsDdq = kDqRows == 64 && kHeadDim % 64 == 0 ? 4 : 2;
+  static constexpr int kDqCols = kWide ? kBlockM == 64 ? 128 : 256 : kHeadDim;
+  static constexpr int kDqColPasses = kHeadDim / kDqCols;
+  static constexpr int kWarpsDdq = kWide ? kDqCols / 32 : kDqRows == 64 && kHeadDim % 64 == 0 ? 4 : 2;
   static constexpr int kWarpMdq = kDqRows / (kNWarps / kWarpsDdq);  // 32 or 16 rows
-  static constexpr int kWarpDdq = kHeadDim / kWarpsDdq;
+  static constexpr int kWarpDdq = kDqCols / kWarpsDdq;
   // Named barriers after the P / dS stores (bwd_named_barriers) renumber the dK / dV warps;
   // at d = 128 and 224 ptxas then spills (sm_90 bf16: 24 B st / 40 B ld against none at
   // d = 128, 204 B against 8 B in the one-stage d = 224 kernel), so those keep one
@@ -118,20 +147,27 @@ struct BwdTileConfig {
   static constexpr int kSmemPdS = 2 * TileP::kBytes;
   // A stage: Q, dO, and the tile's lse and D rows (fp32).
   static constexpr int kSmemQdOStage = 2 * TileQ::kBytes + 2 * kBlockM * 4;
+  // The split-k partials of S and dP (fp32, [BM x BN] each), after the stages.
+  static constexpr int kSmemSdpPartials = kSdpSplitK > 1 ? 2 * kBlockM * kBlockN * 4 : 0;
   // Two Q/dO stages (prefetch the next pair during this one) when they fit in
   // kSmemLimit; otherwise one, refilled as soon as dK's product has consumed it.
-  static constexpr int kStages = kSmemKV + kSmemPdS + 2 * kSmemQdOStage <= kSmemLimit ? 2 : 1;
-  static constexpr int kSmemBytes = kSmemKV + kSmemPdS + kStages * kSmemQdOStage;
+  static constexpr int kStages =
+      kSmemKV + kSmemPdS + 2 * kSmemQdOStage + kSmemSdpPartials <= kSmemLimit ? 2 : 1;
+  static constexpr int kSmemBytes = kSmemKV + kSmemPdS + kStages * kSmemQdOStage + kSmemSdpPartials;
   // Whether the bucket has a configuration within kSmemLimit (only the 99 KiB tiles of
   // d >= 192 do not: run_bwd_main declines those calls, and never instantiates them).
   static constexpr bool kFits = kSmemBytes <= kSmemLimit;
 
-  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "BwdTileConfig: head-dim bucket");
+  static_assert(kHeadDim % 32 == 0 && (kHeadDim <= 256 || kHeadDim == 512), "BwdTileConfig: head-dim bucket");
   static_assert(kWarpNsdp % 16 == 0 && kWarpDdkv % 16 == 0 && kWarpDdq % 16 == 0 &&
                     kWarpNdkv % 16 == 0 && kWarpMdq % 16 == 0 && kWarpMsdp % 16 == 0,
                 "BwdTileConfig: warp tiles must be whole m16 / n16 pairs");
-  static_assert(kBlockM % kBwdBlockM == 0 && kBwdBlockM % kWarpMdq == 0,
-                "BwdTileConfig: a query tile is whole workspace tiles, a dQ warp tile in one");
+  static_assert((kBlockM % kBwdBlockM == 0 || (kHalfTiles && 2 * kBlockM == kBwdBlockM)) &&
+                    kBwdBlockM % kWarpMdq == 0,
+                "BwdTileConfig: a query tile is whole workspace tiles (or half of one), a dQ warp tile in one");
+  static_assert(kHeadDim % kDqCols == 0 && kDqCols % kWarpsDdq == 0 && kSdpWarps % kWarpsNsdp == 0 &&
+                    (kSdpSplitK == 1 || (kSdpK % TileQ::kBlockCols == 0 && kSdpK % TileK::kBlockCols == 0)),
+                "BwdTileConfig: dQ column passes and S / dP head-dim parts of whole warp tiles / tile blocks");
   static_assert(kFits || kSmall, "BwdTileConfig: shared memory beyond the limit");
   static_assert(kWarpsDdkv > 0, "BwdTileConfig: no whole-tile split of the dK / dV products");
   static_assert(2 * kBlockN * kHeadDim / kNThreads + 2 * kBlockM * kBlockN / kNThreads <= 192,

@@ -176,6 +176,7 @@ void run_bwd(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, Bw
     launched = true;                               \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_BUCKET)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_BWD_BUCKET)
 #undef FLASHATTN_BWD_BUCKET
   if (row_grid.x > 0) {
     bwd_convert_dq_kernel<Element><<<row_grid, 256, 0, stream>>>(p, ws);
@@ -191,6 +192,7 @@ int bwd_smem_need(int head_dim) {
 #define FLASHATTN_BWD_SMEM_NEED(D) \
   if (head_dim <= D) return kBwdSmemNeed<D>;
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BWD_SMEM_NEED)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_BWD_SMEM_NEED)
 #undef FLASHATTN_BWD_SMEM_NEED
   return 0;
 }
@@ -211,6 +213,14 @@ void backward(const BwdParams& p, BwdMainKernel main) {
                       "at least " + std::to_string(bwd_smem_need(kd)) +
                           " bytes of shared memory per block for the backward at head dim " + std::to_string(kd),
                       std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
+  }
+  // The 512 bucket has no block-sparse kernel (as the forward's): declined before the
+  // workspace or anything else.
+  if (kd > 256 && p.bs_lists[0].cnt != nullptr) {
+    throw Unsupported("backward", "opts.block_sparse",
+                      "no block-sparse mask at head dims above 256 (CUDA: the 512 bucket has no "
+                      "block-sparse kernel)",
+                      "a mask with d = " + std::to_string(p.d) + ", d_v = " + std::to_string(p.d_v));
   }
   const auto stream = static_cast<cudaStream_t>(p.stream);
   const BwdWorkspaceLayout layout = bwd_workspace_layout(p);

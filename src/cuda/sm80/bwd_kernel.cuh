@@ -16,6 +16,10 @@
 // ldmatrix(.trans) from swizzled tiles; the element mask runs only on boundary tiles.
 // Between the P / dS stores and the products that read them, warps sync in small groups
 // (named barriers) where the bucket allows, else all together.
+// The 512 bucket (BwdTileConfig::kWide, d or d_v in 264 .. 512) runs the same kernel on
+// 32-key tiles: S and dP split over the head dim between warps w and w + 4 (partials
+// summed through shared memory, P / dS computed by the lower warp), dQ in column passes,
+// and within sm80's shared memory 32-row query tiles (half a dq_accum tile each).
 #pragma once
 
 #include <cstdint>
@@ -168,6 +172,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   const std::uint32_t s_p_tile = s_v_tile + TileK::kBytes;
   const std::uint32_t s_ds_tile = s_p_tile + TileP::kBytes;
   const std::uint32_t s_q_tile0 = s_ds_tile + TileP::kBytes;
+  // kSdpSplitK > 1: the S / dP partials of the upper head-dim part, after the stages.
+  float* const sdp_partials =
+      reinterpret_cast<float*>(smem + 2 * TileK::kBytes + 2 * TileP::kBytes + Cfg::kStages * Cfg::kSmemQdOStage);
   unsigned char* const smem_p = smem + 2 * TileK::kBytes;
   unsigned char* const smem_ds = smem_p + TileP::kBytes;
 
@@ -226,7 +233,20 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
   const int left = p.mask.left, right = p.mask.right;
 
   // Warp coordinates in the three products.
-  const int wm_s = warp / Cfg::kWarpsNsdp, wn_s = warp % Cfg::kWarpsNsdp;
+  // Split S / dP (kSdpSplitK > 1): warp w computes head-dim part w / kSdpWarps of the warp
+  // tile of w % kSdpWarps.
+  // (Without a split, the other buckets' code as it was: their registers are tuned to it.)
+  int wm_s, wn_s, sdp_part = 0;
+  unsigned sdp_warp = 0;
+  if constexpr (Cfg::kSdpSplitK > 1) {
+    sdp_warp = unsigned(warp) % Cfg::kSdpWarps;
+    sdp_part = warp / Cfg::kSdpWarps;
+    wm_s = sdp_warp / Cfg::kWarpsNsdp;
+    wn_s = sdp_warp % Cfg::kWarpsNsdp;
+  } else {
+    wm_s = warp / Cfg::kWarpsNsdp;
+    wn_s = warp % Cfg::kWarpsNsdp;
+  }
   // dK / dV: with named barriers, warp w takes the key slice of its own S / dP keys.
   constexpr bool kNamedBarriers = bwd_named_barriers<Cfg>();
   const unsigned uwarp = warp;  // unsigned: the divisions below are shifts
@@ -312,10 +332,57 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     float acc_dp[kMTs][kNTs][4];
     zero_acc(acc_s);
     zero_acc(acc_dp);
-    warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK, Cfg::kPrefetch>(
-        acc_s, s_q_cur, wm_s * Cfg::kWarpMsdp, s_k_tile, wn_s * Cfg::kWarpNsdp, lane);
-    warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK, Cfg::kPrefetch>(
-        acc_dp, s_do_cur, wm_s * Cfg::kWarpMsdp, s_v_tile, wn_s * Cfg::kWarpNsdp, lane);
+    if constexpr (Cfg::kSdpSplitK == 1) {
+      warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK, Cfg::kPrefetch>(
+          acc_s, s_q_cur, wm_s * Cfg::kWarpMsdp, s_k_tile, wn_s * Cfg::kWarpNsdp, lane);
+      warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, kHeadDim, false, false, TileQ, TileK, Cfg::kPrefetch>(
+          acc_dp, s_do_cur, wm_s * Cfg::kWarpMsdp, s_v_tile, wn_s * Cfg::kWarpNsdp, lane);
+    } else {
+      // This warp's head-dim part [sdp_part * kSdpK, + kSdpK): whole column blocks of the
+      // swizzled tiles, so a base offset (the swizzle of every row is unchanged). A part at
+      // or past d (S) or d_v (dP) holds the zero fill only: skipped (warp-uniform).
+      const int k0 = sdp_part * Cfg::kSdpK;
+      if (k0 < p.d) {
+        warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, Cfg::kSdpK, false, false, TileQ, TileK, Cfg::kPrefetch>(
+            acc_s, s_q_cur + 2u * TileQ::offset(0, k0), wm_s * Cfg::kWarpMsdp, s_k_tile + 2u * TileK::offset(0, k0),
+            wn_s * Cfg::kWarpNsdp, lane);
+      }
+      if (k0 < p.d_v) {
+        warp_gemm<Element, Cfg::kWarpMsdp, Cfg::kWarpNsdp, Cfg::kSdpK, false, false, TileQ, TileK, Cfg::kPrefetch>(
+            acc_dp, s_do_cur + 2u * TileQ::offset(0, k0), wm_s * Cfg::kWarpMsdp, s_v_tile + 2u * TileK::offset(0, k0),
+            wn_s * Cfg::kWarpNsdp, lane);
+      }
+      // The upper parts hand their partials to the lower warp of the same warp tile (lane-
+      // major: conflict-free), which adds them in part order (the same sum on every run).
+      static_assert(Cfg::kSdpSplitK == 2, "one upper part per warp tile");
+      constexpr int kFrag = kMTs * kNTs * 4;
+      float* const mine = sdp_partials + sdp_warp * (2 * kFrag * 32) + lane;
+      if (sdp_part == 1) {
+#pragma unroll
+        for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNTs; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int x = (mt * kNTs + nt) * 4 + e;
+              mine[x * 32] = acc_s[mt][nt][e];
+              mine[(kFrag + x) * 32] = acc_dp[mt][nt][e];
+            }
+      }
+      named_barrier_sync_group<1, 64>(sdp_warp, std::make_integer_sequence<int, Cfg::kSdpWarps>{});
+      if (sdp_part == 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMTs; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNTs; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int x = (mt * kNTs + nt) * 4 + e;
+              acc_s[mt][nt][e] += mine[x * 32];
+              acc_dp[mt][nt][e] += mine[(kFrag + x) * 32];
+            }
+      }
+    }
 
     // Element mask only when some (i, j) of the tile is invisible (block-sparse: a partial
     // block with prefix keys or doc ids always).
@@ -459,7 +526,9 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
         }
       }
     };
-    if (plain && !has_dropout) {
+    if (Cfg::kSdpSplitK > 1 && sdp_part != 0) {
+      // The upper head-dim parts' S / dP are in their lower warps' sums: nothing to store.
+    } else if (plain && !has_dropout) {
       if (full) {
         scores_to_p_ds(std::false_type{}, std::false_type{});
       } else {
@@ -476,7 +545,14 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
     }
 
     // dV += P_dropped^T dO, dK += dS^T Q: A operands are the transposed [BM, BN] tiles.
-    if constexpr (Cfg::kSplitDkDv) {  // one product per warp: operands by the warp's role
+    if constexpr (Cfg::kWide) {
+      // As below; a warp whose columns lie at or past d (dK) or d_v (dV) has nothing to add.
+      if (wd_kv * Cfg::kWarpDdkv < (dv_warp ? p.d_v : p.d)) {
+        warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
+            acc_dv, dv_warp ? s_p_tile : s_ds_tile, wn_kv * Cfg::kWarpNdkv, dv_warp ? s_do_cur : s_q_cur,
+            wd_kv * Cfg::kWarpDdkv, lane);
+      }
+    } else if constexpr (Cfg::kSplitDkDv) {  // one product per warp: operands by the warp's role
       warp_gemm<Element, Cfg::kWarpNdkv, Cfg::kWarpDdkv, kBlockM, true, true, TileP, TileQ, Cfg::kPrefetch>(
           acc_dv, dv_warp ? s_p_tile : s_ds_tile, wn_kv * Cfg::kWarpNdkv, dv_warp ? s_do_cur : s_q_cur,
           wd_kv * Cfg::kWarpDdkv, lane);
@@ -500,72 +576,125 @@ __device__ __forceinline__ void bwd_main_block(const BwdParams& p, const BwdWork
           wm_s, std::make_integer_sequence<int, Cfg::kNWarps / Cfg::kWarpsNsdp>{});
     }
     unsigned* sem = nullptr;
+    if constexpr (Cfg::kWide) {
+      // Column passes of kDqCols over one row pass. Deterministic mode: as below, with the
+      // counter of the 64-row workspace tile holding m0; a 32-row query tile (kHalfTiles) is
+      // half of one, and a key tile visits the halves of one workspace tile in consecutive
+      // pairs (per head, tile by tile), so it waits at its first visit of the workspace tile
+      // and counts itself at its last: its contributions to both halves stay in order.
+      bool ws_first = true, ws_last = true;
+      if constexpr (Cfg::kHalfTiles) {
+        ws_first = m_block == m_begin || m0 % kBwdBlockM == 0;
+        ws_last = m_block + 1 == m_end || (m0 + kBlockM) % kBwdBlockM == 0;
+      }
+      const int dq_row0 = m0 + wm_dq * Cfg::kWarpMdq;  // the warp's 32 rows, in one workspace tile
+      float* const dq_warp = ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
+                             dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
+      constexpr int kFragmentsPerSlab = kBwdBlockM / 16;
 #pragma unroll
-    for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
-      const int r0 = pass * Cfg::kDqRows;  // the pass's first row in the tile
-      if (Cfg::kDqPasses > 1 && m0 + r0 >= s_q) break;  // no rows left (block-uniform)
-      float acc_dq[kMTdq][kNTdq][4];
-      zero_acc(acc_dq);
-      warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK, Cfg::kPrefetch>(
-          acc_dq, s_ds_tile, r0 + wm_dq * Cfg::kWarpMdq, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
-
-      if (pass == 0 && p.deterministic) {
-        // Key tiles add to a query tile in ascending order: this one is the
-        // (n_block - first)-th of the contiguous run of tiles that see query tile m. Every
-        // key tile that visits a query tile adds to all of its workspace tiles, so the
-        // counter of the first one orders them all.
-        sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
-              m_block * Cfg::kWorkspaceTilesPerM;
-        if (tid == 0) {
-          unsigned target;
-          if constexpr (kSparse) {
-            // Block-sparse: the key tiles that visit (h, m) are those of its listed blocks
-            // (all below s_k ahead of this one), so this one is preceded by the tiles of
-            // the listed blocks left of its block and those of its block left of it.
-            const std::uint8_t* const row = bs_col - n0 / p.bs_block_k +
-                                            std::int64_t(h) * p.bs_head_stride +
-                                            std::int64_t(m_block / q_tiles_per_block) * p.bs_blocks_k;
-            const int tiles_per_block = p.bs_block_k / kBlockN;
-            const int nb = n0 / p.bs_block_k;
-            int listed = 0;
-            for (int x = 0; x < nb; ++x) listed += row[x] != semantics::kBlockSkip;
-            target = static_cast<unsigned>(listed * tiles_per_block + n_block % tiles_per_block);
-          } else {
-            const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
-            target = static_cast<unsigned>(n_block - first_key / kBlockN);
+      for (int cpass = 0; cpass < Cfg::kDqColPasses; ++cpass) {
+        const int c0 = cpass * Cfg::kDqCols;
+        if (c0 >= p.d) break;  // the bucket's columns past d (block-uniform)
+        float acc_dq[kMTdq][kNTdq][4];
+        zero_acc(acc_dq);
+        warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK, Cfg::kPrefetch>(
+            acc_dq, s_ds_tile, wm_dq * Cfg::kWarpMdq, s_k_tile, c0 + wd_dq * Cfg::kWarpDdq, lane);
+        if (cpass == 0 && p.deterministic) {
+          sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks + m0 / kBwdBlockM;
+          if (ws_first) {
+            if (tid == 0) {
+              const int m0_ws = m0 - m0 % kBwdBlockM;
+              const int first_key = left >= 0 ? max(0, m0_ws + diag_off - left) : 0;
+              const unsigned target = static_cast<unsigned>(n_block - first_key / kBlockN);
+              while (ld_acquire_gpu(sem) != target) __nanosleep(32);
+            }
+            __syncthreads();
           }
-          while (ld_acquire_gpu(sem) != target) __nanosleep(32);
         }
+        if (dq_row0 < s_q) {
+#pragma unroll
+          for (int nt = 0; nt < kNTdq; ++nt) {
+            if (c0 + wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
+#pragma unroll
+            for (int mt = 0; mt < kMTdq; ++mt) {
+              red_add_f32x4(dq_warp + ((c0 / 8 + nt) * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
+            }
+          }
+        }
+      }
+      if (p.deterministic && ws_last) {
+        __threadfence();
         __syncthreads();
+        if (tid == 0) atomicAdd(sem, 1u);
       }
-      // The warp's rows [m0 + r0 + wm_dq * kWarpMdq, + kWarpMdq) lie in one 64-row
-      // workspace tile; a warp whose rows all lie past s_q skips (that tile may not exist
-      // when the last 128-row query tile has fewer than 65 rows).
-      const int dq_row0 = m0 + r0 + wm_dq * Cfg::kWarpMdq;
-      if (dq_row0 < s_q) {
-        // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
-        // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not
-        // exist. Fragment (r / 16, c / 8) starts at dq_accum_index(r, c) = 128 * fragment
-        // for r % 16 == 0, c % 8 == 0, linear in both steps: one base pointer per warp and
-        // compile-time offsets (immediates of the red instruction).
-        constexpr int kFragmentsPerSlab = kBwdBlockM / 16;  // fragments of one 8-column slab
-        float* const dq_warp =
-            ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
-            dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
+    } else {
 #pragma unroll
-        for (int nt = 0; nt < kNTdq; ++nt) {
-          if (wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
+      for (int pass = 0; pass < Cfg::kDqPasses; ++pass) {
+        const int r0 = pass * Cfg::kDqRows;  // the pass's first row in the tile
+        if (Cfg::kDqPasses > 1 && m0 + r0 >= s_q) break;  // no rows left (block-uniform)
+        float acc_dq[kMTdq][kNTdq][4];
+        zero_acc(acc_dq);
+        warp_gemm<Element, Cfg::kWarpMdq, Cfg::kWarpDdq, kBlockN, false, true, TileP, TileK, Cfg::kPrefetch>(
+            acc_dq, s_ds_tile, r0 + wm_dq * Cfg::kWarpMdq, s_k_tile, wd_dq * Cfg::kWarpDdq, lane);
+
+        if (pass == 0 && p.deterministic) {
+          // Key tiles add to a query tile in ascending order: this one is the
+          // (n_block - first)-th of the contiguous run of tiles that see query tile m. Every
+          // key tile that visits a query tile adds to all of its workspace tiles, so the
+          // counter of the first one orders them all.
+          sem = ws.dq_sem + (std::int64_t(b) * p.h_q + h) * ws.m_blocks +
+                m_block * Cfg::kWorkspaceTilesPerM;
+          if (tid == 0) {
+            unsigned target;
+            if constexpr (kSparse) {
+              // Block-sparse: the key tiles that visit (h, m) are those of its listed blocks
+              // (all below s_k ahead of this one), so this one is preceded by the tiles of
+              // the listed blocks left of its block and those of its block left of it.
+              const std::uint8_t* const row = bs_col - n0 / p.bs_block_k +
+                                              std::int64_t(h) * p.bs_head_stride +
+                                              std::int64_t(m_block / q_tiles_per_block) * p.bs_blocks_k;
+              const int tiles_per_block = p.bs_block_k / kBlockN;
+              const int nb = n0 / p.bs_block_k;
+              int listed = 0;
+              for (int x = 0; x < nb; ++x) listed += row[x] != semantics::kBlockSkip;
+              target = static_cast<unsigned>(listed * tiles_per_block + n_block % tiles_per_block);
+            } else {
+              const int first_key = left >= 0 ? max(0, m0 + diag_off - left) : 0;
+              target = static_cast<unsigned>(n_block - first_key / kBlockN);
+            }
+            while (ld_acquire_gpu(sem) != target) __nanosleep(32);
+          }
+          __syncthreads();
+        }
+        // The warp's rows [m0 + r0 + wm_dq * kWarpMdq, + kWarpMdq) lie in one 64-row
+        // workspace tile; a warp whose rows all lie past s_q skips (that tile may not exist
+        // when the last 128-row query tile has fewer than 65 rows).
+        const int dq_row0 = m0 + r0 + wm_dq * Cfg::kWarpMdq;
+        if (dq_row0 < s_q) {
+          // Fragment (row slab, column slab) of the tile: 128 floats, this lane's four at
+          // lane * 4. Rows past s_q add the zeros their dS rows hold; slabs past d do not
+          // exist. Fragment (r / 16, c / 8) starts at dq_accum_index(r, c) = 128 * fragment
+          // for r % 16 == 0, c % 8 == 0, linear in both steps: one base pointer per warp and
+          // compile-time offsets (immediates of the red instruction).
+          constexpr int kFragmentsPerSlab = kBwdBlockM / 16;  // fragments of one 8-column slab
+          float* const dq_warp =
+              ws.dq_accum + dq_accum_tile(ws, b, dq_row0 / kBwdBlockM, h, p.h_q, p.d) +
+              dq_accum_index(dq_row0 % kBwdBlockM, wd_dq * Cfg::kWarpDdq) + lane * 4;
 #pragma unroll
-          for (int mt = 0; mt < kMTdq; ++mt) {
-            red_add_f32x4(dq_warp + (nt * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
+          for (int nt = 0; nt < kNTdq; ++nt) {
+            if (wd_dq * Cfg::kWarpDdq + nt * 8 >= p.d) continue;  // head-dim padding of the bucket
+#pragma unroll
+            for (int mt = 0; mt < kMTdq; ++mt) {
+              red_add_f32x4(dq_warp + (nt * kFragmentsPerSlab + mt) * 128, acc_dq[mt][nt]);
+            }
           }
         }
       }
-    }
-    if (p.deterministic) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) atomicAdd(sem, 1u);
+      if (p.deterministic) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(sem, 1u);
+      }
     }
     h = h_next;
     m_block = m_block_next;

@@ -39,7 +39,16 @@ void launch_bwd_main(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t st
   using Cfg = BwdTileConfig<kHeadDim, kSmemLimit>;
   static_assert(Cfg::kFits, "launch_bwd_main: a configuration beyond its shared-memory limit");
   auto kernel = bwd_main_kernel<Element, kHeadDim, kSmemLimit, false>;
-  if (p.block_kinds != nullptr) {
+  if constexpr (Cfg::kWide) {
+    // No block-sparse instantiation in the 512 bucket (sm80::backward declines those calls
+    // before anything runs; as the forward's 512 bucket, which has none either).
+    if (p.block_kinds != nullptr) {
+      throw Unsupported("backward", "opts.block_sparse",
+                        "no block-sparse mask at head dims above 256 (CUDA: the 512 bucket has no "
+                        "block-sparse kernel)",
+                        "a mask with d = " + std::to_string(p.d) + ", d_v = " + std::to_string(p.d_v));
+    }
+  } else if (p.block_kinds != nullptr) {
     // A block-sparse mask's blocks hold whole tiles (each (query tile, key tile) in one block).
     if (p.bs_block_q % Cfg::kBlockM != 0 || p.bs_block_k % Cfg::kBlockN != 0) {
       throw Unsupported("backward", "opts.block_sparse",

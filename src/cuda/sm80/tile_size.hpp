@@ -98,7 +98,8 @@ constexpr FwdTile fwd_tile_small(int head_dim) {
 
 // The head-dim buckets the forward may be compiled for; any d % 8 == 0 up to 512 runs in
 // the smallest compiled bucket >= max(d, d_v) with predicated loads and stores. 512 is the
-// forward's alone (manifest.cmake: FLASHATTN_CUDA_FWD_ONLY_BUCKETS).
+// forward's and the backward's alone (manifest.cmake: FLASHATTN_CUDA_WIDE_BUCKETS; the
+// backward's 512 tiles: bwd_config.cuh, kWide).
 constexpr bool is_head_dim_bucket(int d) {
   return d == 32 || d == 64 || d == 96 || d == 128 || d == 160 || d == 192 || d == 224 ||
          d == 256 || d == 512;
