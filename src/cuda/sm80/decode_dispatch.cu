@@ -45,6 +45,15 @@ constexpr int kMinTilesPerSplit = 4;
 constexpr int kMinTilesPerClusterSplit = 2;
 constexpr int kMaxTilesPerClusterSplit = 8;       // grids of at most half the SMs
 constexpr int kMaxTilesPerClusterSplitFull = 32;  // larger ones
+// Clusters above the portable 8 splits (Hopper's non-portable sizes, up to
+// kMaxClusterSplits = 16; issue 23): where the 8-split rule above declines a call whose
+// grid would fill more than half the SMs at one block per SM, e.g. batch 1 (8 units) at 8k
+// and 16k, which took 32 workspace splits (26.7 and 37.6 us; 8 cluster splits of 32
+// tiles: 44.8 us at 16k, 64 blocks), 16 cluster splits (128 blocks) of at most
+// kMaxTilesPerWideClusterSplit tiles: 8 and 16 at 8k and 16k. Not yet measured; 32k (32
+// tiles a split) stays on 32 workspace splits until a measurement says otherwise
+// (scripts/decode_cl16_gpu.sh times 8 / 16 cluster splits against them at 2k .. 32k).
+constexpr int kMaxTilesPerWideClusterSplit = 16;
 // The split heuristic (num_splits = 0) fills the block slots (SMs x blocks per SM) with
 // (sequence, KV head, row chunk, split) blocks in one wave, with at most kMaxWaveSplits
 // splits: the last split's merge of every partial grows with the count. Issue 23's sweep on
@@ -190,6 +199,29 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   }
 }
 
+// Whether `clusters` clusters of `splits` blocks of the call's decode kernel (t8, small)
+// can all be resident at once: the portable sizes (<= 8) always (the plan keeps a block per
+// SM), 9..kMaxClusterSplits by the device's answer (decode_max_active_clusters: cached per
+// device, kernel and size; no device work, safe under graph capture).
+bool clusters_fit(const FwdParams& p, bool t8, bool small, std::int64_t splits, std::int64_t clusters) {
+  if (splits <= kMaxPortableClusterSplits) return true;
+  if (splits > kMaxClusterSplits) return false;
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  const int n = static_cast<int>(splits);
+  const int dev = p.device_index;
+#define FLASHATTN_DECODE_CLUSTERS(D)                                                   \
+  if (p.d <= D) {                                                                      \
+    const int active = fp8    ? decode_fp8_max_active_clusters<D>(dev, t8, small, n)  \
+                       : bf16 ? decode_max_active_clusters<D, __nv_bfloat16>(dev, t8, small, n) \
+                              : decode_max_active_clusters<D, __half>(dev, t8, small, n);       \
+    return active >= clusters;                                                         \
+  }
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_CLUSTERS)
+#undef FLASHATTN_DECODE_CLUSTERS
+  return false;
+}
+
 // smem_limit <= 0: not resolved (no limit; the dispatch always resolves it).
 TileFacts tile_facts(int d, bool fp8, bool t8, int smem_limit) {
   const int limit = smem_limit > 0 ? smem_limit : std::numeric_limits<int>::max();
@@ -252,23 +284,33 @@ DecodePlan plan_decode(const FwdParams& p) {
     s = std::min<std::int64_t>(s, std::max<std::int64_t>(1, max_tiles / kMinTilesPerSplit));
     splits = static_cast<int>(std::clamp<std::int64_t>(s, 1, kMaxSplits));
     // A small grid on sm90 with few key tiles: as many cluster splits (of at least
-    // kMinTilesPerClusterSplit tiles) as one block per SM allows, where each split then
+    // kMinTilesPerClusterSplit tiles, at most 8) as one block per SM allows, where each split then
     // has at most kMaxTilesPerClusterSplit tiles (the long cap where the grid fills more
     // than half the SMs); the cluster merge costs less than the workspace's, so splits of
     // two tiles pay.
+    // Where that declines, a grid filling more than half the SMs may take up to 16
+    // (kMaxTilesPerWideClusterSplit tiles each) where the device holds its clusters.
     if (clusters) {
-      const std::int64_t s_cl = std::min<std::int64_t>(
-          {std::int64_t{kMaxClusterSplits}, sms / units, std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit)});
+      const std::int64_t by_tiles = std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit);
+      const std::int64_t s_cl = std::min<std::int64_t>({std::int64_t{kMaxPortableClusterSplits}, sms / units, by_tiles});
       const std::int64_t cap = 2 * units * s_cl > sms ? kMaxTilesPerClusterSplitFull : kMaxTilesPerClusterSplit;
-      if (s_cl >= 2 && max_tiles <= cap * s_cl) splits = static_cast<int>(s_cl);
+      const std::int64_t s_wide = std::min<std::int64_t>({std::int64_t{kMaxClusterSplits}, sms / units, by_tiles});
+      if (s_cl >= 2 && max_tiles <= cap * s_cl) {
+        splits = static_cast<int>(s_cl);
+      } else if (s_wide > kMaxPortableClusterSplits && 2 * units * s_wide > sms &&
+                 max_tiles <= kMaxTilesPerWideClusterSplit * s_wide &&
+                 clusters_fit(p, use_t8(p), tf.small, s_wide, units)) {
+        splits = static_cast<int>(s_wide);
+      }
     }
   }
   plan.splits = std::max(1, splits);
   // The cluster merge where every block of the grid can have an SM of its own (a cluster's
   // blocks run on one GPC together; a grid that does not fit so measured slower with
-  // clusters on the H100: batch 8, 6 splits, 1610 against 1398 us at 128k).
+  // clusters on the H100: batch 8, 6 splits, 1610 against 1398 us at 128k), above 8 splits
+  // where the device also holds all the grid's clusters (units of them) at once.
   plan.cluster = clusters && plan.splits >= 2 && plan.splits <= kMaxClusterSplits &&
-                 units * plan.splits <= sms;
+                 units * plan.splits <= sms && clusters_fit(p, use_t8(p), tf.small, plan.splits, units);
   if (plan.splits > 1 && !plan.cluster) {
     const std::size_t partial_rows =
         std::size_t(plan.splits) * std::size_t(p.batch) * std::size_t(p.h_q) * std::size_t(p.seqlen_q);
@@ -346,6 +388,26 @@ bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept {
 bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept {
   if (!supports_head_dim(d)) return false;
   return decode_fits(d, fp8_cache, smem_limit) || (!fp8_cache && !tree_mask);
+}
+
+bool decode_clusters_fit(int device, int d, bool bf16, bool fp8_cache, int packed_rows, int splits, int clusters,
+                         int smem_limit) noexcept {
+  if (!supports_head_dim(d) || splits < 2 || splits > sm80::kMaxClusterSplits) return false;
+  if (sm80::cc_major(device) < 9) return false;
+  try {
+    FwdParams p;
+    p.d = p.d_v = d;
+    p.dtype = bf16 ? DType::kBFloat16 : DType::kFloat16;
+    p.kv_dtype = fp8_cache ? DType::kFloat8E4M3 : p.dtype;
+    p.seqlen_q = 1;
+    p.h_ratio = packed_rows;
+    p.device_index = device;
+    const bool t8 = sm80::use_t8(p);
+    const sm80::TileFacts tf = sm80::tile_facts(d, fp8_cache, t8, smem_limit);
+    return tf.fits && sm80::clusters_fit(p, t8, tf.small, splits, clusters);
+  } catch (...) {
+    return false;
+  }
 }
 
 }  // namespace flashattn::detail::cuda
