@@ -18,6 +18,7 @@
 # separated gtest filters, replacing the default list).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PATH=/usr/local/cuda/bin:$PATH
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 B=build/cl16
@@ -51,27 +52,30 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 if [ -n "${SUITES:-}" ]; then
   read -r -a suites <<<"$SUITES"
 else
-  suites=("CudaKVCache*-CudaKVCacheFp8Q*" "CudaIndexGuards*" "CudaSink*" "CudaSmemCap*" "CudaKVCacheFp8Q*" "CudaMla*")
+  # (each also as */Suite*: the parameterized suites' instantiation prefixes)
+  suites=("CudaKVCache*:*/CudaKVCache*-CudaKVCacheFp8Q*:*/CudaKVCacheFp8Q*" "CudaIndexGuards*:*/CudaIndexGuards*"
+    "CudaSink*:*/CudaSink*" "CudaSmemCap*:*/CudaSmemCap*" "CudaKVCacheFp8Q*:*/CudaKVCacheFp8Q*" "CudaMla*:*/CudaMla*")
 fi
 for s in "${suites[@]}"; do
-  name=$(echo "$s" | tr -c 'A-Za-z0-9\n' '_')
+  name=$(echo "${s%%[*:]*}" | tr -c 'A-Za-z0-9\n' '_')
   t=$(tmo 100 130)
   t0=$(date +%s)
   timeout "$t" stdbuf -oL "$T" --gtest_brief=1 --gtest_filter="$s" >"$OUT/test_$name.txt" 2>&1
   rc=$?
   dt=$(($(date +%s) - t0))
   passed=$(grep -oE '\[  PASSED  \] [0-9]+' "$OUT/test_$name.txt" | grep -oE '[0-9]+$' || true)
+  skipped=$(grep -oE '\[  SKIPPED \] [0-9]+' "$OUT/test_$name.txt" | grep -oE '[0-9]+$' || true)
   failed=$(grep -E '^\[  FAILED  \] [A-Za-z]' "$OUT/test_$name.txt" | sed 's/^\[  FAILED  \] //' | tr '\n' ' ')
   if [ $rc = 124 ]; then
     state="TIMEOUT after ${t}s (last: $(grep -E '^\[ RUN' "$OUT/test_$name.txt" | tail -1 | sed 's/.*RUN *\] *//'))"
   elif [ $rc = 0 ]; then
-    state="ok, ${passed:-0} passed"
+    state="ok, ${passed:-0} passed, ${skipped:-0} skipped"
   else
     state="FAILED rc $rc: ${failed:-see $OUT/test_$name.txt}"
     grep -E 'Failure|Expected|Which is|actual|error' "$OUT/test_$name.txt" | head -20
   fi
-  echo "tests $s: $state (${dt}s)"
-  summary+=("tests $s: $state (${dt}s)")
+  echo "tests ${s%%:*}: $state (${dt}s)"
+  summary+=("tests ${s%%:*}: $state (${dt}s)")
 done
 
 # ---- racecheck of one 16-cluster-split step
@@ -82,6 +86,7 @@ rc=$?
 case $rc in
   0) state="ok ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/racecheck.txt" | tail -1))" ;;
   124) state="TIMEOUT after ${t}s" ;;
+  127) state="compute-sanitizer not found" ;;
   *) state="FAILED rc $rc"; grep -E 'hazard|ERROR|Failure' "$OUT/racecheck.txt" | head -10 ;;
 esac
 grep -E 'SKIPPED|skipped' "$OUT/racecheck.txt" | head -2
