@@ -46,13 +46,16 @@ constexpr int kMinTilesPerClusterSplit = 2;
 constexpr int kMaxTilesPerClusterSplit = 8;       // grids of at most half the SMs
 constexpr int kMaxTilesPerClusterSplitFull = 32;  // larger ones
 // Clusters above the portable 8 splits (Hopper's non-portable sizes, up to
-// kMaxClusterSplits = 16; issue 23): where the 8-split rule above declines a call whose
-// grid would fill more than half the SMs at one block per SM, e.g. batch 1 (8 units) at 8k
-// and 16k, which took 32 workspace splits (26.7 and 37.6 us; 8 cluster splits of 32
-// tiles: 44.8 us at 16k, 64 blocks), 16 cluster splits (128 blocks) of at most
-// kMaxTilesPerWideClusterSplit tiles: 8 and 16 at 8k and 16k. Not yet measured; 32k (32
-// tiles a split) stays on 32 workspace splits until a measurement says otherwise
-// (scripts/decode_cl16_gpu.sh times 8 / 16 cluster splits against them at 2k .. 32k).
+// kMaxClusterSplits = 16; issue 23): a grid that fills more than half the SMs at one block
+// per SM takes up to 16 cluster splits of kMinTilesPerWideClusterSplit ..
+// kMaxTilesPerWideClusterSplit tiles where the device holds all its clusters at once.
+// Measured on the H100 (C++ decode bench, batch 1, dense bf16, 32 / 8 heads, d 128, two
+// rounds, one call; scripts/decode_cl16_gpu.sh), µs per step, 16 cluster splits against
+// the former plan: 4k 17.1 against 18.2-18.4 (8 cluster splits of 8 tiles), 8k 23.3-23.4
+// against 25.9-26.2 (32 workspace splits), 16k 34.9-35.0 against 36.8-37.9; 2k 14.1-14.2
+// against 13.9 (8 cluster splits of 4 tiles: kept), 32k 57.7-58.1 against 57.5-57.6 (32
+// tiles a split: the workspace plan kept).
+constexpr int kMinTilesPerWideClusterSplit = 4;
 constexpr int kMaxTilesPerWideClusterSplit = 16;
 // The split heuristic (num_splits = 0) fills the block slots (SMs x blocks per SM) with
 // (sequence, KV head, row chunk, split) blocks in one wave, with at most kMaxWaveSplits
@@ -288,19 +291,20 @@ DecodePlan plan_decode(const FwdParams& p) {
     // has at most kMaxTilesPerClusterSplit tiles (the long cap where the grid fills more
     // than half the SMs); the cluster merge costs less than the workspace's, so splits of
     // two tiles pay.
-    // Where that declines, a grid filling more than half the SMs may take up to 16
-    // (kMaxTilesPerWideClusterSplit tiles each) where the device holds its clusters.
+    // Before it, a grid filling more than half the SMs takes more than 8 (up to 16) cluster
+    // splits of kMinTilesPerWideClusterSplit .. kMaxTilesPerWideClusterSplit tiles where
+    // the device holds its clusters (batch 1 at 4k .. 16k).
     if (clusters) {
-      const std::int64_t by_tiles = std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit);
-      const std::int64_t s_cl = std::min<std::int64_t>({std::int64_t{kMaxPortableClusterSplits}, sms / units, by_tiles});
+      const std::int64_t s_cl = std::min<std::int64_t>({std::int64_t{kMaxPortableClusterSplits}, sms / units,
+                                                        std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit)});
       const std::int64_t cap = 2 * units * s_cl > sms ? kMaxTilesPerClusterSplitFull : kMaxTilesPerClusterSplit;
-      const std::int64_t s_wide = std::min<std::int64_t>({std::int64_t{kMaxClusterSplits}, sms / units, by_tiles});
-      if (s_cl >= 2 && max_tiles <= cap * s_cl) {
-        splits = static_cast<int>(s_cl);
-      } else if (s_wide > kMaxPortableClusterSplits && 2 * units * s_wide > sms &&
-                 max_tiles <= kMaxTilesPerWideClusterSplit * s_wide &&
-                 clusters_fit(p, use_t8(p), tf.small, s_wide, units)) {
+      const std::int64_t s_wide = std::min<std::int64_t>({std::int64_t{kMaxClusterSplits}, sms / units,
+                                                          std::max<std::int64_t>(1, max_tiles / kMinTilesPerWideClusterSplit)});
+      if (s_wide > kMaxPortableClusterSplits && 2 * units * s_wide > sms &&
+          max_tiles <= kMaxTilesPerWideClusterSplit * s_wide && clusters_fit(p, use_t8(p), tf.small, s_wide, units)) {
         splits = static_cast<int>(s_wide);
+      } else if (s_cl >= 2 && max_tiles <= cap * s_cl) {
+        splits = static_cast<int>(s_cl);
       }
     }
   }
