@@ -20,7 +20,10 @@
 // BENCH_BATCH (sequences per call, default 8; 64 with BENCH_MLA), BENCH_MLA=1 (instead of the
 // grid: MLA decode with qv, DeepSeek-V3's shape, run_mla), BENCH_SWEEP=1 (instead of the grid: dense
 // bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k; BENCH_SWEEP_BATCHES, a comma list,
-// narrows the batches), BENCH_SPEC=1 (instead of the grid: speculative decoding, 1 / 4 / 8
+// narrows the batches, BENCH_SWEEP_CONTEXTS the contexts; BENCH_SWEEP_SPLITS, a comma list of
+// num_splits, times each point at each count in BENCH_SWEEP_ROUNDS alternating rounds, e.g.
+// "0,32,8,16": the heuristic, 32 workspace splits (above 16 never a cluster), 8 and 16
+// cluster splits where the plan allows them), BENCH_SPEC=1 (instead of the grid: speculative decoding, 1 / 4 / 8
 // drafts in one causal call, chain and tree, dense bf16 4k / 32k), BENCH_SINK=1 (a learnable sink of 0.5 per query head on every decode call: the cost of
 // the sink's epilogue / merge terms against the same grid without one).
 //
@@ -80,6 +83,13 @@ int g_batch = 8;
 // whether they form a draft tree (a tree_mask) rather than a chain.
 int g_sq = 1;
 bool g_tree = false;
+// num_splits of run_decode's calls: >= 0 set by the sweep's BENCH_SWEEP_SPLITS, else
+// BENCH_SPLITS (default 0, the heuristic).
+int g_splits = -1;
+int decode_splits() {
+  if (g_splits >= 0) return g_splits;
+  return std::getenv("BENCH_SPLITS") ? std::atoi(std::getenv("BENCH_SPLITS")) : 0;
+}
 
 struct Buffer {
   void* p = nullptr;
@@ -113,6 +123,7 @@ struct Result {
   double us = 0, tbps = 0, tokens_per_s = 0;
   double stream_us = 0, stream_tbps = 0;  // the streaming read of the same bytes
   std::size_t kv_bytes = 0;
+  std::size_t ws_bytes = 0;  // the call's workspace (0: one split, or the cluster split merge)
 };
 
 // Caches a configuration rotates over: enough that one call's keys are not in L2 for the
@@ -324,7 +335,7 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
       a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
       a.v_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
     }
-    a.num_splits = std::getenv("BENCH_SPLITS") ? std::atoi(std::getenv("BENCH_SPLITS")) : 0;
+    a.num_splits = decode_splits();
   }
   flashattn::Options opts;
   opts.stream = stream;
@@ -343,6 +354,7 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
   for (auto& c : caches) flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
   BENCH_CHECK(cudaStreamSynchronize(stream));
   Result res;
+  res.ws_bytes = ws_bytes;
   res.us = time_captured(caches, stream, [&](Cache& c) {
     flashattn::kvcache_forward(c.args, out_t, Tensor{}, opts, {ws.p, ws.bytes});
   });
@@ -709,18 +721,63 @@ int main(int argc, char** argv) {
         c = *end == ',' ? end + 1 : end;
       }
     }
-    for (int b : batches) {
-      g_batch = b;
-      for (int ctx = 1024; ctx <= 131072; ctx *= 2) {
-        const Config c{"dense", ctx, 0, false};
-        const Result r = run_decode(c, stream);
-        std::printf("| %d | %d | %.1f | %.2f | %.1f | %.2f | %.3f |\n", b, ctx, r.us, r.tbps, r.stream_us, r.stream_tbps,
-                    r.tbps / r.stream_tbps);
-        std::fflush(stdout);
-        if (csv) std::fprintf(csv, "sweep,%d,%d,0,0,%.2f,%.3f,%.0f,%.2f,%.3f\n", b, ctx, r.us, r.tbps, r.tokens_per_s,
-                              r.stream_us, r.stream_tbps);
+    // BENCH_SWEEP_CONTEXTS / BENCH_SWEEP_SPLITS: comma lists narrowing the contexts and
+    // giving num_splits per point (0: the heuristic), BENCH_SWEEP_ROUNDS (default 1) rounds
+    // over the whole list, alternating: an A/B of split plans in one process. With
+    // BENCH_SWEEP_SPLITS each row also names num_splits, the round and the call's workspace
+    // bytes (0 with splits: the cluster split merge).
+    auto int_list = [](const char* name, std::vector<int> dflt, int min) -> std::vector<int> {
+      const char* list = std::getenv(name);
+      if (list == nullptr) return dflt;
+      std::vector<int> out;
+      for (const char* c = list; *c != '\0';) {
+        char* end = nullptr;
+        const long v = std::strtol(c, &end, 10);
+        if (end == c || v < min) {
+          std::fprintf(stderr, "%s: expected a comma list of integers >= %d, got '%s'\n", name, min, list);
+          std::exit(2);
+        }
+        out.push_back(static_cast<int>(v));
+        c = *end == ',' ? end + 1 : end;
+      }
+      return out;
+    };
+    std::vector<int> contexts;
+    for (int ctx = 1024; ctx <= 131072; ctx *= 2) contexts.push_back(ctx);
+    contexts = int_list("BENCH_SWEEP_CONTEXTS", contexts, 1);
+    const bool ab = std::getenv("BENCH_SWEEP_SPLITS") != nullptr;
+    const std::vector<int> splits_list = int_list("BENCH_SWEEP_SPLITS", {-1}, 0);
+    const int rounds = std::max(1, std::getenv("BENCH_SWEEP_ROUNDS") ? std::atoi(std::getenv("BENCH_SWEEP_ROUNDS")) : 1);
+    if (ab) {
+      std::printf("| round | batch | context | num_splits | workspace B | us | KV TB/s | / stream |\n"
+                  "|---|---|---|---|---|---|---|---|\n");
+    }
+    for (int round = 0; round < rounds; ++round) {
+      for (int b : batches) {
+        g_batch = b;
+        for (int ctx : contexts) {
+          for (int sp : splits_list) {
+            g_splits = sp;
+            const Config c{"dense", ctx, 0, false};
+            const Result r = run_decode(c, stream);
+            if (ab) {
+              std::printf("| %d | %d | %d | %d | %zu | %.1f | %.2f | %.3f |\n", round, b, ctx, sp, r.ws_bytes, r.us,
+                          r.tbps, r.tbps / r.stream_tbps);
+            } else {
+              std::printf("| %d | %d | %.1f | %.2f | %.1f | %.2f | %.3f |\n", b, ctx, r.us, r.tbps, r.stream_us,
+                          r.stream_tbps, r.tbps / r.stream_tbps);
+            }
+            std::fflush(stdout);
+            if (csv) {
+              std::fprintf(csv, "sweep%s,%d,%d,0,0,%.2f,%.3f,%.0f,%.2f,%.3f\n",
+                           ab ? ("_splits" + std::to_string(sp)).c_str() : "", b, ctx, r.us, r.tbps, r.tokens_per_s,
+                           r.stream_us, r.stream_tbps);
+            }
+          }
+        }
       }
     }
+    g_splits = -1;
     if (csv) std::fclose(csv);
     cudaStreamDestroy(stream);
     return 0;

@@ -44,6 +44,14 @@ bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept;
 // the call is Unsupported (naming tree_mask), e.g. a tree mask over a 16-bit cache at
 // d >= 160 on a 99 KiB GPU; tests skip those cases by it.
 bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept;
+// Whether the KV-cache decode on `device` can hold `clusters` thread-block clusters of
+// `splits` blocks of its kernel for head dim d (bf16 or fp16 out, an fp8 cache or not,
+// packed_rows = s_q * h_q / h_k GQA-packed query rows, the configuration that smem_limit
+// selects) at once: true for 2..8 splits on sm90 and newer (portable sizes), 9..16 by the
+// device's cluster occupancy; false below sm90. The decode plan's condition for the
+// cluster split merge above 8 splits, beside units * splits <= SMs (tests ask it).
+bool decode_clusters_fit(int device, int d, bool bf16, bool fp8_cache, int packed_rows, int splits, int clusters,
+                         int smem_limit) noexcept;
 void forward(const FwdParams& p);
 std::size_t forward_workspace_size(const FwdParams& p);
 void backward(const BwdParams& p);

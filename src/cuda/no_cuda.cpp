@@ -20,6 +20,7 @@ bool supports_head_dim(int) noexcept { return false; }
 bool supports_wide_head_dim(int) noexcept { return false; }
 bool decode_fits(int, bool, int) noexcept { return false; }
 bool kvcache_fits(int, bool, bool, int) noexcept { return false; }
+bool decode_clusters_fit(int, int, bool, bool, int, int, int, int) noexcept { return false; }
 void forward(const FwdParams&) { not_built(); }
 std::size_t forward_workspace_size(const FwdParams&) { return 0; }
 void backward(const BwdParams&) { not_built(); }

@@ -182,7 +182,9 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
     c.num_splits = 1;
     check_case(c);
     const ForwardResults base = forward_results(c);
-    for (int splits : {2, 7, 8, 0, 9, 17, 31, 64}) {  // sm90: <= 8 the cluster merge, above the workspace's
+    // sm90: up to 8 the cluster merge, 9 and 16 too where the device holds the clusters (8
+    // units: 72 and 128 blocks), above 16 the workspace's.
+    for (int splits : {2, 7, 8, 0, 9, 16, 17, 31, 64}) {
       c.num_splits = splits;
       check_case(c);
       const ForwardResults r = forward_results(c);
@@ -254,11 +256,12 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
   }
 }
 
-// On Hopper a row chunk's 2..8 splits (kMaxClusterSplits) are one thread-block cluster and
-// merge through each other's shared memory where every block of the grid can have an SM of
-// its own: such a call needs no workspace, and gives the oracle's answer with one row chunk
-// and with several (GQA rows over 16, causal); 9 splits, or a grid larger than the SMs,
-// take the workspace merge.
+// On Hopper a row chunk's 2..8 splits (9..16 where the device holds all the grid's clusters
+// at once: detail::cuda::decode_clusters_fit) are one thread-block cluster and merge through
+// each other's shared memory where every block of the grid can have an SM of its own: such
+// a call needs no workspace, and gives the oracle's answer with one row chunk and with
+// several (GQA rows over 16, causal); a grid larger than the SMs (9 splits of 16 units
+// here) takes the workspace merge.
 TEST(CudaKVCache, ClusterMergeNeedsNoWorkspace) {
   FA_REQUIRE_GPU();
   int dev = 0, major = 0, sms = 0;
@@ -281,7 +284,8 @@ TEST(CudaKVCache, ClusterMergeNeedsNoWorkspace) {
       SCOPED_TRACE(describe_case(c) + " splits " + std::to_string(splits));
       DeviceCase d(c);
       const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
-      if (splits <= 8 && units * splits <= sms) {
+      const int rows = s_q * cfg.h_q / cfg.h_k;
+      if (units * splits <= sms && detail::cuda::decode_clusters_fit(dev, cfg.d, true, false, rows, splits, units, 0)) {
         EXPECT_EQ(ws, 0u);
       } else {
         EXPECT_GT(ws, 0u);
@@ -289,6 +293,231 @@ TEST(CudaKVCache, ClusterMergeNeedsNoWorkspace) {
       check_case(c);
     }
   }
+}
+
+// ---------------------------------------------------------------- wide clusters
+
+// sm90 and newer, else skips; the device's index and SM count.
+#define FA_REQUIRE_CLUSTERS(dev, sms)                                                                \
+  int dev = 0, sms = 0;                                                                             \
+  do {                                                                                              \
+    int major_ = 0;                                                                                 \
+    FA_CUDA_OK(cudaGetDevice(&dev));                                                                \
+    FA_CUDA_OK(cudaDeviceGetAttribute(&major_, cudaDevAttrComputeCapabilityMajor, dev));            \
+    FA_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));                  \
+    if (major_ < 9) GTEST_SKIP() << "thread-block clusters: compute capability 9.0 and newer";      \
+  } while (0)
+
+// Whether c's call with `splits` forced takes the cluster merge (plan_decode's rule: a
+// block per SM, and the device holding all units clusters of that size at once).
+bool takes_clusters(const KVCacheCase& c, int splits, int dev, int sms) {
+  const KVCacheConfig& f = c.cfg;
+  const int rows = f.s_q * (f.h_q / f.h_k);
+  const int units = f.batch * f.h_k * ((rows + 15) / 16);
+  return units * splits <= sms &&
+         detail::cuda::decode_clusters_fit(dev, f.d, f.dtype == DType::kBFloat16, f.fp8, rows, splits, units, 0);
+}
+
+// On the H100 SXM / H200 (132 SMs, sm90) 16-block clusters of the decode kernel must fit
+// (the plan would otherwise never take them there).
+void expect_wide_clusters_on_h100(const KVCacheCase& c, int splits, int dev, int sms) {
+  int major = 0, minor = 0;
+  FA_CUDA_OK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  FA_CUDA_OK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  const KVCacheConfig& f = c.cfg;
+  const int units = f.batch * f.h_k * ((f.s_q * (f.h_q / f.h_k) + 15) / 16);
+  if (major == 9 && minor == 0 && sms >= 132 && units * splits <= sms) {
+    EXPECT_TRUE(takes_clusters(c, splits, dev, sms)) << splits << "-block clusters do not fit on this sm90 device";
+  }
+}
+
+// Every cluster size 2..16 (Hopper's non-portable sizes above 8: merge_cluster_rows takes
+// the splits' O in groups of 8) agrees with no split and gives the oracle's answer, with no
+// workspace wherever the plan takes clusters: the decode step's shape at batch 1 (bf16, 32
+// query heads over 8 KV heads: 8 clusters, 128 blocks at 16 splits) with an odd context, a
+// learnable sink and lse; fp16 at d 64 (128-key tiles) with 2 row chunks per KV head (GQA
+// 8, 3 queries, causal); an fp8 cache over two sequences of odd lengths, one so short that
+// most splits see no key.
+TEST(CudaKVCache, WideClusterSplitsAgreeWithNoSplit) {
+  FA_REQUIRE_GPU();
+  FA_REQUIRE_CLUSTERS(dev, sms);
+  FA_SEEDED_RNG(rng);
+  struct Shape {
+    DType dtype;
+    int h_q, h_k, s_q, d;
+    std::vector<int> lens;
+    bool fp8, sink;
+  };
+  const Shape shapes[] = {
+      {DType::kBFloat16, 32, 8, 1, 128, {4001}, false, true},
+      {DType::kFloat16, 16, 2, 3, 64, {1333}, false, false},
+      {DType::kBFloat16, 8, 2, 1, 128, {2999, 77}, true, true},
+  };
+  for (const Shape& sh : shapes) {
+    KVCacheConfig cfg;
+    cfg.dtype = sh.dtype;
+    cfg.batch = static_cast<int>(sh.lens.size());
+    cfg.h_q = sh.h_q;
+    cfg.h_k = sh.h_k;
+    cfg.s_q = sh.s_q;
+    cfg.s_new = sh.s_q;
+    cfg.d = sh.d;
+    cfg.fp8 = sh.fp8;
+    cfg.cache_lens = sh.lens;
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.opts.causal = sh.s_q > 1;
+    if (sh.sink) c.sink.set(random_sink(rng, sh.h_q));
+    c.num_splits = 1;
+    check_case(c);
+    const ForwardResults base = forward_results(c);
+    for (int splits = 2; splits <= 16; ++splits) {
+      c.num_splits = splits;
+      SCOPED_TRACE(describe_case(c));
+      {
+        DeviceCase d(c);
+        const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
+        EXPECT_EQ(ws == 0, takes_clusters(c, splits, dev, sms)) << "workspace " << ws;
+      }
+      if (splits == 16) expect_wide_clusters_on_h100(c, splits, dev, sms);
+      check_case(c);
+      const ForwardResults r = forward_results(c);
+      const ErrorStats e = error_stats(r.out, base.out);
+      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(sh.dtype) * std::max(1.0, e.max_abs_ref))
+          << "splits " << splits << " vs no split";
+      const ErrorStats el = error_stats(r.lse, base.lse);
+      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << splits << " vs no split";
+    }
+  }
+}
+
+// One decode step at 16 cluster splits (batch 1, bf16, 32 / 8 heads, a sink, lse): the
+// oracle's answer and no split's, no workspace where the device holds 8 clusters of 16.
+// Small enough for compute-sanitizer racecheck (scripts/decode_cl16_gpu.sh).
+TEST(CudaKVCache, Cluster16Step) {
+  FA_REQUIRE_GPU();
+  FA_REQUIRE_CLUSTERS(dev, sms);
+  FA_SEEDED_RNG(rng);
+  KVCacheConfig cfg = decode_step_config();
+  cfg.batch = 1;
+  cfg.cache_lens = {1499};
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.sink.set(random_sink(rng, cfg.h_q));
+  c.num_splits = 1;
+  check_case(c);
+  const ForwardResults base = forward_results(c);
+  c.num_splits = 16;
+  SCOPED_TRACE(describe_case(c));
+  {
+    DeviceCase d(c);
+    EXPECT_EQ(kvcache_workspace_size(d.args, d.opts) == 0, takes_clusters(c, 16, dev, sms));
+  }
+  expect_wide_clusters_on_h100(c, 16, dev, sms);
+  check_case(c);
+  const ErrorStats e = error_stats(forward_results(c).out, base.out);
+  EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(cfg.dtype) * std::max(1.0, e.max_abs_ref)) << "16 splits vs no split";
+}
+
+// CUDA graph capture of wide-cluster decode steps. (1) The heuristic at batch 1 and an
+// 8k context (32 / 8 heads, bf16) plans 16 cluster splits where the device holds them (no
+// workspace; else the workspace merge), captured and replayed to the direct call's bits.
+// (2) A call whose first plan, and so the device's first cluster-occupancy query for its
+// kernel and size (fp16, 16 GQA rows: the 16-row kernel, 12 splits), happens while the
+// stream is being captured (kvcache_workspace_size under capture, then the call): the
+// capture stays valid, and the replay gives the direct call's bits and the oracle's answer.
+TEST(CudaKVCache, WideClusterGraphCapture) {
+  FA_REQUIRE_GPU();
+  FA_REQUIRE_CLUSTERS(dev, sms);
+  FA_SEEDED_RNG(rng);
+  cudaStream_t s;
+  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  {
+    KVCacheConfig cfg = decode_step_config();
+    cfg.batch = 1;
+    cfg.cache_lens = {8191};
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.num_splits = 0;
+    SCOPED_TRACE(describe_case(c));
+    DeviceCase d(c);
+    const std::size_t ws_bytes = kvcache_workspace_size(d.args, d.opts);
+    if (sms >= 128 && takes_clusters(c, 16, dev, sms)) EXPECT_EQ(ws_bytes, 0u) << "the heuristic's 16 cluster splits";
+    void* ws = nullptr;
+    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    Options opts = d.opts;
+    opts.stream = s;
+    d.reset(c);
+    ASSERT_NO_THROW(kvcache_forward(d.args, d.out->view(), d.lse->view(), opts, {ws, ws_bytes}));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor out_direct = c.out, lse_direct = c.lse;
+    d.out->download(out_direct);
+    d.lse->download(lse_direct);
+    d.reset(c);
+    HostTensor out_graph = c.out, lse_graph = c.lse;
+    capture_and_replay(d, opts, ws, ws_bytes, s, out_graph, lse_graph);
+    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
+    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
+    c.out = out_graph;
+    c.lse = lse_graph;
+    expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
+    if (ws) cudaFree(ws);
+  }
+  {
+    KVCacheConfig cfg;
+    cfg.dtype = DType::kFloat16;
+    cfg.batch = 1;
+    cfg.h_q = 32;
+    cfg.h_k = 2;
+    cfg.s_q = 1;
+    cfg.s_new = 1;
+    cfg.d = 128;
+    cfg.cache_lens = {2345};
+    KVCacheCase c = KVCacheCase::make(rng, cfg);
+    c.num_splits = 12;
+    SCOPED_TRACE(describe_case(c));
+    DeviceCase d(c);
+    // A workspace ahead of the capture, larger than the plan can ask (12 splits' fp32
+    // partials of 32 rows and their counters), without asking the plan.
+    const std::size_t ws_bytes = std::size_t(1) << 20;
+    void* ws = nullptr;
+    FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
+    Options opts = d.opts;
+    opts.stream = s;
+    d.reset(c);
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    cudaGraph_t graph = nullptr;
+    FA_CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    std::size_t ws_captured = 0;
+    EXPECT_NO_THROW(ws_captured = kvcache_workspace_size(d.args, opts));
+    EXPECT_NO_THROW(kvcache_forward(d.args, d.out->view(), d.lse->view(), opts, {ws, ws_bytes}));
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FA_CUDA_OK(cudaStreamIsCapturing(s, &status));
+    EXPECT_EQ(status, cudaStreamCaptureStatusActive) << "the capture was invalidated";
+    FA_CUDA_OK(cudaStreamEndCapture(s, &graph));
+    EXPECT_LE(ws_captured, ws_bytes);
+    EXPECT_EQ(ws_captured == 0, takes_clusters(c, 12, dev, sms)) << "workspace " << ws_captured;
+    cudaGraphExec_t exec;
+    FA_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    FA_CUDA_OK(cudaGraphLaunch(exec, s));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor out_graph = c.out, lse_graph = c.lse;
+    d.out->download(out_graph);
+    d.lse->download(lse_graph);
+    d.reset(c);
+    FA_CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_NO_THROW(kvcache_forward(d.args, d.out->view(), d.lse->view(), opts, {ws, ws_bytes}));
+    FA_CUDA_OK(cudaStreamSynchronize(s));
+    HostTensor out_direct = c.out, lse_direct = c.lse;
+    d.out->download(out_direct);
+    d.lse->download(lse_direct);
+    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
+    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
+    c.out = out_graph;
+    c.lse = lse_graph;
+    expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
+    FA_CUDA_OK(cudaGraphExecDestroy(exec));
+    FA_CUDA_OK(cudaGraphDestroy(graph));
+    cudaFree(ws);
+  }
+  cudaStreamDestroy(s);
 }
 
 // The split merge counts the splits' arrivals in the caller's workspace (decode_launch.hpp:
@@ -302,7 +531,7 @@ TEST(CudaKVCache, SplitMergeIgnoresWhatTheWorkspaceHeld) {
   KVCacheConfig fa = decode_step_config();
   fa.cache_lens = {2999, 1500, 1};
   KVCacheCase a = KVCacheCase::make(rng, fa);
-  a.num_splits = 11;  // above kMaxClusterSplits: the workspace merge on sm90 too
+  a.num_splits = 11;  // 24 units x 11 splits: more blocks than SMs, the workspace merge on sm90 too
   KVCacheConfig fb = fa;  // another shape over the same workspace: 2 row chunks per KV head
   fb.dtype = DType::kFloat16;
   fb.batch = 2;
@@ -312,7 +541,7 @@ TEST(CudaKVCache, SplitMergeIgnoresWhatTheWorkspaceHeld) {
   fb.cache_lens = {2000, 777};
   fb.block_size = 16;
   KVCacheCase bc = KVCacheCase::make(rng, fb);
-  bc.num_splits = 13;
+  bc.num_splits = 17;  // above kMaxClusterSplits (16): the workspace merge on sm90 too
   SCOPED_TRACE(describe_case(a) + " / " + describe_case(bc));
   DeviceCase da(a), db(bc);
   const std::size_t wa = kvcache_workspace_size(da.args, da.opts), wb = kvcache_workspace_size(db.args, db.opts);

@@ -1,5 +1,5 @@
 // The split-KV merge of the decode kernel, in two forms. With a thread-block cluster per row
-// chunk (sm90, up to 8 splits: merge_cluster_rows, below) the partials stay in the blocks'
+// chunk (sm90, up to 16 splits: merge_cluster_rows, below) the partials stay in the blocks'
 // shared memory. Else each split of a row chunk writes fp32 partial O
 // and lse to a workspace, counts itself in the chunk's arrival counter (arrive_split; the
 // counters are zeroed in the call's stream before the launch), and the last split to
@@ -124,32 +124,39 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, const SplitA
 // (columns < width), then lse [kRows]. Between two cluster barriers (the first makes every
 // block's partials visible, the second keeps every block's shared memory alive until the
 // others have read it), block `rank` merges items rank, rank + splits, ... of the chunk's
-// nr rows x width / 4 column groups, one per thread at a time: every split's lse and O
-// group, read from the blocks' shared memory together, merged as merge_split_row merges
-// (log-sum-exp, the sink once, the weights of semantics::merge_weight, summed in split
-// order), then out (and lse, by the item of column 0) stored. All threads of every block
-// call it.
+// nr rows x width / 4 column groups, one per thread at a time: every split's lse (up to
+// kMaxSplits, 16: one register each), merged as merge_split_row merges (log-sum-exp by
+// semantics::merged_lse, the sink once, the weights of semantics::merge_weight), then the
+// O groups kGroup (8) splits at a time, a group's loads in flight together (the first
+// group's with the lse loads), summed in split order: the same sum, in the same order, as
+// one pass over every split (the per-split O registers of a group, not of all 16 splits);
+// then out (and lse, by the item of column 0) stored. All threads of every block call it.
 template <int kRows, int kHeadDim, int kThreads, int kMaxSplits>
 __device__ __forceinline__ void merge_cluster_rows(const FwdParams& p, const float* part, int splits, int rank,
                                                    bool out_bf16, int width, int b, int g_kv, int h_ratio, int r0,
                                                    int nr, int tid) {
+  constexpr int kGroup = kMaxSplits < 8 ? kMaxSplits : 8;
+  static_assert(kMaxSplits % kGroup == 0, "whole groups of splits");
   cluster_sync_all();  // every split's partials are in its block's shared memory
   const std::uint32_t base = static_cast<std::uint32_t>(__cvta_generic_to_shared(part));
   const int groups = width / 4;
   const int items = nr * groups;
   for (int it = rank + splits * tid; it < items; it += splits * kThreads) {
     const int rr = it / groups, c = (it - rr * groups) * 4;
+    const std::uint32_t lse_at = static_cast<std::uint32_t>((kRows * kHeadDim + rr) * 4);
+    const std::uint32_t o_at = static_cast<std::uint32_t>((rr * kHeadDim + c) * 4);
+    // Split s's O group, zero past `splits`.
+    auto load_o = [&](int s) {
+      return s < splits ? ld_cluster_f32x4(cluster_map(base, static_cast<std::uint32_t>(s)) + o_at)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
     float ls[kMaxSplits];
-    float4 v[kMaxSplits];
+    float4 v[kGroup];
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s) {
       ls[s] = -INFINITY;
-      v[s] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (s < splits) {
-        const std::uint32_t peer = cluster_map(base, static_cast<std::uint32_t>(s));
-        ls[s] = ld_cluster_f32(peer + static_cast<std::uint32_t>((kRows * kHeadDim + rr) * 4));
-        v[s] = ld_cluster_f32x4(peer + static_cast<std::uint32_t>((rr * kHeadDim + c) * 4));
-      }
+      if (s < splits) ls[s] = ld_cluster_f32(cluster_map(base, static_cast<std::uint32_t>(s)) + lse_at);
+      if (s < kGroup) v[s] = load_o(s);
     }
     float lse = semantics::merged_lse(ls, kMaxSplits, 1);  // the unused splits' -inf add nothing
     const int r = r0 + rr;
@@ -158,9 +165,18 @@ __device__ __forceinline__ void merge_cluster_rows(const FwdParams& p, const flo
     if (c == 0 && p.lse) p.lse[p.lse_offset(b, h) + i] = lse;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {
-      const float w = s < splits && lse != -INFINITY ? semantics::merge_weight(ls[s], lse) : 0.0f;
-      if (w != 0.0f) acc.x += w * v[s].x, acc.y += w * v[s].y, acc.z += w * v[s].z, acc.w += w * v[s].w;
+    for (int s0 = 0; s0 < kMaxSplits; s0 += kGroup) {
+      if (s0 >= splits) break;
+      if (s0 > 0) {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) v[k] = load_o(s0 + k);
+      }
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        const int s = s0 + k;
+        const float w = s < splits && lse != -INFINITY ? semantics::merge_weight(ls[s], lse) : 0.0f;
+        if (w != 0.0f) acc.x += w * v[k].x, acc.y += w * v[k].y, acc.z += w * v[k].z, acc.w += w * v[k].w;
+      }
     }
     auto* out = static_cast<std::uint16_t*>(p.out) + p.o_offset(b) + std::int64_t(i) * p.o_row_stride +
                 std::int64_t(h) * p.o_head_stride + c;

@@ -45,6 +45,18 @@ constexpr int kMinTilesPerSplit = 4;
 constexpr int kMinTilesPerClusterSplit = 2;
 constexpr int kMaxTilesPerClusterSplit = 8;       // grids of at most half the SMs
 constexpr int kMaxTilesPerClusterSplitFull = 32;  // larger ones
+// Clusters above the portable 8 splits (Hopper's non-portable sizes, up to
+// kMaxClusterSplits = 16; issue 23): a grid that fills more than half the SMs at one block
+// per SM takes up to 16 cluster splits of kMinTilesPerWideClusterSplit ..
+// kMaxTilesPerWideClusterSplit tiles where the device holds all its clusters at once.
+// Measured on the H100 (C++ decode bench, batch 1, dense bf16, 32 / 8 heads, d 128, two
+// rounds, one call; scripts/decode_cl16_gpu.sh), µs per step, 16 cluster splits against
+// the former plan: 4k 17.1 against 18.2-18.4 (8 cluster splits of 8 tiles), 8k 23.3-23.4
+// against 25.9-26.2 (32 workspace splits), 16k 34.9-35.0 against 36.8-37.9; 2k 14.1-14.2
+// against 13.9 (8 cluster splits of 4 tiles: kept), 32k 57.7-58.1 against 57.5-57.6 (32
+// tiles a split: the workspace plan kept).
+constexpr int kMinTilesPerWideClusterSplit = 4;
+constexpr int kMaxTilesPerWideClusterSplit = 16;
 // The split heuristic (num_splits = 0) fills the block slots (SMs x blocks per SM) with
 // (sequence, KV head, row chunk, split) blocks in one wave, with at most kMaxWaveSplits
 // splits: the last split's merge of every partial grows with the count. Issue 23's sweep on
@@ -190,6 +202,29 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   }
 }
 
+// Whether `clusters` clusters of `splits` blocks of the call's decode kernel (t8, small)
+// can all be resident at once: the portable sizes (<= 8) always (the plan keeps a block per
+// SM), 9..kMaxClusterSplits by the device's answer (decode_max_active_clusters: cached per
+// device, kernel and size; no device work, safe under graph capture).
+bool clusters_fit(const FwdParams& p, bool t8, bool small, std::int64_t splits, std::int64_t clusters) {
+  if (splits <= kMaxPortableClusterSplits) return true;
+  if (splits > kMaxClusterSplits) return false;
+  const bool fp8 = p.kv_dtype == DType::kFloat8E4M3;
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  const int n = static_cast<int>(splits);
+  const int dev = p.device_index;
+#define FLASHATTN_DECODE_CLUSTERS(D)                                                   \
+  if (p.d <= D) {                                                                      \
+    const int active = fp8    ? decode_fp8_max_active_clusters<D>(dev, t8, small, n)  \
+                       : bf16 ? decode_max_active_clusters<D, __nv_bfloat16>(dev, t8, small, n) \
+                              : decode_max_active_clusters<D, __half>(dev, t8, small, n);       \
+    return active >= clusters;                                                         \
+  }
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_CLUSTERS)
+#undef FLASHATTN_DECODE_CLUSTERS
+  return false;
+}
+
 // smem_limit <= 0: not resolved (no limit; the dispatch always resolves it).
 TileFacts tile_facts(int d, bool fp8, bool t8, int smem_limit) {
   const int limit = smem_limit > 0 ? smem_limit : std::numeric_limits<int>::max();
@@ -252,23 +287,34 @@ DecodePlan plan_decode(const FwdParams& p) {
     s = std::min<std::int64_t>(s, std::max<std::int64_t>(1, max_tiles / kMinTilesPerSplit));
     splits = static_cast<int>(std::clamp<std::int64_t>(s, 1, kMaxSplits));
     // A small grid on sm90 with few key tiles: as many cluster splits (of at least
-    // kMinTilesPerClusterSplit tiles) as one block per SM allows, where each split then
+    // kMinTilesPerClusterSplit tiles, at most 8) as one block per SM allows, where each split then
     // has at most kMaxTilesPerClusterSplit tiles (the long cap where the grid fills more
     // than half the SMs); the cluster merge costs less than the workspace's, so splits of
     // two tiles pay.
+    // Before it, a grid filling more than half the SMs takes more than 8 (up to 16) cluster
+    // splits of kMinTilesPerWideClusterSplit .. kMaxTilesPerWideClusterSplit tiles where
+    // the device holds its clusters (batch 1 at 4k .. 16k).
     if (clusters) {
-      const std::int64_t s_cl = std::min<std::int64_t>(
-          {std::int64_t{kMaxClusterSplits}, sms / units, std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit)});
+      const std::int64_t s_cl = std::min<std::int64_t>({std::int64_t{kMaxPortableClusterSplits}, sms / units,
+                                                        std::max<std::int64_t>(1, max_tiles / kMinTilesPerClusterSplit)});
       const std::int64_t cap = 2 * units * s_cl > sms ? kMaxTilesPerClusterSplitFull : kMaxTilesPerClusterSplit;
-      if (s_cl >= 2 && max_tiles <= cap * s_cl) splits = static_cast<int>(s_cl);
+      const std::int64_t s_wide = std::min<std::int64_t>({std::int64_t{kMaxClusterSplits}, sms / units,
+                                                          std::max<std::int64_t>(1, max_tiles / kMinTilesPerWideClusterSplit)});
+      if (s_wide > kMaxPortableClusterSplits && 2 * units * s_wide > sms &&
+          max_tiles <= kMaxTilesPerWideClusterSplit * s_wide && clusters_fit(p, use_t8(p), tf.small, s_wide, units)) {
+        splits = static_cast<int>(s_wide);
+      } else if (s_cl >= 2 && max_tiles <= cap * s_cl) {
+        splits = static_cast<int>(s_cl);
+      }
     }
   }
   plan.splits = std::max(1, splits);
   // The cluster merge where every block of the grid can have an SM of its own (a cluster's
   // blocks run on one GPC together; a grid that does not fit so measured slower with
-  // clusters on the H100: batch 8, 6 splits, 1610 against 1398 us at 128k).
+  // clusters on the H100: batch 8, 6 splits, 1610 against 1398 us at 128k), above 8 splits
+  // where the device also holds all the grid's clusters (units of them) at once.
   plan.cluster = clusters && plan.splits >= 2 && plan.splits <= kMaxClusterSplits &&
-                 units * plan.splits <= sms;
+                 units * plan.splits <= sms && clusters_fit(p, use_t8(p), tf.small, plan.splits, units);
   if (plan.splits > 1 && !plan.cluster) {
     const std::size_t partial_rows =
         std::size_t(plan.splits) * std::size_t(p.batch) * std::size_t(p.h_q) * std::size_t(p.seqlen_q);
@@ -346,6 +392,26 @@ bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept {
 bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept {
   if (!supports_head_dim(d)) return false;
   return decode_fits(d, fp8_cache, smem_limit) || (!fp8_cache && !tree_mask);
+}
+
+bool decode_clusters_fit(int device, int d, bool bf16, bool fp8_cache, int packed_rows, int splits, int clusters,
+                         int smem_limit) noexcept {
+  if (!supports_head_dim(d) || splits < 2 || splits > sm80::kMaxClusterSplits) return false;
+  if (sm80::cc_major(device) < 9) return false;
+  try {
+    FwdParams p;
+    p.d = p.d_v = d;
+    p.dtype = bf16 ? DType::kBFloat16 : DType::kFloat16;
+    p.kv_dtype = fp8_cache ? DType::kFloat8E4M3 : p.dtype;
+    p.seqlen_q = 1;
+    p.h_ratio = packed_rows;
+    p.device_index = device;
+    const bool t8 = sm80::use_t8(p);
+    const sm80::TileFacts tf = sm80::tile_facts(d, fp8_cache, t8, smem_limit);
+    return tf.fits && sm80::clusters_fit(p, t8, tf.small, splits, clusters);
+  } catch (...) {
+    return false;
+  }
 }
 
 }  // namespace flashattn::detail::cuda

@@ -11,8 +11,9 @@ struct DecodePlan {
   bool use = false;  // the call takes the decode kernel
   bool small = false;  // its small configuration (decode_launch.hpp: fewer stages, 99 KiB)
   int splits = 1;
-  // sm90 with 2..kMaxClusterSplits splits: merged within a thread-block cluster through
-  // shared memory (DecodeArgs::cluster), no workspace.
+  // sm90 with 2..kMaxClusterSplits (16) splits: merged within a thread-block cluster through
+  // shared memory (DecodeArgs::cluster), no workspace; above 8 only where the device holds
+  // every cluster of the grid at once (decode_max_active_clusters).
   bool cluster = false;
   int row_chunks = 1;
   std::size_t o_bytes = 0;          // partial O, at workspace offset 0
@@ -22,7 +23,8 @@ struct DecodePlan {
   std::size_t counter_offset() const { return o_bytes + lse_bytes; }
 };
 
-// A pure function of p's shapes and bounds and p.smem_limit (never device memory): the
+// A pure function of p's shapes and bounds, p.smem_limit and the device's cached
+// cluster occupancy (never device memory): the
 // workspace sizing (dispatch.cu: forward_workspace_size) resolves p.smem_limit as the call
 // does, so both see the same plan. A KV-cache call that no decode configuration within
 // p.smem_limit fits (16-bit K/V at d >= 160 on a 99 KiB GPU) is left to the fused forward

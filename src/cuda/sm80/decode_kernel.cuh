@@ -34,7 +34,8 @@
 // The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
 // decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
 // and with splits > 1 the split-KV merge (collective/split_kv_merge.cuh), one launch per
-// call: on sm90 with up to 8 splits a row chunk's splits are one thread-block cluster and
+// call: on sm90 with up to 8 splits (16 where the device holds the grid's clusters at
+// once: decode_dispatch.cu) a row chunk's splits are one thread-block cluster and
 // merge through each other's shared memory (no workspace, no arrival counter); else the
 // last split of each row chunk to finish merges the partials in the workspace. The launch
 // is decode_run.cuh.

@@ -82,8 +82,11 @@ template <int kHeadDim, bool kFp8, bool kT8>
 inline constexpr bool kDecodeHasSmall =
     DecodeTraits<kHeadDim, kFp8, kT8, true>::kStages != DecodeTraits<kHeadDim, kFp8, kT8>::kStages;
 
-// The most splits the cluster merge takes (DecodeArgs::cluster): the portable cluster size.
-inline constexpr int kMaxClusterSplits = 8;
+// The most splits the cluster merge takes (DecodeArgs::cluster): up to the portable cluster
+// size (8) everywhere on sm90; above it (9..16, Hopper's non-portable cluster sizes) only
+// where the device can hold every cluster of the grid at once (decode_max_active_clusters).
+inline constexpr int kMaxPortableClusterSplits = 8;
+inline constexpr int kMaxClusterSplits = 16;
 
 // A CUtensorMap (cuda.h), kept opaque here: 128 bytes, 64-byte aligned.
 struct alignas(64) TensorMapBytes {
@@ -105,6 +108,8 @@ struct DecodeArgs {
   // sm90, 2 <= splits <= kMaxClusterSplits: a row chunk's splits are one thread-block
   // cluster (blockIdx.x = chunk * splits + split) and merge through each other's shared
   // memory after a cluster barrier (split_kv_merge.cuh: merge_cluster_rows); no workspace.
+  // Above kMaxPortableClusterSplits the launch opts the kernel into non-portable cluster
+  // sizes (decode_run.cuh).
   bool cluster = false;
   int row_chunks = 1;  // ceil(seqlen_q * h_ratio / 16)
   bool t8 = false;     // seqlen_q * h_ratio <= 8: the transposed kernel (decode_kernel.cuh)
@@ -129,5 +134,17 @@ template <int kHeadDim, typename Element>
 void run_decode(const FwdParams& p, const DecodeArgs& a, bool small);
 template <int kHeadDim>
 void run_decode_fp8(const FwdParams& p, const DecodeArgs& a, bool small);
+
+// How many clusters of `cluster` blocks (2..kMaxClusterSplits) of the decode kernel that
+// run_decode / run_decode_fp8 would launch for (a.t8, small) can be resident at once on
+// `device` (cudaOccupancyMaxActiveClusters with the kernel's block size and dynamic shared
+// memory, the kernel opted into non-portable sizes above 8); 0 where the query fails
+// (e.g. below sm90). Queried once per (device, kernel, cluster size) and cached: no
+// device synchronisation, safe during CUDA graph capture (the query itself runs under
+// cudaStreamCaptureModeRelaxed for the calling thread, as it is no stream work).
+template <int kHeadDim, typename Element>
+int decode_max_active_clusters(int device, bool t8, bool small, int cluster);
+template <int kHeadDim>
+int decode_fp8_max_active_clusters(int device, bool t8, bool small, int cluster);
 
 }  // namespace flashattn::detail::cuda::sm80

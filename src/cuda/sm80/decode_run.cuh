@@ -12,6 +12,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
+
 #include "core/params.hpp"
 #include "cuda/runtime/cuda_check.hpp"
 #include "cuda/sm80/decode_kernel.cuh"
@@ -26,6 +28,9 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   constexpr int kSmem = Tr::kSmemBytes;
   if constexpr (kSmem > 48 * 1024) {
     FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  if (a.cluster && a.splits > kMaxPortableClusterSplits) {  // Hopper's 9..16-block clusters
+    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
@@ -50,6 +55,82 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
   FLASHATTN_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, a));
+}
+
+// decode_launch.hpp: decode_max_active_clusters. One cache per kernel: the answer + 1 per
+// (device < 64, cluster size), 0 until asked (a failed query is kept as 0 clusters, so
+// that the workspace sizing and the call see the same plan). The query changes no stream
+// work: the thread's capture mode is relaxed around it (a capture in another thread or of
+// this thread's stream stays valid), the device switched to `device` and back where it
+// differs; the kernel's attributes (dynamic shared memory, non-portable cluster sizes) are
+// those launch_decode sets.
+template <int kHeadDim, typename Element, bool kFp8, bool kT8, bool kSmall>
+int max_active_clusters(int device, int cluster) {
+  if (cluster < 1 || cluster > kMaxClusterSplits) return 0;
+  static std::atomic<int> cached[64][kMaxClusterSplits + 1] = {};
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable) {
+    const int v = cached[device][cluster].load(std::memory_order_relaxed);
+    if (v > 0) return v - 1;
+  }
+  using Tr = DecodeTraits<kHeadDim, kFp8, kT8, kSmall>;
+  auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8, kSmall>;
+  constexpr int kSmem = Tr::kSmemBytes;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool relaxed = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  int n = 0;
+  bool failed = false;
+  int previous = -1;
+  if (cudaGetDevice(&previous) == cudaSuccess && (previous == device || cudaSetDevice(device) == cudaSuccess)) {
+    bool ok = kSmem <= 48 * 1024 ||
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
+    if (ok && cluster > kMaxPortableClusterSplits) {
+      ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(cluster));
+    cfg.blockDim = dim3(Tr::kThreads);
+    cfg.dynamicSmemBytes = kSmem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    if (!ok || cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+      n = 0;
+      failed = true;
+    }
+    if (previous != device) cudaSetDevice(previous);
+  } else {
+    failed = true;
+  }
+  if (failed) cudaGetLastError();  // the query's own error, not the caller's
+  if (relaxed) cudaThreadExchangeStreamCaptureMode(&mode);
+  n = n < 0 ? 0 : n;
+  if (cacheable) cached[device][cluster].store(n + 1, std::memory_order_relaxed);
+  return n;
+}
+
+template <int kHeadDim, typename Element, bool kFp8, bool kT8>
+int max_active_clusters_config(int device, bool small, int cluster) {
+  if constexpr (kDecodeHasSmall<kHeadDim, kFp8, kT8>) {
+    if (small) return max_active_clusters<kHeadDim, Element, kFp8, kT8, true>(device, cluster);
+  }
+  return max_active_clusters<kHeadDim, Element, kFp8, kT8, false>(device, cluster);
+}
+
+template <int kHeadDim, typename Element>
+int decode_max_active_clusters(int device, bool t8, bool small, int cluster) {
+  return t8 ? max_active_clusters_config<kHeadDim, Element, false, true>(device, small, cluster)
+            : max_active_clusters_config<kHeadDim, Element, false, false>(device, small, cluster);
+}
+
+template <int kHeadDim>
+int decode_fp8_max_active_clusters(int device, bool t8, bool small, int cluster) {
+  return t8 ? max_active_clusters_config<kHeadDim, __half, true, true>(device, small, cluster)
+            : max_active_clusters_config<kHeadDim, __half, true, false>(device, small, cluster);
 }
 
 // The small configuration where asked for and a kernel of its own, else the default.
@@ -87,7 +168,10 @@ void run_decode_fp8(const FwdParams& p, const DecodeArgs& a, bool small) {
 // One generated translation unit per (head dim, dtype): fp16 also holds the fp8 variant.
 #define FLASHATTN_DECODE_INSTANTIATE_fp16(D)                                                     \
   template void run_decode<D, __half>(const FwdParams&, const DecodeArgs&, bool);              \
-  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&, bool);
-#define FLASHATTN_DECODE_INSTANTIATE_bf16(D) \
-  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&, bool);
+  template void run_decode_fp8<D>(const FwdParams&, const DecodeArgs&, bool);                  \
+  template int decode_max_active_clusters<D, __half>(int, bool, bool, int);                    \
+  template int decode_fp8_max_active_clusters<D>(int, bool, bool, int);
+#define FLASHATTN_DECODE_INSTANTIATE_bf16(D)                                                \
+  template void run_decode<D, __nv_bfloat16>(const FwdParams&, const DecodeArgs&, bool); \
+  template int decode_max_active_clusters<D, __nv_bfloat16>(int, bool, bool, int);
 #define FLASHATTN_DECODE_INSTANTIATE(D, DTYPE) FLASHATTN_DECODE_INSTANTIATE_##DTYPE(D)
