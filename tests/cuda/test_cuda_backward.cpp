@@ -79,6 +79,10 @@ TEST_P(CudaBackwardFeature, MatchesOracle) {
   FA_REQUIRE_GPU();
   const Feature& f = GetParam();
   if (!detail::cuda::supports_head_dim(f.d)) GTEST_SKIP() << "head dim " << f.d << " not compiled (FLASHATTN_HEAD_DIMS)";
+  if (backward_over_cap(f.d)) {  // a 99 KiB part (FLASHATTN_SMEM_CAP): no backward above d = 160
+    expect_backward_declined(f.d);
+    return;
+  }
   FA_SEEDED_RNG(rng);
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
     DenseCase c = DenseCase::random(rng, shape_of(f.b, f.s_q, f.s_k, f.h_q, f.h_k, f.d), dtype);

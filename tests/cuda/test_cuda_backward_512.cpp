@@ -314,6 +314,9 @@ TEST(CudaBackward512More, VarlenEmptySequencesSequsedKAndQ) {
 TEST(CudaBackward512Declined, BlockSparseMask) {
   FA_REQUIRE_GPU();
   if (!built_512()) GTEST_SKIP() << "head-dim bucket 512 not in this build";
+  // Under a 99 KiB cap (FLASHATTN_SMEM_CAP) the shared-memory check declines first, naming q
+  // (the declines' own test checks that error).
+  if (backward_over_cap(512)) GTEST_SKIP() << "the 512 backward's shared memory exceeds the cap";
   FA_SEEDED_RNG(rng);
   DenseCase c = DenseCase::random(rng, Shape{1, 200, 260, 2, 1, 512}, DType::kBFloat16);
   ASSERT_NO_THROW(c.run_forward());
