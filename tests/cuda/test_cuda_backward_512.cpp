@@ -25,6 +25,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/device_mask.hpp"
 #include "cuda/device_runs.hpp"
 #include "cuda/sm80/family.hpp"
 #include "flashattn/error.hpp"
@@ -324,20 +325,9 @@ TEST(CudaBackward512Declined, BlockSparseMask) {
   c.poison_backward();
   const HostTensor dq0 = c.dq, dk0 = c.dk, dv0 = c.dv;
   DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
-  std::vector<std::unique_ptr<DeviceCopy>> held;
-  auto put = [&](const HostTensor& t) -> Tensor {
-    if (t.shape().empty()) return {};
-    held.push_back(std::make_unique<DeviceCopy>(t));
-    return held.back()->view();
-  };
+  DeviceMask dm;
   Options o = c.call_options();
-  m.apply(o);
-  o.block_sparse.mask_block_cnt = put(m.mask_cnt_t);
-  o.block_sparse.mask_block_idx = put(m.mask_idx_t);
-  if (!m.full_cnt.empty()) {
-    o.block_sparse.full_block_cnt = put(m.full_cnt_t);
-    o.block_sparse.full_block_idx = put(m.full_idx_t);
-  }
+  dm.apply(m, o);
   try {
     flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
                         dv.view(), o);

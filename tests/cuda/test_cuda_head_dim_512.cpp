@@ -21,6 +21,7 @@
 
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
+#include "cuda/device_mask.hpp"
 #include "cuda/device_runs.hpp"
 #include "cuda/sm80/tile_size.hpp"
 #include "flashattn/error.hpp"
@@ -197,20 +198,9 @@ TEST(CudaHeadDim512Declined, BlockSparseMask) {
   c.poison_forward();
   const HostTensor out0 = c.out;
   DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse);
-  std::vector<std::unique_ptr<DeviceCopy>> held;
-  auto put = [&](const HostTensor& t) -> Tensor {
-    if (t.shape().empty()) return {};
-    held.push_back(std::make_unique<DeviceCopy>(t));
-    return held.back()->view();
-  };
+  DeviceMask dm;
   Options o = c.call_options();
-  m.apply(o);
-  o.block_sparse.mask_block_cnt = put(m.mask_cnt_t);
-  o.block_sparse.mask_block_idx = put(m.mask_idx_t);
-  if (!m.full_cnt.empty()) {
-    o.block_sparse.full_block_cnt = put(m.full_cnt_t);
-    o.block_sparse.full_block_idx = put(m.full_idx_t);
-  }
+  dm.apply(m, o);
   try {
     flashattn::forward(q.view(), k.view(), v.view(), out.view(), lse.view(), o);
     ADD_FAILURE() << "a block-sparse mask accepted at d = 512";
