@@ -15,9 +15,9 @@
 //              else sm80's (logged)
 //   backward   sm90's main kernel inside the      sm80
 //              shared pipeline (workspace, D, dQ
-//              conversion) where d, d_v <= 256
-//              and sm90::bwd_unsupported is
-//              null, else sm80 (logged)
+//              conversion) where
+//              sm90::bwd_unsupported is null,
+//              else sm80 (logged)
 //
 // seqused_q (varlen) runs in every family: the kernels compute seq_len_q(b) rows, the
 // forward's remaining stored rows are written after them (collective/unused_rows.hpp), the
@@ -236,10 +236,7 @@ void backward(const BwdParams& in) {
   p.smem_limit = choice.smem_limit;
   DeviceGuard guard(p.device_index);
   if (choice.family == KernelFamily::kSm90) {
-    // Head dims above 256 (d or d_v): the sm90 backward's tiles stop at 256; the sm80
-    // family's 512 bucket runs them.
-    const char* why = std::max(p.d, p.d_v) > 256 ? "head dim above 256: the sm80 family's 512 bucket"
-                                                  : sm90::bwd_unsupported(p);
+    const char* why = sm90::bwd_unsupported(p);
     if (why == nullptr) {
       sm80::backward(p, &sm90::run_bwd_main);
       return;

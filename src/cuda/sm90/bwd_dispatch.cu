@@ -1,5 +1,6 @@
 // The sm90 backward's host side: which calls it runs, the tensor maps of a call, and the
 // configuration per head-dim bucket.
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/runtime/device_attribute.hpp"
@@ -14,7 +15,10 @@ const char* bwd_unsupported(const BwdParams& p) noexcept {
     return "not a compute capability 9.0 GPU";
   }
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) return "dtype";
-  if (p.d > 256 || p.d % 8 != 0) return "head dim";
+  // Head dims above 256 (d or d_v): the sm90 tiles stop at 256; the sm80 family's 512
+  // bucket runs them.
+  if (std::max(p.d, p.d_v) > 256) return "head dim above 256: the sm80 family's 512 bucket";
+  if (p.d % 8 != 0) return "head dim";
   if (p.d_v != p.d) return "d_v != d";
   const int smem = p.d <= 64 ? BwdHdim64::kSmemBytes : p.d <= 128 ? BwdHdim128::kSmemBytes : BwdHdim256::kSmemBytes;
   if (p.smem_limit > 0 && p.smem_limit < smem) return "shared memory limit below the sm90 tiles";
