@@ -45,37 +45,25 @@ void run(const BwdParams& p, BwdArgs& args, void* stream) {
                                    std::uint64_t(q_batches)};
   const std::uint64_t k_dims[4] = {std::uint64_t(p.d), std::uint64_t(k_rows), std::uint64_t(p.h_k),
                                    std::uint64_t(k_batches)};
-  args.tmap_q = make_tensor_map_4d(p.q, p.dtype, q_dims,
-                                   {tma_stride(q_rows, p.q_row_stride), tma_stride(p.h_q, p.q_head_stride),
-                                    tma_stride(q_batches, p.q_batch_stride)},
-                                   Cfg::kBlockM);
-  args.tmap_do = make_tensor_map_4d(p.dout, p.dtype, q_dims,
-                                    {tma_stride(q_rows, p.do_row_stride), tma_stride(p.h_q, p.do_head_stride),
-                                     tma_stride(q_batches, p.do_batch_stride)},
-                                    Cfg::kBlockM);
-  args.tmap_k = make_tensor_map_4d(p.k, p.dtype, k_dims,
-                                   {tma_stride(k_rows, p.k_row_stride), tma_stride(p.h_k, p.k_head_stride),
-                                    tma_stride(k_batches, p.k_batch_stride)},
-                                   Cfg::kBlockN);
-  args.tmap_v = make_tensor_map_4d(p.v, p.dtype, k_dims,
-                                   {tma_stride(k_rows, p.v_row_stride), tma_stride(p.h_k, p.v_head_stride),
-                                    tma_stride(k_batches, p.v_batch_stride)},
-                                   Cfg::kBlockN);
+  // A map over a [batch][heads][rows][d] tensor of 16-bit elements, from its element strides.
+  auto map = [&](const void* base, const std::uint64_t (&dims)[4], std::int64_t row_stride,
+                 std::int64_t head_stride, std::int64_t batch_stride, std::uint32_t box_rows) {
+    return make_tensor_map_4d(base, p.dtype, dims,
+                              {tma_stride(std::int64_t(dims[1]), row_stride), tma_stride(std::int64_t(dims[2]), head_stride),
+                               tma_stride(std::int64_t(dims[3]), batch_stride)},
+                              box_rows);
+  };
+  args.tmap_q = map(p.q, q_dims, p.q_row_stride, p.q_head_stride, p.q_batch_stride, Cfg::kBlockM);
+  args.tmap_do = map(p.dout, q_dims, p.do_row_stride, p.do_head_stride, p.do_batch_stride, Cfg::kBlockM);
+  args.tmap_k = map(p.k, k_dims, p.k_row_stride, p.k_head_stride, p.k_batch_stride, Cfg::kBlockN);
+  args.tmap_v = map(p.v, k_dims, p.v_row_stride, p.v_head_stride, p.v_batch_stride, Cfg::kBlockN);
   // dk, dv: TMA stores where their bases and strides are 16-byte aligned (bwd_kernel's epilogue).
   args.dkv_tma = false;
   if constexpr (Cfg::kTmaStoreDkv) {
-    if (aligned16(p.dk) && aligned16(p.dv) && tma_stride_ok(k_rows, p.dk_row_stride) &&
-        tma_stride_ok(p.h_k, p.dk_head_stride) && tma_stride_ok(k_batches, p.dk_batch_stride) &&
-        tma_stride_ok(k_rows, p.dv_row_stride) && tma_stride_ok(p.h_k, p.dv_head_stride) &&
-        tma_stride_ok(k_batches, p.dv_batch_stride)) {
-      args.tmap_dk = make_tensor_map_4d(p.dk, p.dtype, k_dims,
-                                        {tma_stride(k_rows, p.dk_row_stride), tma_stride(p.h_k, p.dk_head_stride),
-                                         tma_stride(k_batches, p.dk_batch_stride)},
-                                        64);
-      args.tmap_dv = make_tensor_map_4d(p.dv, p.dtype, k_dims,
-                                        {tma_stride(k_rows, p.dv_row_stride), tma_stride(p.h_k, p.dv_head_stride),
-                                         tma_stride(k_batches, p.dv_batch_stride)},
-                                        64);
+    if (tma_layout_ok(p.dk, k_rows, p.dk_row_stride, p.h_k, p.dk_head_stride, k_batches, p.dk_batch_stride) &&
+        tma_layout_ok(p.dv, k_rows, p.dv_row_stride, p.h_k, p.dv_head_stride, k_batches, p.dv_batch_stride)) {
+      args.tmap_dk = map(p.dk, k_dims, p.dk_row_stride, p.dk_head_stride, p.dk_batch_stride, 64);
+      args.tmap_dv = map(p.dv, k_dims, p.dv_row_stride, p.dv_head_stride, p.dv_batch_stride, 64);
       args.dkv_tma = true;
     }
   }

@@ -70,14 +70,13 @@ void run(const FwdParams& p, FwdArgs& args, void* fp8_vt = nullptr) {
   // out (16-bit): TMA stores where its base and strides are 16-byte aligned (fwd_kernel's epilogue).
   args.o_tma = false;
   if constexpr (Cfg::kTmaStore) {
-    if (aligned16(p.out) && tma_stride_ok(q_rows, p.o_row_stride) && tma_stride_ok(p.h_q, p.o_head_stride) &&
-        tma_stride_ok(q_batches, p.o_batch_stride)) {
-      args.tmap_o = make_tensor_map_4d(
-          p.out, p.dtype,
-          {std::uint64_t(p.d_v), std::uint64_t(q_rows), std::uint64_t(p.h_q), std::uint64_t(q_batches)},
-          {tma_stride(q_rows, p.o_row_stride), tma_stride(p.h_q, p.o_head_stride),
-           tma_stride(q_batches, p.o_batch_stride)},
-          64);
+    if (tma_layout_ok(p.out, q_rows, p.o_row_stride, p.h_q, p.o_head_stride, q_batches, p.o_batch_stride)) {
+      args.tmap_o = make_tensor_map_4d(p.out, p.dtype,
+                                       {std::uint64_t(p.d_v), std::uint64_t(q_rows), std::uint64_t(p.h_q),
+                                        std::uint64_t(q_batches)},
+                                       {tma_stride(q_rows, p.o_row_stride), tma_stride(p.h_q, p.o_head_stride),
+                                        tma_stride(q_batches, p.o_batch_stride)},
+                                       64);
       args.o_tma = true;
     }
   }

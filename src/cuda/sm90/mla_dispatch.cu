@@ -53,10 +53,8 @@ const char* mla_unsupported(const FwdParams& p) noexcept {
   if (p.is_varlen() && p.total_k <= 0) return "varlen without packed totals";
   const std::int64_t rows = kv_rows(p), batches = kv_batches(p);
   if (rows <= 0 || batches <= 0) return "no keys";
-  if (!aligned16(p.k) || !aligned16(p.v) || !tma_stride_ok(rows, p.k_row_stride) ||
-      !tma_stride_ok(p.h_k, p.k_head_stride) || !tma_stride_ok(batches, p.k_batch_stride) ||
-      !tma_stride_ok(rows, p.v_row_stride) || !tma_stride_ok(p.h_k, p.v_head_stride) ||
-      !tma_stride_ok(batches, p.v_batch_stride)) {
+  if (!tma_layout_ok(p.k, rows, p.k_row_stride, p.h_k, p.k_head_stride, batches, p.k_batch_stride) ||
+      !tma_layout_ok(p.v, rows, p.v_row_stride, p.h_k, p.v_head_stride, batches, p.v_batch_stride)) {
     return "K / V layout outside TMA's rules (16-byte aligned base and strides)";
   }
   return nullptr;

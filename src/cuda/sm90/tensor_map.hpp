@@ -34,4 +34,14 @@ inline bool tma_stride_ok(std::int64_t extent, std::int64_t stride_elems, int el
 // A tensor-map base address: 16-byte aligned.
 inline bool aligned16(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0; }
 
+// Whether a tensor of `rows` rows, `heads` heads and `batches` batches at base, with those
+// element strides, takes a tensor map (TMA stores and the sm90 MLA kernel's copies check
+// it; the API's layout rules cover the other maps): a 16-byte aligned base and strides
+// tma_stride_ok takes.
+inline bool tma_layout_ok(const void* base, std::int64_t rows, std::int64_t row_stride, std::int64_t heads,
+                          std::int64_t head_stride, std::int64_t batches, std::int64_t batch_stride) {
+  return aligned16(base) && tma_stride_ok(rows, row_stride) && tma_stride_ok(heads, head_stride) &&
+         tma_stride_ok(batches, batch_stride);
+}
+
 }  // namespace flashattn::detail::cuda::sm90
