@@ -21,17 +21,38 @@
 
 namespace flashattn::detail::cuda::sm80 {
 
+// The kernel attributes a launch of `cluster`-block clusters (0: none) needs: the dynamic
+// shared memory above 48 KiB, and Hopper's non-portable sizes (9..16 blocks) where asked.
+// Shared by the launch and the occupancy query (max_active_clusters), which must see the
+// kernel as the launch does.
+template <class Kernel>
+cudaError_t set_decode_attributes(Kernel kernel, int smem, int cluster) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return e;
+  }
+  if (cluster > kMaxPortableClusterSplits) {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  }
+  return cudaSuccess;
+}
+
+// The launch attribute of `splits`-block clusters along x (a row chunk's splits).
+inline cudaLaunchAttribute decode_cluster_attribute(int splits) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(splits);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 template <int kHeadDim, typename Element, bool kFp8, bool kT8, bool kSmall>
 void launch_decode(const FwdParams& p, const DecodeArgs& a) {
   using Tr = DecodeTraits<kHeadDim, kFp8, kT8, kSmall>;
   auto kernel = decode_kernel<kHeadDim, Element, kFp8, kT8, kSmall>;
   constexpr int kSmem = Tr::kSmemBytes;
-  if constexpr (kSmem > 48 * 1024) {
-    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  }
-  if (a.cluster && a.splits > kMaxPortableClusterSplits) {  // Hopper's 9..16-block clusters
-    FLASHATTN_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  }
+  FLASHATTN_CUDA_CHECK(set_decode_attributes(kernel, kSmem, a.cluster ? a.splits : 0));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(a.row_chunks * a.splits), static_cast<unsigned>(p.h_k),
                      static_cast<unsigned>(p.batch));
@@ -46,11 +67,7 @@ void launch_decode(const FwdParams& p, const DecodeArgs& a) {
     ++n_attr;
   }
   if (a.cluster) {  // a row chunk's splits in one cluster (blockIdx.x = chunk * splits + split)
-    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
-    attr[n_attr].val.clusterDim.x = static_cast<unsigned>(a.splits);
-    attr[n_attr].val.clusterDim.y = 1;
-    attr[n_attr].val.clusterDim.z = 1;
-    ++n_attr;
+    attr[n_attr++] = decode_cluster_attribute(a.splits);
   }
   cfg.attrs = attr;
   cfg.numAttrs = n_attr;
@@ -82,20 +99,12 @@ int max_active_clusters(int device, int cluster) {
   bool failed = false;
   int previous = -1;
   if (cudaGetDevice(&previous) == cudaSuccess && (previous == device || cudaSetDevice(device) == cudaSuccess)) {
-    bool ok = kSmem <= 48 * 1024 ||
-              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem) == cudaSuccess;
-    if (ok && cluster > kMaxPortableClusterSplits) {
-      ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
-    }
+    const bool ok = set_decode_attributes(kernel, kSmem, cluster) == cudaSuccess;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(cluster));
     cfg.blockDim = dim3(Tr::kThreads);
     cfg.dynamicSmemBytes = kSmem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
+    cudaLaunchAttribute attr[1] = {decode_cluster_attribute(cluster)};
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     if (!ok || cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
