@@ -26,6 +26,7 @@
 #include "core/backend.hpp"
 #include "cuda/device_copy.hpp"
 #include "cuda/device_mask.hpp"
+#include "cuda/dense_features.hpp"
 #include "cuda/device_runs.hpp"
 #include "cuda/sm80/family.hpp"
 #include "flashattn/error.hpp"
@@ -122,18 +123,7 @@ void check_dense(DenseCase& c, int smem_cap) {
   }
 }
 
-struct Dims {
-  const char* name;
-  int b, s_q, s_k, h_q, h_k, d, d_v;
-  bool causal;
-  int left, right;
-  float softcap;
-  int alibi;  // 0 off, 1 [h_q], 2 [b, h_q]
-  bool sink;
-  float dropout;
-};
-
-void PrintTo(const Dims& f, std::ostream* os) { *os << f.name; }
+using Dims = DenseFeatures;
 
 class CudaBackward512 : public ::testing::TestWithParam<Dims> {};
 
@@ -149,16 +139,7 @@ TEST_P(CudaBackward512, MatchesOracle) {
   FA_SEEDED_RNG(rng);
   for (int cap : caps()) {
     for (DType dtype : dtypes(cap)) {
-      DenseCase c = DenseCase::random(rng, Shape{f.b, f.s_q, f.s_k, f.h_q, f.h_k, f.d, f.d_v}, dtype);
-      c.opts.causal = f.causal;
-      c.opts.window_left = f.left;
-      c.opts.window_right = f.right;
-      c.opts.softcap = f.softcap;
-      c.opts.dropout_p = f.dropout;
-      c.opts.seed = rng();
-      c.opts.offset = rng();
-      if (f.alibi) c.set_alibi(random_alibi(rng, f.b, f.h_q, f.alibi == 2), f.alibi == 2);
-      if (f.sink) c.sink.set(random_sink(rng, f.h_q));
+      DenseCase c = dense_feature_case(rng, f, dtype);
       check_dense(c, cap);
     }
   }

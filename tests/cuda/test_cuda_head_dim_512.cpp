@@ -20,6 +20,7 @@
 #include <gtest/gtest.h>
 
 #include "core/backend.hpp"
+#include "cuda/dense_features.hpp"
 #include "cuda/device_copy.hpp"
 #include "cuda/device_mask.hpp"
 #include "cuda/device_runs.hpp"
@@ -45,17 +46,7 @@ bool fits_env_cap_512() {
   return cap == 0 || cap >= detail::cuda::fwd_smem_bytes(detail::cuda::fwd_tile_small(512), 512);
 }
 
-struct Dims {
-  const char* name;
-  int b, s_q, s_k, h_q, h_k, d, d_v;
-  bool causal;
-  int left, right;
-  float softcap;
-  bool alibi, sink;
-  float dropout;
-};
-
-void PrintTo(const Dims& f, std::ostream* os) { *os << f.name; }
+using Dims = DenseFeatures;
 
 class CudaHeadDim512 : public ::testing::TestWithParam<Dims> {};
 
@@ -67,16 +58,7 @@ TEST_P(CudaHeadDim512, ForwardMatchesOracle) {
   FA_SEEDED_RNG(rng);
   for (KernelFamily family : gpu_families()) {
     for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
-      DenseCase c = DenseCase::random(rng, Shape{f.b, f.s_q, f.s_k, f.h_q, f.h_k, f.d, f.d_v}, dtype);
-      c.opts.causal = f.causal;
-      c.opts.window_left = f.left;
-      c.opts.window_right = f.right;
-      c.opts.softcap = f.softcap;
-      c.opts.dropout_p = f.dropout;
-      c.opts.seed = rng();
-      c.opts.offset = rng();
-      if (f.alibi) c.set_alibi(random_alibi(rng, f.b, f.h_q, false), false);
-      if (f.sink) c.sink.set(random_sink(rng, f.h_q));
+      DenseCase c = dense_feature_case(rng, f, dtype);
       SCOPED_TRACE(std::string(family_str(family)) + " " + c.shape.str() + " " + dtype_name(dtype) + " " +
                    describe(c.call_options()));
       cuda_forward(c, family);
@@ -93,25 +75,25 @@ TEST_P(CudaHeadDim512, ForwardMatchesOracle) {
 INSTANTIATE_TEST_SUITE_P(
     Cuda, CudaHeadDim512,
     ::testing::Values(
-        Dims{"d264", 2, 77, 133, 2, 2, 264, 264, false, -1, -1, 0, false, false, 0},
-        Dims{"d320_causal_gqa4", 2, 150, 150, 4, 1, 320, 320, true, -1, -1, 0, false, false, 0},
-        Dims{"d512", 1, 131, 197, 2, 2, 512, 512, false, -1, -1, 0, false, false, 0},
-        Dims{"d512_one_row", 2, 1, 77, 2, 1, 512, 512, false, -1, -1, 0, false, false, 0},
-        Dims{"d512_causal_long_gqa2", 1, 150, 1000, 4, 2, 512, 512, true, -1, -1, 0, false, false, 0},
-        Dims{"d512_causal_sq_gt_sk", 1, 300, 90, 2, 1, 512, 512, true, -1, -1, 0, false, false, 0},
-        Dims{"d512_causal", 2, 200, 200, 2, 2, 512, 512, true, -1, -1, 0, false, false, 0},
-        Dims{"d512_window", 1, 230, 190, 2, 2, 512, 512, false, 45, 13, 0, false, false, 0},
-        Dims{"d512_dv256_window", 2, 97, 160, 2, 2, 512, 256, false, 45, -1, 0, false, false, 0},
-        Dims{"d512_dv256_causal", 1, 129, 260, 4, 2, 512, 256, true, -1, -1, 0, false, false, 0},
-        Dims{"d320_dv512_softcap", 1, 121, 187, 2, 1, 320, 512, false, -1, -1, 3.0f, false, false, 0},
-        Dims{"d192_dv512_causal_gqa2", 2, 130, 130, 4, 2, 192, 512, true, -1, -1, 0, false, false, 0},
-        Dims{"d512_dv64_alibi", 1, 100, 150, 2, 2, 512, 64, false, -1, -1, 0, true, false, 0},
-        Dims{"d512_alibi_causal", 1, 111, 111, 2, 1, 512, 512, true, -1, -1, 0, true, false, 0},
-        Dims{"d512_softcap_window", 1, 140, 170, 2, 2, 512, 512, false, 60, 20, 2.5f, false, false, 0},
-        Dims{"d512_dropout", 1, 137, 211, 2, 1, 512, 512, true, -1, -1, 0, false, false, 0.2f},
-        Dims{"d400_dv320_dropout", 1, 90, 150, 2, 2, 400, 320, false, -1, -1, 0, false, false, 0.25f},
-        Dims{"d512_sink_causal", 1, 150, 150, 4, 2, 512, 512, true, -1, -1, 0, false, true, 0},
-        Dims{"d264_dv512_sink", 1, 70, 99, 2, 1, 264, 512, false, -1, -1, 0, false, true, 0}),
+        Dims{"d264", 2, 77, 133, 2, 2, 264, 264, false, -1, -1, 0, 0, false, 0},
+        Dims{"d320_causal_gqa4", 2, 150, 150, 4, 1, 320, 320, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512", 1, 131, 197, 2, 2, 512, 512, false, -1, -1, 0, 0, false, 0},
+        Dims{"d512_one_row", 2, 1, 77, 2, 1, 512, 512, false, -1, -1, 0, 0, false, 0},
+        Dims{"d512_causal_long_gqa2", 1, 150, 1000, 4, 2, 512, 512, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512_causal_sq_gt_sk", 1, 300, 90, 2, 1, 512, 512, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512_causal", 2, 200, 200, 2, 2, 512, 512, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512_window", 1, 230, 190, 2, 2, 512, 512, false, 45, 13, 0, 0, false, 0},
+        Dims{"d512_dv256_window", 2, 97, 160, 2, 2, 512, 256, false, 45, -1, 0, 0, false, 0},
+        Dims{"d512_dv256_causal", 1, 129, 260, 4, 2, 512, 256, true, -1, -1, 0, 0, false, 0},
+        Dims{"d320_dv512_softcap", 1, 121, 187, 2, 1, 320, 512, false, -1, -1, 3.0f, 0, false, 0},
+        Dims{"d192_dv512_causal_gqa2", 2, 130, 130, 4, 2, 192, 512, true, -1, -1, 0, 0, false, 0},
+        Dims{"d512_dv64_alibi", 1, 100, 150, 2, 2, 512, 64, false, -1, -1, 0, 1, false, 0},
+        Dims{"d512_alibi_causal", 1, 111, 111, 2, 1, 512, 512, true, -1, -1, 0, 1, false, 0},
+        Dims{"d512_softcap_window", 1, 140, 170, 2, 2, 512, 512, false, 60, 20, 2.5f, 0, false, 0},
+        Dims{"d512_dropout", 1, 137, 211, 2, 1, 512, 512, true, -1, -1, 0, 0, false, 0.2f},
+        Dims{"d400_dv320_dropout", 1, 90, 150, 2, 2, 400, 320, false, -1, -1, 0, 0, false, 0.25f},
+        Dims{"d512_sink_causal", 1, 150, 150, 4, 2, 512, 512, true, -1, -1, 0, 0, true, 0},
+        Dims{"d264_dv512_sink", 1, 70, 99, 2, 1, 264, 512, false, -1, -1, 0, 0, true, 0}),
     [](const ::testing::TestParamInfo<Dims>& info) { return std::string(info.param.name); });
 
 // Varlen: causal with GQA, empty sequences and seqused_k at (320, 512); seqused_q at 512 (the
