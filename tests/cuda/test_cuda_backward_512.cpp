@@ -123,6 +123,29 @@ void check_dense(DenseCase& c, int smem_cap) {
   }
 }
 
+// The dense backward of c under o (its inputs and poisoned gradients copied to the device)
+// must throw Unsupported with every one of `parts` in its message and write no gradient;
+// `ran` is the failure when it does not throw.
+void expect_dense_backward_unsupported(DenseCase& c, const Options& o, const std::vector<std::string>& parts,
+                                       const char* ran) {
+  c.poison_backward();
+  const HostTensor dq0 = c.dq, dk0 = c.dk, dv0 = c.dv;
+  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
+  try {
+    flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
+                        dv.view(), o);
+    ADD_FAILURE() << ran;
+  } catch (const Unsupported& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+  }
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  dq.download(c.dq);
+  dk.download(c.dk);
+  dv.download(c.dv);
+  EXPECT_TRUE(c.dq.bitwise_equal(dq0) && c.dk.bitwise_equal(dk0) && c.dv.bitwise_equal(dv0))
+      << "gradients written by a declined backward";
+}
+
 using Dims = DenseFeatures;
 
 class CudaBackward512 : public ::testing::TestWithParam<Dims> {};
@@ -303,27 +326,12 @@ TEST(CudaBackward512Declined, BlockSparseMask) {
   DenseCase c = DenseCase::random(rng, Shape{1, 200, 260, 2, 1, 512}, DType::kBFloat16);
   ASSERT_NO_THROW(c.run_forward());
   const HostBlockMask m = random_mask(rng, 1, 2, 200, 260, 128, 128, false, false, 0.5, true);
-  c.poison_backward();
-  const HostTensor dq0 = c.dq, dk0 = c.dk, dv0 = c.dv;
-  DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
   DeviceMask dm;
   Options o = c.call_options();
   dm.apply(m, o);
-  try {
-    flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
-                        dv.view(), o);
-    ADD_FAILURE() << "a block-sparse backward accepted at d = 512";
-  } catch (const Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'opts.block_sparse'"));
-    EXPECT_THAT(e.what(), HasSubstr("head dims above 256"));
-    EXPECT_THAT(e.what(), HasSubstr("d = 512, d_v = 512"));
-  }
-  FA_CUDA_OK(cudaDeviceSynchronize());
-  dq.download(c.dq);
-  dk.download(c.dk);
-  dv.download(c.dv);
-  EXPECT_TRUE(c.dq.bitwise_equal(dq0) && c.dk.bitwise_equal(dk0) && c.dv.bitwise_equal(dv0))
-      << "gradients written by a declined backward";
+  expect_dense_backward_unsupported(
+      c, o, {"argument 'opts.block_sparse'", "head dims above 256", "d = 512, d_v = 512"},
+      "a block-sparse backward accepted at d = 512");
 }
 
 // 99 KiB of shared memory per block (sm86 / sm89; opts.smem_cap here): no 512 tile, an
@@ -342,29 +350,16 @@ TEST(CudaBackward512Declined, SmallSharedMemory) {
   for (const Pair& pr : {Pair{512, 512}, Pair{320, 128}, Pair{128, 264}}) {
     DenseCase c = DenseCase::random(rng, Shape{1, 40, 50, 2, 1, pr.d, pr.d_v}, DType::kBFloat16);
     ASSERT_NO_THROW(c.run_forward());
-    c.poison_backward();
-    const HostTensor dq0 = c.dq, dk0 = c.dk, dv0 = c.dv;
-    DeviceCopy q(c.q), k(c.k), v(c.v), out(c.out), lse(c.lse), dout(c.dout), dq(c.dq), dk(c.dk), dv(c.dv);
     Options o = c.call_options();
     o.smem_cap = 101376;
     SCOPED_TRACE("d " + std::to_string(pr.d) + ", d_v " + std::to_string(pr.d_v));
-    try {
-      flashattn::backward(dout.view(), q.view(), k.view(), v.view(), out.view(), lse.view(), dq.view(), dk.view(),
-                          dv.view(), o);
-      ADD_FAILURE() << "the 512 backward ran within 99 KiB of shared memory";
-    } catch (const Unsupported& e) {
-      EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
-      EXPECT_THAT(e.what(), HasSubstr("at least " + std::to_string(need) +
-                                      " bytes of shared memory per block for the backward at head dim " +
-                                      std::to_string(std::max(pr.d, pr.d_v))));
-      EXPECT_THAT(e.what(), HasSubstr("got 101376 bytes"));
-    }
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    dq.download(c.dq);
-    dk.download(c.dk);
-    dv.download(c.dv);
-    EXPECT_TRUE(c.dq.bitwise_equal(dq0) && c.dk.bitwise_equal(dk0) && c.dv.bitwise_equal(dv0))
-        << "gradients written by a declined backward";
+    expect_dense_backward_unsupported(
+        c, o,
+        {"argument 'q'",
+         "at least " + std::to_string(need) + " bytes of shared memory per block for the backward at head dim " +
+             std::to_string(std::max(pr.d, pr.d_v)),
+         "got 101376 bytes"},
+        "the 512 backward ran within 99 KiB of shared memory");
   }
   VarlenCase c = VarlenCase::make(rng, {0, 30, 75}, {0, 40, 90}, 2, 1, 512, DType::kFloat16);
   ASSERT_NO_THROW(c.run_forward());
