@@ -190,6 +190,10 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   const int box_rows = p.block_table ? std::gcd(p.block_size, tf.block_n) : tf.block_n;
   if (box_rows < 8) return;
   const int elem = p.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
+  // A 128-byte segment of the bucket's key rows wholly past d (a d whose own bucket this
+  // build lacks: d = 64 in bucket 128): cp.async, which zero-fills it, rather than a tensor
+  // copy of a box that lies wholly outside the map.
+  if (p.d * elem <= (tf.segs - 1) * 128) return;
   a.box_rows = box_rows;
   const int rk = encode_kv_map(p, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, elem, tf.seg_elems,
                                tf.segs, box_rows, a.k_map);
