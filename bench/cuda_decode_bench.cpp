@@ -1,5 +1,5 @@
 // Decode throughput of the CUDA KV-cache path (issue 4): bf16, batch 8, 32 query heads
-// over 8 KV heads, hdim 128, one query token, contexts 4k / 32k / 128k; dense, paged
+// over 8 KV heads, hdim 128 (BENCH_HEAD_DIM), one query token, contexts 4k / 32k / 128k; dense, paged
 // (block sizes 16 and 256, shuffled block tables) and an fp8 e4m3 cache (per-head scales);
 // then one 200k-token sequence: prefill through kvcache_forward (the whole sequence
 // appended into an empty cache, causal) and a decode step at 200k keys (time, memory).
@@ -17,7 +17,8 @@
 // Environment: BENCH_ONLY ("grid": the grid without the long context; a configuration
 // name, or a comma list of names / name:context run in that order, e.g.
 // "paged16:4096,dense:4096"), BENCH_SPLITS (num_splits for every call; default 0),
-// BENCH_BATCH (sequences per call, default 8; 64 with BENCH_MLA), BENCH_MLA=1 (instead of the
+// BENCH_BATCH (sequences per call, default 8; 64 with BENCH_MLA), BENCH_HEAD_DIM (the head
+// dim of every mode but BENCH_MLA, default 128; e.g. 512), BENCH_MLA=1 (instead of the
 // grid: MLA decode with qv, DeepSeek-V3's shape, run_mla), BENCH_SWEEP=1 (instead of the grid: dense
 // bf16 decode at batch 1 / 8 / 64 x contexts 1k .. 128k; BENCH_SWEEP_BATCHES, a comma list,
 // narrows the batches, BENCH_SWEEP_CONTEXTS the contexts; BENCH_SWEEP_SPLITS, a comma list of
@@ -76,7 +77,10 @@ using flashattn::Device;
 using flashattn::DType;
 using flashattn::Tensor;
 
-constexpr int kHq = 32, kHk = 8, kD = 128;
+constexpr int kHq = 32, kHk = 8;
+// Head dim of q, K and V: 128, or BENCH_HEAD_DIM (a multiple of 16 up to 512; above 256 the
+// decode kernel's 512 bucket).
+int g_d = 128;
 // Sequences per call: 8, or BENCH_BATCH; the sweep (BENCH_SWEEP=1) sets it per point.
 int g_batch = 8;
 // Query tokens per call (BENCH_SPEC: 1, or the drafts verified in one call, causal) and
@@ -208,7 +212,7 @@ bool verify_splits(cudaStream_t stream) {
   std::uniform_real_distribution<float> uni(-1.0f, 1.0f);
   for (int b : {1, 8}) {
     for (int ctx : {1000, 4096}) {
-      const std::size_t n_q = std::size_t(b) * kHq * kD, n_kv = std::size_t(b) * ctx * kHk * kD;
+      const std::size_t n_q = std::size_t(b) * kHq * g_d, n_kv = std::size_t(b) * ctx * kHk * g_d;
       std::vector<std::uint16_t> hq(n_q), hk(n_kv), hv(n_kv);
       for (auto& x : hq) x = flashattn::float_to_bf16(uni(rng));
       for (auto& x : hk) x = flashattn::float_to_bf16(uni(rng));
@@ -221,14 +225,14 @@ bool verify_splits(cudaStream_t stream) {
       for (int i = 0; i < b; ++i) hl[i] = ctx - 37 * i;  // unequal lengths
       upload_ints(lens, hl);
       flashattn::KVCacheArgs a;
-      a.q = Tensor::contiguous(q.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
-      a.k_cache = Tensor::contiguous(k.p, DType::kBFloat16, {b, ctx, kHk, kD}, dev);
-      a.v_cache = Tensor::contiguous(v.p, DType::kBFloat16, {b, ctx, kHk, kD}, dev);
+      a.q = Tensor::contiguous(q.p, DType::kBFloat16, {b, 1, kHq, g_d}, dev);
+      a.k_cache = Tensor::contiguous(k.p, DType::kBFloat16, {b, ctx, kHk, g_d}, dev);
+      a.v_cache = Tensor::contiguous(v.p, DType::kBFloat16, {b, ctx, kHk, g_d}, dev);
       a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {b}, dev);
       flashattn::Options opts;
       opts.stream = stream;
-      const Tensor ts = Tensor::contiguous(o_split.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
-      const Tensor t1 = Tensor::contiguous(o_one.p, DType::kBFloat16, {b, 1, kHq, kD}, dev);
+      const Tensor ts = Tensor::contiguous(o_split.p, DType::kBFloat16, {b, 1, kHq, g_d}, dev);
+      const Tensor t1 = Tensor::contiguous(o_one.p, DType::kBFloat16, {b, 1, kHq, g_d}, dev);
       a.num_splits = 0;
       Buffer ws(flashattn::kvcache_workspace_size(a, opts));
       a.num_splits = 1;
@@ -275,13 +279,13 @@ bool verify_splits(cudaStream_t stream) {
 
 Result run_decode(const Config& cfg, cudaStream_t stream) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
-  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
+  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * g_d * 2 * elem;
   const int n_caches = cache_count(kv_bytes);
   struct Cache {
     std::unique_ptr<Buffer> k, v, table;
     flashattn::KVCacheArgs args;
   };
-  Buffer q(std::size_t(g_batch) * g_sq * kHq * kD * 2), out(std::size_t(g_batch) * g_sq * kHq * kD * 2);
+  Buffer q(std::size_t(g_batch) * g_sq * kHq * g_d * 2), out(std::size_t(g_batch) * g_sq * kHq * g_d * 2);
   Buffer lens(g_batch * sizeof(int)), scales(kHk * sizeof(float));
   upload_ints(lens, std::vector<int>(g_batch, cfg.ctx));
   // A draft tree (g_tree): draft t hangs under a random earlier draft or the context; query
@@ -314,7 +318,7 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     c.k = std::make_unique<Buffer>(kv_bytes / 2);
     c.v = std::make_unique<Buffer>(kv_bytes / 2);
     auto& a = c.args;
-    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, g_sq, kHq, kD}, dev);
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, g_sq, kHq, g_d}, dev);
     a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {g_batch}, dev);
     if (g_tree) a.tree_mask = Tensor::contiguous(tree.p, DType::kInt32, {g_batch, g_sq, mask_words}, dev);
     if (cfg.block_size > 0) {
@@ -324,12 +328,12 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
       std::shuffle(ids.begin(), ids.end(), rng);
       c.table = std::make_unique<Buffer>(ids.size() * sizeof(int));
       upload_ints(*c.table, ids);
-      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
-      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {blocks, cfg.block_size, kHk, g_d}, dev);
+      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {blocks, cfg.block_size, kHk, g_d}, dev);
       a.block_table = Tensor::contiguous(c.table->p, DType::kInt32, {g_batch, per_seq}, dev);
     } else {
-      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
-      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
+      a.k_cache = Tensor::contiguous(c.k->p, kv_dtype, {g_batch, cfg.ctx, kHk, g_d}, dev);
+      a.v_cache = Tensor::contiguous(c.v->p, kv_dtype, {g_batch, cfg.ctx, kHk, g_d}, dev);
     }
     if (cfg.fp8) {
       a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
@@ -346,7 +350,7 @@ Result run_decode(const Config& cfg, cudaStream_t stream) {
     BENCH_CHECK(cudaMemcpy(sink.p, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
     opts.learnable_sink = Tensor::contiguous(sink.p, DType::kFloat32, {kHq}, dev);
   }
-  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, g_sq, kHq, kD}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, g_sq, kHq, g_d}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   const std::size_t ws_bytes = flashattn::kvcache_workspace_size(caches[0].args, opts);
   Buffer ws(ws_bytes);
@@ -440,11 +444,11 @@ struct EagerResult {
 
 EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
   const std::size_t elem = cfg.fp8 ? 1 : 2;
-  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * kD * 2 * elem;
+  const std::size_t kv_bytes = std::size_t(g_batch) * cfg.ctx * kHk * g_d * 2 * elem;
   const DType kv_dtype = cfg.fp8 ? DType::kFloat8E4M3 : DType::kBFloat16;
   const Device dev = Device::cuda(0);
-  Buffer q(std::size_t(g_batch) * kHq * kD * 2), out(std::size_t(g_batch) * kHq * kD * 2);
-  Buffer kn(std::size_t(g_batch) * kHk * kD * 2), vn(std::size_t(g_batch) * kHk * kD * 2);
+  Buffer q(std::size_t(g_batch) * kHq * g_d * 2), out(std::size_t(g_batch) * kHq * g_d * 2);
+  Buffer kn(std::size_t(g_batch) * kHk * g_d * 2), vn(std::size_t(g_batch) * kHk * g_d * 2);
   Buffer k(kv_bytes / 2), v(kv_bytes / 2), scales(kHk * sizeof(float));
   {
     std::vector<float> s(kHk, 0.02f);
@@ -460,9 +464,9 @@ EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
   }
   std::unique_ptr<Buffer> table;
   flashattn::KVCacheArgs a;
-  a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
-  a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {g_batch, 1, kHk, kD}, dev);
-  a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {g_batch, 1, kHk, kD}, dev);
+  a.q = Tensor::contiguous(q.p, DType::kBFloat16, {g_batch, 1, kHq, g_d}, dev);
+  a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {g_batch, 1, kHk, g_d}, dev);
+  a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {g_batch, 1, kHk, g_d}, dev);
   if (cfg.block_size > 0) {
     const int per_seq = cfg.ctx / cfg.block_size, blocks = per_seq * g_batch;
     std::vector<int> ids(blocks);
@@ -471,12 +475,12 @@ EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
     std::shuffle(ids.begin(), ids.end(), rng);
     table = std::make_unique<Buffer>(ids.size() * sizeof(int));
     upload_ints(*table, ids);
-    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
-    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {blocks, cfg.block_size, kHk, kD}, dev);
+    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {blocks, cfg.block_size, kHk, g_d}, dev);
+    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {blocks, cfg.block_size, kHk, g_d}, dev);
     a.block_table = Tensor::contiguous(table->p, DType::kInt32, {g_batch, per_seq}, dev);
   } else {
-    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
-    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {g_batch, cfg.ctx, kHk, kD}, dev);
+    a.k_cache = Tensor::contiguous(k.p, kv_dtype, {g_batch, cfg.ctx, kHk, g_d}, dev);
+    a.v_cache = Tensor::contiguous(v.p, kv_dtype, {g_batch, cfg.ctx, kHk, g_d}, dev);
   }
   if (cfg.fp8) {
     a.k_scale = Tensor::contiguous(scales.p, DType::kFloat32, {kHk}, dev);
@@ -491,7 +495,7 @@ EagerResult run_eager(const Config& cfg, cudaStream_t stream, int steps) {
   };
   flashattn::Options opts;
   opts.stream = stream;
-  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kHq, kD}, dev);
+  const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {g_batch, 1, kHq, g_d}, dev);
   BENCH_CHECK(cudaDeviceSynchronize());  // memsets / uploads on the legacy stream before `stream` reads
   // One workspace for every step (the size does not depend on the lengths), as a serving
   // loop keeps one.
@@ -526,24 +530,24 @@ void long_context(FILE* csv, cudaStream_t stream) {
   BENCH_CHECK(cudaMemGetInfo(&free0, &total));
   const Device dev = Device::cuda(0);
   {
-    Buffer q(std::size_t(kS) * kHq * kD * 2, 0x3c), out(std::size_t(kS) * kHq * kD * 2);
-    Buffer kn(std::size_t(kS) * kHk * kD * 2, 0x3c), vn(std::size_t(kS) * kHk * kD * 2, 0x3c);
-    Buffer kc(std::size_t(kS + 64) * kHk * kD * 2), vc(std::size_t(kS + 64) * kHk * kD * 2);
-    Buffer lens(sizeof(int)), q1(std::size_t(kHq) * kD * 2), out1(std::size_t(kHq) * kD * 2);
+    Buffer q(std::size_t(kS) * kHq * g_d * 2, 0x3c), out(std::size_t(kS) * kHq * g_d * 2);
+    Buffer kn(std::size_t(kS) * kHk * g_d * 2, 0x3c), vn(std::size_t(kS) * kHk * g_d * 2, 0x3c);
+    Buffer kc(std::size_t(kS + 64) * kHk * g_d * 2), vc(std::size_t(kS + 64) * kHk * g_d * 2);
+    Buffer lens(sizeof(int)), q1(std::size_t(kHq) * g_d * 2), out1(std::size_t(kHq) * g_d * 2);
     upload_ints(lens, {0});
     BENCH_CHECK(cudaDeviceSynchronize());
     flashattn::KVCacheArgs a;
-    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {1, kS, kHq, kD}, dev);
-    a.k_cache = Tensor::contiguous(kc.p, DType::kBFloat16, {1, kS + 64, kHk, kD}, dev);
-    a.v_cache = Tensor::contiguous(vc.p, DType::kBFloat16, {1, kS + 64, kHk, kD}, dev);
+    a.q = Tensor::contiguous(q.p, DType::kBFloat16, {1, kS, kHq, g_d}, dev);
+    a.k_cache = Tensor::contiguous(kc.p, DType::kBFloat16, {1, kS + 64, kHk, g_d}, dev);
+    a.v_cache = Tensor::contiguous(vc.p, DType::kBFloat16, {1, kS + 64, kHk, g_d}, dev);
     a.cache_seqlens = Tensor::contiguous(lens.p, DType::kInt32, {1}, dev);
-    a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {1, kS, kHk, kD}, dev);
-    a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {1, kS, kHk, kD}, dev);
+    a.k_new = Tensor::contiguous(kn.p, DType::kBFloat16, {1, kS, kHk, g_d}, dev);
+    a.v_new = Tensor::contiguous(vn.p, DType::kBFloat16, {1, kS, kHk, g_d}, dev);
     a.num_splits = 0;
     flashattn::Options opts;
     opts.stream = stream;
     opts.causal = true;
-    const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {1, kS, kHq, kD}, dev);
+    const Tensor out_t = Tensor::contiguous(out.p, DType::kBFloat16, {1, kS, kHq, g_d}, dev);
     cudaEvent_t t0, t1;
     BENCH_CHECK(cudaEventCreate(&t0));
     BENCH_CHECK(cudaEventCreate(&t1));
@@ -560,12 +564,12 @@ void long_context(FILE* csv, cudaStream_t stream) {
     upload_ints(lens, {kS});
     BENCH_CHECK(cudaDeviceSynchronize());
     flashattn::KVCacheArgs d = a;
-    d.q = Tensor::contiguous(q1.p, DType::kBFloat16, {1, 1, kHq, kD}, dev);
+    d.q = Tensor::contiguous(q1.p, DType::kBFloat16, {1, 1, kHq, g_d}, dev);
     d.k_new = Tensor{};
     d.v_new = Tensor{};
     flashattn::Options dopts;
     dopts.stream = stream;
-    const Tensor out1_t = Tensor::contiguous(out1.p, DType::kBFloat16, {1, 1, kHq, kD}, dev);
+    const Tensor out1_t = Tensor::contiguous(out1.p, DType::kBFloat16, {1, 1, kHq, g_d}, dev);
     const std::size_t ws_bytes = flashattn::kvcache_workspace_size(d, dopts);
     Buffer ws(ws_bytes);
     for (int w = 0; w < 3; ++w) flashattn::kvcache_forward(d, out1_t, Tensor{}, dopts, {ws.p, ws.bytes});
@@ -581,7 +585,7 @@ void long_context(FILE* csv, cudaStream_t stream) {
     }
     std::sort(times.begin(), times.end());
     const double dec_us = times[times.size() / 2];
-    const double kv = double(kS) * kHk * kD * 2 * 2;
+    const double kv = double(kS) * kHk * g_d * 2 * 2;
     const double used_gib = double(free0 - free1) / (1 << 30);
     std::printf("| 200k single sequence | prefill %.1f ms | decode %.1f us (%.2f TB/s, direct call) | "
                 "device memory %.2f GiB |\n",
@@ -603,6 +607,13 @@ int main(int argc, char** argv) {
   auto env_on = [](const char* name) { return std::getenv(name) != nullptr && std::string(std::getenv(name)) == "1"; };
   const bool eager = env_on("BENCH_EAGER"), sweep = env_on("BENCH_SWEEP"), mla = env_on("BENCH_MLA");
   const bool spec = env_on("BENCH_SPEC");
+  if (const char* d = std::getenv("BENCH_HEAD_DIM")) {
+    g_d = std::atoi(d);
+    if (g_d < 16 || g_d > 512 || g_d % 16 != 0) {
+      std::fprintf(stderr, "BENCH_HEAD_DIM: expected a multiple of 16 in [16, 512], got '%s'\n", d);
+      return 2;
+    }
+  }
   if (const char* b = std::getenv("BENCH_BATCH")) {
     g_batch = std::atoi(b);
     if (g_batch < 1) {
@@ -625,7 +636,7 @@ int main(int argc, char** argv) {
   };
   if (!eager && !sweep && !mla && !spec) {  // (the other modes print tables of their own)
     std::printf("bf16 decode, b %d, h %d/%d, d %d, s_q 1 (graph launches, median per call); stream: a kernel\n"
-                "that only reads the same K / V bytes (the bound)\n", g_batch, kHq, kHk, kD);
+                "that only reads the same K / V bytes (the bound)\n", g_batch, kHq, kHk, g_d);
     std::printf("| cache | context | us | KV TB/s | tokens/s | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
   }
   // BENCH_ONLY: "grid" (no long context), a name ("dense"), or a comma list of names or
@@ -677,7 +688,7 @@ int main(int argc, char** argv) {
     // cache's last keys are the drafts, causal), as a chain and as a draft tree, against
     // one-token decode: us per call and per token, dense bf16 cache, batch g_batch.
     std::printf("speculative decoding: bf16 dense cache, b %d, h %d/%d, d %d (graph launches, median per call)\n",
-                g_batch, kHq, kHk, kD);
+                g_batch, kHq, kHk, g_d);
     std::printf("| context | drafts | us | us / token | tokens/s | per-token cost / one-token |\n|---|---|---|---|---|---|\n");
     const struct { int n; bool tree; } kinds[] = {{1, false}, {4, false}, {4, true}, {8, false}, {8, true}};
     for (int ctx : {4096, 32768}) {
@@ -705,7 +716,7 @@ int main(int argc, char** argv) {
   if (sweep) {
     // Issue 23's sweep: dense bf16 caches, batch 1 / 8 / 64 x contexts 1k .. 128k, each
     // against the streaming read of its own bytes.
-    std::printf("decode sweep: bf16 dense cache, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kHq, kHk, kD);
+    std::printf("decode sweep: bf16 dense cache, h %d/%d, d %d, s_q 1 (graph launches, median per call)\n", kHq, kHk, g_d);
     std::printf("| batch | context | us | KV TB/s | stream us | stream TB/s | / stream |\n|---|---|---|---|---|---|---|\n");
     std::vector<int> batches = {1, 8, 64};
     if (const char* list = std::getenv("BENCH_SWEEP_BATCHES")) {
@@ -787,7 +798,7 @@ int main(int argc, char** argv) {
     const char* checks = checks_env != nullptr && std::string(checks_env) == "0" ? "host" : "device";
     const int steps = std::getenv("BENCH_EAGER_STEPS") ? std::max(1, std::atoi(std::getenv("BENCH_EAGER_STEPS"))) : 200;
     std::printf("eager decode steps (append 1 token + attend), bf16, b %d, h %d/%d, d %d, index checks on the %s\n",
-                g_batch, kHq, kHk, kD, checks);
+                g_batch, kHq, kHk, g_d, checks);
     for (const Config& c : order) {
       const EagerResult r = run_eager(c, stream, steps);
       std::printf("eager %s ctx %d host_us_per_step %.1f enqueue_us_per_step %.1f steps %d index_checks %s\n", c.name,

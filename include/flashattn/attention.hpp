@@ -10,8 +10,10 @@
 //   q   [b, s_q, h_q, d]      k [b, s_k, h_k, d]      v [b, s_k, h_k, d_v]
 //   out [b, s_q, h_q, d_v]    (dout, dv have d_v; dq, dk have d)
 //   lse [b, h_q, s_q] fp32, natural log of the softmax denominator
-// Head dims: the CPU backend takes any d, d_v in [1, 512]; the CUDA kernels need d_v == d,
-// d % 8 == 0 and d <= 256 (else Unsupported, naming q or v).
+// Head dims: the CPU backend takes any d, d_v in [1, 512]; the CUDA kernels need d % 8 == 0
+// and d_v % 8 == 0, each at most 512 within the compiled head-dim buckets (else
+// Unsupported, naming q or v; a KV-cache call with an fp8 cache or a draft-tree mask needs
+// d_v == d, docs/semantics.md).
 // The semantics (visibility, order of operations, empty rows, dropout) are in
 // semantics.hpp and docs/semantics.md; every backend computes that function.
 #pragma once

@@ -148,8 +148,8 @@ def _padded_head_dim(q, k, v, max_d: int = 512) -> int:
     """The head dim a CUDA call pads q, k, v to (as flash_attn does: the next multiple of
     8), or 0 when it does not pad: CPU tensors (any d), d already a multiple of 8, head
     dims that differ or exceed max_d (the library's error names them as they are). max_d:
-    512 for the dense and varlen forward and backward (the CUDA kernels' 512 bucket), 256
-    for KV-cache calls."""
+    512, the CUDA kernels' largest bucket (the dense and varlen forward and backward, and
+    KV-cache calls)."""
     if not _cuda_path(q) or not all(isinstance(t, Tensor) and t.dim() >= 1 for t in (q, k, v)):
         return 0
     d = q.shape[-1]
@@ -624,7 +624,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out in out_dtype (torch.bfloat16, FlashAttention-3's, or torch.float16); lse fp32. Not
     with k_scale / v_scale (those are for an fp8 cache under 16-bit q), rotary_cos /
     rotary_sin (rotate before quantizing) or qv. CPU tensors run on the CPU backend, CUDA
-    tensors in the decode kernel (every sm80+ GPU; head dims d % 8 == 0 up to 256, d_v == d:
+    tensors in the decode kernel (every sm80+ GPU; head dims d % 8 == 0 up to 512, d_v == d:
     UnsupportedError naming the argument otherwise; cache_leftpad as for 16-bit q, the same
     keys as a paged cache of block size 1).
 
@@ -707,7 +707,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     d = q.shape[-1]
     # fp8 q goes unpadded: on CUDA tensors the library declines a head dim that is not a
     # multiple of 8 naming q.
-    d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache, max_d=256)
+    d8 = 0 if qv is not None or fp8 else _padded_head_dim(q, k_cache, v_cache)
     if d8 and k is not None and (k.shape[-1] != d or v.shape[-1] != d):
         d8 = 0  # the library names the mismatch
     if d8:

@@ -11,8 +11,7 @@ namespace flashattn::detail::api {
 
 namespace {
 
-constexpr int kMaxHeadDim = 256;     // CUDA kernels: KV cache
-constexpr int kMaxHeadDimWide = 512;  // CUDA forward and backward (dense, varlen)
+constexpr int kMaxHeadDimCuda = 512;  // CUDA kernels: forward, backward, KV cache (the 512 bucket)
 constexpr int kMaxHeadDimCpu = 512;  // CPU backend (tiles sized at run time)
 constexpr std::size_t kCudaAlignBytes = 16;
 constexpr std::int64_t kCudaStrideMultiple = 8;
@@ -96,8 +95,6 @@ void fill_kernel_options(const Check& check, const Options& opts, Device device,
 void check_supported(const Check& check, Target target, DType dtype, int d, int d_v, int batch,
                      int h_q, CudaCall call, std::string_view v_name) {
   const bool fp8 = dtype == DType::kFloat8E4M3;
-  // The dense and varlen forward and backward: d to 512.
-  const bool wide = call == CudaCall::kForward || call == CudaCall::kBackward;
   const bool fp8_call = call != CudaCall::kBackward;  // fp8 q: the forward and KV-cache calls
   if (fp8 && target == Target::kCUDA && !fp8_call) {
     check.unsupported("q",
@@ -149,20 +146,18 @@ void check_supported(const Check& check, Target target, DType dtype, int d, int 
     }
     return;
   }
-  const int max_d = wide ? kMaxHeadDimWide : kMaxHeadDim;
-  const char* const which =
-      wide ? "(CUDA backend)"
-           : "(CUDA KV-cache calls; the dense and varlen CUDA forward and backward take head dims up to 512)";
-  if (d < 1 || d % 8 != 0 || d > max_d) {
-    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + std::to_string(max_d) + " " + which,
+  // Every call (forward, backward, KV cache; dense and varlen): d to 512.
+  const std::string max_d = std::to_string(kMaxHeadDimCuda);
+  if (d < 1 || d % 8 != 0 || d > kMaxHeadDimCuda) {
+    check.unsupported("q", "head dim with d % 8 == 0 and 8 <= d <= " + max_d + " (CUDA backend)",
                       "d = " + std::to_string(d));
   }
-  if (d_v < 1 || d_v % 8 != 0 || d_v > max_d) {
-    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + std::to_string(max_d) + " " + which,
+  if (d_v < 1 || d_v % 8 != 0 || d_v > kMaxHeadDimCuda) {
+    check.unsupported(v_name, "head dim with d_v % 8 == 0 and 8 <= d_v <= " + max_d + " (CUDA backend)",
                       "d_v = " + std::to_string(d_v));
   }
   // The kernels run d_v != d in the bucket of the larger head dim.
-  if (!(wide ? cuda::supports_wide_head_dim : cuda::supports_head_dim)(std::max(d, d_v))) {
+  if (!cuda::supports_wide_head_dim(std::max(d, d_v))) {
     check.unsupported(d_v > d ? v_name : std::string_view("q"),
                       "a head dim compiled into this build (FLASHATTN_HEAD_DIMS)",
                       d_v > d ? "d_v = " + std::to_string(d_v) : "d = " + std::to_string(d));

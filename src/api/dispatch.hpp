@@ -26,19 +26,19 @@ Target resolve_target(const Check& check, const Options& opts, Device device);
 // FLASHATTN_KERNEL_FAMILY and FLASHATTN_SMEM_CAP for CUDA tensors) into p.
 void fill_kernel_options(const Check& check, const Options& opts, Device device, FwdParams& p);
 
-// Which CUDA kernels a call runs, for their head-dim limits: the forward (dense, varlen:
-// d and d_v up to 512), the backward (up to 256), a KV-cache call (up to 256) or a forward
-// or KV-cache call with Options::qv (the MLA kernel: d <= 64, d_v <= 512, whatever the
-// compiled buckets; float16 / bfloat16 only).
+// Which CUDA kernels a call runs, for their head-dim limits: the forward (dense, varlen),
+// the backward, a KV-cache call (each d and d_v up to 512, within the compiled buckets) or
+// a forward or KV-cache call with Options::qv (the MLA kernel: d <= 64, d_v <= 512,
+// whatever the compiled buckets; float16 / bfloat16 only).
 enum class CudaCall { kForward, kBackward, kKVCache, kMla };
 
 // The element type (of q, k, v, out, ...) and head dim are ones the backend runs.
 // Also checks the CUDA launch limits: batch and h_q index grid dimensions of at most 65535.
 // d: head dim of q and k; d_v: of v and out (the CPU backend takes any pair in [1, 512]).
 // v_name names v's tensor in errors ("v", or "v_cache"). On CUDA both are % 8 == 0, at most
-// 512 for the forward and 256 for the backward and KV-cache calls, and may differ (the
-// kernels run in the bucket of the larger; KV-cache calls with d_v != d run the fused
-// forward, not the decode kernel: check_kvcache_head_dim_v).
+// 512 (within the compiled buckets), and may differ (the kernels run in the bucket of the
+// larger; KV-cache calls with d_v != d run the fused forward, not the decode kernel:
+// check_kvcache_head_dim_v).
 // float8_e4m3 q, k, v run on CUDA in the forward calls (forward / varlen_forward: the sm90
 // fp8 forward, which itself raises Unsupported for what it does not cover: a GPU other than
 // sm90, a head dim, ...) and KV-cache calls (the decode kernel, every family; d_v != d is

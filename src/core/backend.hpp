@@ -27,22 +27,23 @@ bool built() noexcept;
 int device_count() noexcept;
 // Compute capability (major * 10 + minor) of a device; 0 if none.
 int compute_capability(int device) noexcept;
-// Whether the CUDA backend's kernels (forward, backward, KV-cache decode) support head dim d:
-// d % 8 == 0 up to the largest compiled bucket (for clear errors).
+// Whether head dim d (d % 8 == 0) lies within the compiled buckets up to 256, which every
+// CUDA kernel of the sm80 family has (and the sm90 family's range).
 bool supports_head_dim(int d) noexcept;
-// The same for the dense and varlen forward and backward, whose buckets reach further (512;
-// KV-cache calls stop at supports_head_dim).
+// The same up to the largest compiled bucket, 512 included (sm80 alone: the forward and
+// backward, dense and varlen, and KV-cache calls; supports_head_dim's limit without it):
+// the head dims CUDA calls take (for clear errors).
 bool supports_wide_head_dim(int d) noexcept;
 // Whether the KV-cache decode kernel (sm80 family, every GPU) has a configuration for head
-// dim d (a compiled bucket) with a 16-bit or an fp8 cache within smem_limit bytes of shared
-// memory per block (the device's opt-in limit or Options::smem_cap; <= 0: no limit), for
-// every query-row count: within 99 KiB (sm86 / sm89) fp8 caches at every head dim, 16-bit
-// ones up to d = 128.
+// dim d (a compiled bucket, 512 included) with a 16-bit or an fp8 cache within smem_limit
+// bytes of shared memory per block (the device's opt-in limit or Options::smem_cap; <= 0:
+// no limit), for every query-row count: within 99 KiB (sm86 / sm89) fp8 caches at every
+// head dim, 16-bit ones up to d = 128 and in the 512 bucket (d 264 .. 512).
 bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept;
-// Whether a KV-cache call of head dim d runs within smem_limit: on the decode kernel where
-// it fits, else, without an fp8 cache or a draft-tree mask, on the fused forward. False:
-// the call is Unsupported (naming tree_mask), e.g. a tree mask over a 16-bit cache at
-// d >= 160 on a 99 KiB GPU; tests skip those cases by it.
+// Whether a KV-cache call of head dim d (d_v == d) runs within smem_limit: on the decode
+// kernel where it fits, else, without an fp8 cache or a draft-tree mask, on the fused
+// forward. False: the call is Unsupported (naming tree_mask), e.g. a tree mask over a
+// 16-bit cache at d >= 160 (up to 256) on a 99 KiB GPU; tests skip those cases by it.
 bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept;
 // Whether the KV-cache decode on `device` can hold `clusters` thread-block clusters of
 // `splits` blocks of its kernel for head dim d (bf16 or fp16 out, an fp8 cache or not,

@@ -33,6 +33,12 @@
 // fused forward, so an fp8 cache or a draft-tree mask with d_v != d is Unsupported (the
 // API says so naming v_cache before the append).
 //
+// Head dims above 256 (the 512 bucket: d or d_v in 264 .. 512) run in the sm80 family
+// alone (the sm90 family declines them, logged): the fused forward and backward, and for
+// KV-cache calls the decode kernel (d_v == d; every feature it has below) or, with
+// d_v != d or more packed rows than it takes, the fused forward (112 KiB: on a 99 KiB GPU
+// the decode kernel takes every row count, and d_v != d is Unsupported naming v_cache).
+//
 // qv (MLA, FlashAttention-3's qv): dense, varlen and KV-cache calls with one plan
 // (sm80::plan_mla: d <= 64, d_v <= 512, split count, workspace) and two kernels: on the
 // sm90 family the sm90 MLA kernel (sm90/mla_kernel.cuh: wgmma, TMA) where
@@ -104,22 +110,21 @@ std::size_t fp8_vt_offset(const FwdParams& p) {
   return (block_kinds_offset(p) + block_kinds_bytes(p) + 255) & ~std::size_t(255);
 }
 
-// Checks every family shares; a family's own limits are its own. `wide`: the call may take
-// the buckets above 256 (the dense and varlen forward and backward; not KV-cache calls,
-// whose decode kernel stops at 256).
-void check_common(const char* fn, const FwdParams& p, bool wide) {
+// Checks every family shares; a family's own limits are its own. Every call (dense,
+// varlen and KV-cache forward, backward) takes the compiled buckets up to the 512 one:
+// the fused forward and backward, and the decode kernel (whose warps split O's columns
+// there), run it in the sm80 family.
+void check_common(const char* fn, const FwdParams& p) {
   if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
     throw Unsupported(fn, "q", "dtype float16 or bfloat16 on CUDA", dtype_name(p.dtype));
   }
   if (p.qv != nullptr) return;  // the MLA kernel's own rules (sm80::plan_mla)
-  const auto supported = wide ? supports_wide_head_dim : supports_head_dim;
-  const char* buckets = wide ? "within the compiled CUDA buckets"
-                             : "within the compiled CUDA buckets (KV-cache calls stop at 256)";
-  if (p.d % 8 != 0 || !supported(p.d)) {
+  const char* buckets = "within the compiled CUDA buckets";
+  if (p.d % 8 != 0 || !supports_wide_head_dim(p.d)) {
     throw Unsupported(fn, "q", std::string("a head dim d % 8 == 0 ") + buckets, "d = " + std::to_string(p.d));
   }
   // d_v != d: the sm80 kernels run in the bucket of the larger head dim (sm80/family.hpp).
-  if (p.d_v % 8 != 0 || !supported(p.d_v) || !supported(std::max(p.d, p.d_v))) {
+  if (p.d_v % 8 != 0 || !supports_wide_head_dim(p.d_v) || !supports_wide_head_dim(std::max(p.d, p.d_v))) {
     throw Unsupported(fn, "v", std::string("a head dim d_v % 8 == 0 ") + buckets, "d_v = " + std::to_string(p.d_v));
   }
 }
@@ -135,7 +140,7 @@ KernelChoice resolve_kernel_family(const char* fn, const FwdParams& p) {
 
 void forward(const FwdParams& in) {
   constexpr const char* kFn = "forward";
-  check_common(kFn, in, in.cache_seqlens == nullptr);
+  check_common(kFn, in);
   if (in.probs != nullptr) {
     throw Unsupported(kFn, "return_probs", "no debug probabilities on CUDA (CPU backend only)",
                       "a return_probs tensor");
@@ -221,7 +226,7 @@ std::size_t forward_workspace_size(const FwdParams& in) {
 
 void backward(const BwdParams& in) {
   constexpr const char* kFn = "backward";
-  check_common(kFn, in, true);
+  check_common(kFn, in);
   if (in.batch == 0 || in.h_q == 0) {
     // No rows: d sink (when asked for) is 0; nothing else to write.
     if (in.dsink != nullptr && in.h_q > 0) {

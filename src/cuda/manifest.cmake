@@ -4,8 +4,8 @@
 #
 #   family  templates             head-dim buckets        code generated
 #   sm80    sm80/*.inst.cu.in     FLASHATTN_CUDA_BUCKETS  for each arch in FLASHATTN_CUDA_ARCHS:
-#           (fwd and bwd also     (and WIDE_BUCKETS)
-#           WIDE_BUCKETS)
+#           (fwd, bwd and decode  (and WIDE_BUCKETS)
+#           also WIDE_BUCKETS)
 #                                                         its SASS and its PTX (the compute_80
 #                                                         and compute_90 PTX run GPUs newer
 #                                                         than the SASS: sm100, sm120, ...)
@@ -24,22 +24,23 @@
 # are run-time branches inside a kernel, never further instantiations.
 #
 # FLASHATTN_CUDA_WIDE_BUCKETS are expanded for the sm80 templates in
-# FLASHATTN_CUDA_WIDE_KERNELS alone (the forward and the backward): head dims that only the
-# dense and varlen forward and backward run (512: d or d_v in 264 .. 512; the forward splits
-# V and O into 256-column slices over the grid, sm80/tile_size.hpp's fwd_v_cols; the
-# backward runs 32-key tiles, sm80/bwd_config.cuh's kWide; no decode, MLA or sm90 kernel).
+# FLASHATTN_CUDA_WIDE_KERNELS alone (the forward, the backward and the KV-cache decode
+# kernel): head dims that only they run (512: d or d_v in 264 .. 512; the forward splits V
+# and O into 256-column slices over the grid, sm80/tile_size.hpp's fwd_v_cols; the backward
+# runs 32-key tiles, sm80/bwd_config.cuh's kWide; the decode kernel's warps split O's
+# columns over 16-key tiles, sm80/decode_launch.hpp's kColGroups; no MLA or sm90 kernel).
 #
 # The generated header flashattn_cuda_manifest.hpp hands the lists to the dispatch:
 #   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(X)       X(32) X(64) ...  (sm80 buckets of every kernel
 #                                             compiled, ascending)
-#   FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(X)  X(512) when compiled (the forward's and the
-#                                             backward's alone)
+#   FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(X)  X(512) when compiled (the forward's, the
+#                                             backward's and the decode kernel's)
 #   FLASHATTN_CUDA_SM90_FOR_EACH_HEAD_DIM(X)  the same for sm90 (empty when not built)
 #   FLASHATTN_CUDA_FOR_EACH_DTYPE(X)          X(fp16, __half) X(bf16, __nv_bfloat16)
 
 set(FLASHATTN_CUDA_BUCKETS 32 64 96 128 160 192 224 256)
 set(FLASHATTN_CUDA_WIDE_BUCKETS 512)
-set(FLASHATTN_CUDA_WIDE_KERNELS fwd bwd)
+set(FLASHATTN_CUDA_WIDE_KERNELS fwd bwd decode)
 set(FLASHATTN_CUDA_SM90_BUCKETS 32 64 96 128 160 192 224 256)
 set(FLASHATTN_CUDA_SM90_GENCODE -gencode=arch=compute_90a,code=sm_90a)
 set(FLASHATTN_CUDA_DTYPES fp16 bf16)

@@ -579,9 +579,9 @@ TEST(ErrorsCudaRules, HeadDimOfVFollowsTheRulesOfD) {
   }
 }
 
-// CUDA KV-cache calls take d_v != d (the fused forward runs them) within the KV-cache head
-// dims (up to 256), naming v_cache beyond; an fp8 cache or a draft-tree mask with d_v != d
-// (the decode kernel's alone, one head dim) is Unsupported naming v_cache.
+// CUDA KV-cache calls take d_v != d (the fused forward runs them) within the compiled
+// head dims (up to 512), naming v_cache beyond; an fp8 cache or a draft-tree mask with
+// d_v != d (the decode kernel's alone, one head dim) is Unsupported naming v_cache.
 TEST(ErrorsCudaRules, KVCacheNamesVCache) {
   namespace api = fa::detail::api;
   const api::Check check("kvcache_forward");
@@ -589,14 +589,17 @@ TEST(ErrorsCudaRules, KVCacheNamesVCache) {
     EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 192, 128, 2, 16,
                                          api::CudaCall::kKVCache, "v_cache"));
   }
+  if (fa::detail::cuda::supports_wide_head_dim(512)) {
+    EXPECT_NO_THROW(api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16,
+                                         api::CudaCall::kKVCache, "v_cache"));
+  }
   try {
-    api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 512, 2, 16, api::CudaCall::kKVCache,
+    api::check_supported(check, api::Target::kCUDA, fa::DType::kBFloat16, 64, 520, 2, 16, api::CudaCall::kKVCache,
                          "v_cache");
-    FAIL() << "d_v = 512 accepted for a CUDA KV-cache call";
+    FAIL() << "d_v = 520 accepted for a CUDA KV-cache call";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 256 "
-                                    "(CUDA KV-cache calls"));
-    EXPECT_THAT(e.what(), HasSubstr("got d_v = 512"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'v_cache': expected head dim with d_v % 8 == 0 and 8 <= d_v <= 512 "
+                                    "(CUDA backend), got d_v = 520"));
   }
   // 16-bit caches without a tree mask, d_v == d, and the CPU backend: no error.
   EXPECT_NO_THROW(api::check_kvcache_head_dim_v(check, api::Target::kCUDA, 192, 128, false, false));
@@ -918,8 +921,8 @@ TEST(ErrorsCudaRules, CausalForwardRowsFitTheGrid) {
   EXPECT_NO_THROW(api::check_cuda_forward_rows(check, api::Target::kCUDA, p));
 }
 
-// Head dims above 256 (issue 22): the CUDA forward and backward take them up to 512 (the
-// 512 bucket); KV-cache calls decline them naming q's head dim.
+// Head dims above 256 (issue 22): the CUDA forward, backward and KV-cache calls take them up
+// to 512 (the 512 bucket), naming q's head dim beyond.
 TEST(ErrorsCudaRules, HeadDimAbove256) {
   namespace api = fa::detail::api;
   const api::Check fwd("forward");
@@ -950,14 +953,19 @@ TEST(ErrorsCudaRules, HeadDimAbove256) {
                                     "backend), got d = 520"));
   }
   const api::Check kv("kvcache_forward");
+  if (fa::detail::cuda::supports_wide_head_dim(512)) {
+    EXPECT_NO_THROW(api::check_supported(kv, api::Target::kCUDA, fa::DType::kBFloat16, 320, 320, 2, 8,
+                                         api::CudaCall::kKVCache, "v_cache"));
+    EXPECT_NO_THROW(api::check_supported(kv, api::Target::kCUDA, fa::DType::kFloat8E4M3, 512, 512, 2, 8,
+                                         api::CudaCall::kKVCache, "v_cache"));
+  }
   try {
-    api::check_supported(kv, api::Target::kCUDA, fa::DType::kBFloat16, 320, 320, 2, 8, api::CudaCall::kKVCache,
+    api::check_supported(kv, api::Target::kCUDA, fa::DType::kBFloat16, 528, 528, 2, 8, api::CudaCall::kKVCache,
                          "v_cache");
-    FAIL() << "d = 320 accepted for a CUDA KV-cache call";
+    FAIL() << "d = 528 accepted for a CUDA KV-cache call";
   } catch (const fa::Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 256 (CUDA "
-                                    "KV-cache calls"));
-    EXPECT_THAT(e.what(), HasSubstr("got d = 320"));
+    EXPECT_THAT(e.what(), HasSubstr("argument 'q': expected head dim with d % 8 == 0 and 8 <= d <= 512 (CUDA "
+                                    "backend), got d = 528"));
   }
 }
 

@@ -1,8 +1,9 @@
 // What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp,
-// test_cuda_kvcache_fp8q.cpp):
+// test_cuda_kvcache_fp8q.cpp, test_cuda_kvcache_512.cpp):
 // the device copies of a KV-cache case (DeviceCase), its description, and check_case,
 // which runs a case on the device and on the CPU backend and checks the appended caches
-// bitwise and the device output against the fp64 oracle; and the shared memory per block
+// bitwise and the device output against the fp64 oracle; whether a forced split count
+// takes the cluster merge (takes_clusters); and the shared memory per block
 // that this process's CUDA calls may use (smem_limit_of), for skipping what a capped run
 // (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
 #pragma once
@@ -207,6 +208,28 @@ inline void check_case(KVCacheCase& c) {
   expect_forward_matches(prob, c.cfg.dtype, got, &expect);
   // The CPU backend's own result under the same rule (the two backends agree through it).
   expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
+}
+
+// sm90 and newer, else skips; the device's index and SM count.
+#define FA_REQUIRE_CLUSTERS(dev, sms)                                                                \
+  int dev = 0, sms = 0;                                                                             \
+  do {                                                                                              \
+    int major_ = 0;                                                                                 \
+    FA_CUDA_OK(cudaGetDevice(&dev));                                                                \
+    FA_CUDA_OK(cudaDeviceGetAttribute(&major_, cudaDevAttrComputeCapabilityMajor, dev));            \
+    FA_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));                  \
+    if (major_ < 9) GTEST_SKIP() << "thread-block clusters: compute capability 9.0 and newer";      \
+  } while (0)
+
+// Whether c's call with `splits` forced takes the cluster merge (plan_decode's rule: a
+// block per SM, and the device holding all units clusters of that size at once) on device
+// `dev` with `sms` SMs, the decode configuration chosen within smem_limit (0: no cap).
+inline bool takes_clusters(const KVCacheCase& c, int splits, int dev, int sms, int smem_limit = 0) {
+  const KVCacheConfig& f = c.cfg;
+  const int rows = f.s_q * (f.h_q / f.h_k);
+  const int units = f.batch * f.h_k * ((rows + 15) / 16);
+  return units * splits <= sms && detail::cuda::decode_clusters_fit(dev, f.d, f.dtype == DType::kBFloat16, f.fp8,
+                                                                    rows, splits, units, smem_limit);
 }
 
 inline int pick(Rng& rng, std::initializer_list<int> v) {

@@ -6,9 +6,10 @@
 // 512 / 64), causal (s_q below and above s_k), sliding windows, softcap, ALiBi, dropout,
 // learnable sinks, GQA, odd lengths, lse; varlen with empty sequences, seqused_k and
 // seqused_q. What the 512 bucket declines is an Unsupported error naming the argument with
-// nothing written: KV-cache calls, block-sparse masks and less shared memory than its tile
-// (a 99 KiB GPU, here opts.smem_cap). Skipped where the build has no 512 bucket
-// (FLASHATTN_HEAD_DIMS). The backward at these head dims: test_cuda_backward_512.cpp.
+// nothing written: block-sparse masks and less shared memory than its tile (a 99 KiB GPU,
+// here opts.smem_cap). Skipped where the build has no 512 bucket (FLASHATTN_HEAD_DIMS). The
+// backward at these head dims: test_cuda_backward_512.cpp; KV-cache calls:
+// test_cuda_kvcache_512.cpp.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -128,45 +129,6 @@ TEST(CudaHeadDim512Varlen, SequsedKAndQ) {
       }
     }
   }
-}
-
-// KV-cache calls stop at 256 on CUDA (their decode kernel): Unsupported naming q, the caches
-// not appended to.
-TEST(CudaHeadDim512Declined, KVCacheNamesTheHeadDim) {
-  FA_REQUIRE_GPU();
-  FA_SEEDED_RNG(rng);
-  KVCacheConfig cfg;
-  cfg.batch = 2;
-  cfg.s_q = 3;
-  cfg.s_new = 3;
-  cfg.h_q = 2;
-  cfg.h_k = 1;
-  cfg.d = 320;
-  cfg.dtype = DType::kBFloat16;
-  KVCacheCase c = KVCacheCase::make(rng, cfg);
-  c.poison_outputs();
-  DeviceCopy q(c.q), kc(c.k_cache), vc(c.v_cache), lens(c.cache_lens_t), kn(c.k_new), vn(c.v_new), out(c.out),
-      lse(c.lse);
-  KVCacheArgs a = c.args();
-  a.q = q.view();
-  a.k_cache = kc.view();
-  a.v_cache = vc.view();
-  a.cache_seqlens = lens.view();
-  a.k_new = kn.view();
-  a.v_new = vn.view();
-  try {
-    flashattn::kvcache_forward(a, out.view(), lse.view(), c.call_options());
-    ADD_FAILURE() << "a CUDA KV-cache call accepted d = 320";
-  } catch (const Unsupported& e) {
-    EXPECT_THAT(e.what(), HasSubstr("argument 'q'"));
-    EXPECT_THAT(e.what(), HasSubstr("CUDA KV-cache calls"));
-    EXPECT_THAT(e.what(), HasSubstr("got d = 320"));
-  }
-  FA_CUDA_OK(cudaDeviceSynchronize());
-  const HostTensor k0 = c.k_cache, v0 = c.v_cache;
-  kc.download(c.k_cache);
-  vc.download(c.v_cache);
-  EXPECT_TRUE(c.k_cache.bitwise_equal(k0) && c.v_cache.bitwise_equal(v0)) << "caches appended to";
 }
 
 // The 512 bucket has no block-sparse kernel: Unsupported naming opts.block_sparse, out not

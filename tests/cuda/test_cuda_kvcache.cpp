@@ -115,9 +115,9 @@ TEST(CudaKVCache, TreeMasks) {
   }
 }
 
-// Draft trees at every head dim up to the largest bucket, 16-bit and fp8 caches, under the
-// process's kernel family and shared-memory cap (FLASHATTN_KERNEL_FAMILY / _SMEM_CAP):
-// where no decode configuration fits (a 16-bit cache at d >= 160 with
+// Draft trees at every head dim up to the largest bucket (512 included), 16-bit and fp8
+// caches, under the process's kernel family and shared-memory cap (FLASHATTN_KERNEL_FAMILY
+// / _SMEM_CAP): where no decode configuration fits (a 16-bit cache at d 160 .. 256 with
 // FLASHATTN_SMEM_CAP=101376, as on a 99 KiB GPU) the case skips, saying why
 // (test_cuda_smem_cap.cpp checks that error).
 class CudaKVCacheTreeHeadDim : public ::testing::TestWithParam<std::tuple<int, bool>> {};
@@ -125,7 +125,7 @@ class CudaKVCacheTreeHeadDim : public ::testing::TestWithParam<std::tuple<int, b
 TEST_P(CudaKVCacheTreeHeadDim, MatchesOracle) {
   FA_REQUIRE_GPU();
   const auto [d, fp8] = GetParam();
-  if (!detail::cuda::supports_head_dim(d)) GTEST_SKIP() << "head dim " << d << " above this build's buckets";
+  if (!detail::cuda::supports_wide_head_dim(d)) GTEST_SKIP() << "head dim " << d << " above this build's buckets";
   FA_SEEDED_RNG(rng);
   for (int it = 0; it < 2; ++it) {
     KVCacheConfig cfg;
@@ -149,7 +149,8 @@ TEST_P(CudaKVCacheTreeHeadDim, MatchesOracle) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HeadDims, CudaKVCacheTreeHeadDim,
-                         ::testing::Combine(::testing::Values(32, 64, 96, 128, 160, 192, 224, 256), ::testing::Bool()),
+                         ::testing::Combine(::testing::Values(32, 64, 96, 128, 160, 192, 224, 256, 320, 512),
+                                            ::testing::Bool()),
                          [](const ::testing::TestParamInfo<std::tuple<int, bool>>& i) {
                            return "d" + std::to_string(std::get<0>(i.param)) +
                                   (std::get<1>(i.param) ? "_fp8" : "_16bit");
@@ -296,27 +297,6 @@ TEST(CudaKVCache, ClusterMergeNeedsNoWorkspace) {
 }
 
 // ---------------------------------------------------------------- wide clusters
-
-// sm90 and newer, else skips; the device's index and SM count.
-#define FA_REQUIRE_CLUSTERS(dev, sms)                                                                \
-  int dev = 0, sms = 0;                                                                             \
-  do {                                                                                              \
-    int major_ = 0;                                                                                 \
-    FA_CUDA_OK(cudaGetDevice(&dev));                                                                \
-    FA_CUDA_OK(cudaDeviceGetAttribute(&major_, cudaDevAttrComputeCapabilityMajor, dev));            \
-    FA_CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));                  \
-    if (major_ < 9) GTEST_SKIP() << "thread-block clusters: compute capability 9.0 and newer";      \
-  } while (0)
-
-// Whether c's call with `splits` forced takes the cluster merge (plan_decode's rule: a
-// block per SM, and the device holding all units clusters of that size at once).
-bool takes_clusters(const KVCacheCase& c, int splits, int dev, int sms) {
-  const KVCacheConfig& f = c.cfg;
-  const int rows = f.s_q * (f.h_q / f.h_k);
-  const int units = f.batch * f.h_k * ((rows + 15) / 16);
-  return units * splits <= sms &&
-         detail::cuda::decode_clusters_fit(dev, f.d, f.dtype == DType::kBFloat16, f.fp8, rows, splits, units, 0);
-}
 
 // On the H100 SXM / H200 (132 SMs, sm90) 16-block clusters of the decode kernel must fit
 // (the plan would otherwise never take them there).

@@ -1,8 +1,8 @@
 // CUDA KV-cache calls on GPUs with 99 KiB of shared memory per block (sm86 / sm89),
 // emulated here with opts.smem_cap = 101376 and the sm80 family forced (issue 18). The
 // decode kernel runs its small configuration (fewer stages) where its default does not
-// fit (16-bit caches at d 64..128, fp8 caches above 128); 16-bit caches at d >= 160 fit in
-// no decode configuration and take the fused forward, except with a draft-tree mask, which
+// fit (16-bit caches at d 64..128, fp8 caches above 128); 16-bit caches at d 160 .. 256 fit
+// in no decode configuration and take the fused forward, except with a draft-tree mask, which
 // only the decode kernel runs: an Unsupported error naming tree_mask, the bytes needed
 // and the cap, raised before the call appends to the caches. Every case runs on the
 // device and on the CPU backend against the fp64 oracle under the suite's tolerance rule
@@ -11,7 +11,8 @@
 // with per-head and per-block scales, sinks, masks, every head dim up to the largest
 // bucket, odd ones too. The small configuration gives the default's bits (the same
 // kernel but for its stage count), and the workspace a capped call reports is the one
-// it needs, also under CUDA graph capture. FitsQuery needs no GPU.
+// it needs, also under CUDA graph capture. FitsQuery needs no GPU. The 512 bucket within
+// 99 KiB: test_cuda_kvcache_512.cpp.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -53,23 +54,24 @@ const int kBuckets[] = {32, 64, 96, 128, 160, 192, 224, 256};
 // ---------------------------------------------------------------- the query (no GPU)
 
 // decode_fits / kvcache_fits (core/backend.hpp) at 99 KiB: fp8 caches at every head dim,
-// 16-bit ones up to 128, beyond which the fused forward serves calls without a tree mask;
-// with the H100's or the A100's shared memory everything fits; head dims the build does
-// not run fit nowhere.
+// 16-bit ones up to 128, beyond which the fused forward serves calls without a tree mask
+// up to 256, and again in the 512 bucket (d 264 .. 512: 16-key tiles); with the H100's or
+// the A100's shared memory everything fits; head dims the build does not run fit nowhere.
 TEST(CudaSmemCap, FitsQuery) {
   if (!detail::cuda::built()) GTEST_SKIP() << "no CUDA backend in this build";
   int checked = 0;
-  for (int d = 8; d <= 256; d += 8) {
-    if (!detail::cuda::supports_head_dim(d)) {
+  for (int d = 8; d <= 520; d += 8) {
+    if (!detail::cuda::supports_wide_head_dim(d)) {
       EXPECT_FALSE(detail::cuda::decode_fits(d, false, 0)) << d;
+      EXPECT_FALSE(detail::cuda::decode_fits(d, true, 0)) << d;
       EXPECT_FALSE(detail::cuda::kvcache_fits(d, false, false, 0)) << d;
       continue;
     }
     SCOPED_TRACE("d " + std::to_string(d));
     ++checked;
-    EXPECT_EQ(detail::cuda::decode_fits(d, false, kCap99KiB), d <= 128);
+    EXPECT_EQ(detail::cuda::decode_fits(d, false, kCap99KiB), d <= 128 || d > 256);
     EXPECT_TRUE(detail::cuda::kvcache_fits(d, false, false, kCap99KiB));
-    EXPECT_EQ(detail::cuda::kvcache_fits(d, false, true, kCap99KiB), d <= 128);
+    EXPECT_EQ(detail::cuda::kvcache_fits(d, false, true, kCap99KiB), d <= 128 || d > 256);
     if (d % 16 == 0) {
       EXPECT_TRUE(detail::cuda::decode_fits(d, true, kCap99KiB));
       EXPECT_TRUE(detail::cuda::kvcache_fits(d, true, true, kCap99KiB));
@@ -83,7 +85,7 @@ TEST(CudaSmemCap, FitsQuery) {
   }
   EXPECT_GT(checked, 0);
   EXPECT_FALSE(detail::cuda::decode_fits(0, false, 0));
-  EXPECT_FALSE(detail::cuda::decode_fits(264, true, 0));
+  EXPECT_FALSE(detail::cuda::decode_fits(520, true, 0));
 }
 
 // ---------------------------------------------------------------- random cases per head dim

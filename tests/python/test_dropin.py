@@ -285,7 +285,7 @@ def test_padded_head_dim_varlen(seed, d, recorded_head_dims):
     np.testing.assert_allclose(np64(res[1][0]), want["out"], rtol=1e-10, atol=1e-11)
 
 
-@pytest.mark.parametrize("d", [59, 111, 33])
+@pytest.mark.parametrize("d", [59, 111, 33, 301])
 @pytest.mark.parametrize("leftpad", [False, True])
 def test_padded_head_dim_kvcache(seed, d, leftpad, recorded_head_dims):
     g = torch.Generator().manual_seed(seed)
@@ -314,13 +314,17 @@ def test_head_dim_not_padded_on_cpu_or_when_mismatched(recorded_head_dims):
     flash_attn_func(q, q, q)
     with emulate_cuda(), pytest.raises(flashattn.InvalidArgumentError, match="argument 'k'"):
         flash_attn_func(q, q[..., :58], q[..., :58])
-    # KV-cache calls pad only up to 256 (their CUDA kernels stop there; the dense and varlen
-    # forward and backward up to 512): d = 301 goes to the library as it is.
+    # KV-cache calls pad up to 512 as the dense and varlen calls do (the CUDA kernels' 512
+    # bucket): d = 301 runs at 304; beyond 512 (d = 513) the library gets d as it is.
     q3 = torch.randn(1, 1, 2, 301, dtype=torch.float64)
     kc = torch.randn(1, 8, 2, 301, dtype=torch.float64)
     with emulate_cuda():
         flash_attn_with_kvcache(q3, kc, kc.clone(), cache_seqlens=torch.tensor([5], dtype=torch.int32))
-    assert recorded_head_dims == [59, 59, 301]
+    q4 = torch.randn(1, 1, 2, 513, dtype=torch.float64)
+    kc4 = torch.randn(1, 8, 2, 513, dtype=torch.float64)
+    with emulate_cuda(), pytest.raises(flashattn.UnsupportedError, match="argument 'q'"):
+        flash_attn_with_kvcache(q4, kc4, kc4.clone(), cache_seqlens=torch.tensor([5], dtype=torch.int32))
+    assert recorded_head_dims == [59, 59, 304, 513]
 
 
 # ------------------------------------------------------------------ S_dmask with dropout

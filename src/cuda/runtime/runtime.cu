@@ -39,8 +39,8 @@ int compute_capability(int device) noexcept {
 }
 
 namespace {
-// The largest bucket of every sm80 kernel, and of the dense and varlen forward and backward
-// (their 512 bucket).
+// The largest bucket of every sm80 kernel, and of the forward, the backward and the
+// KV-cache decode kernel (their 512 bucket).
 constexpr int largest_bucket() {
   int d = 0;
 #define FLASHATTN_MAX_BUCKET_D(D) d = D > d ? D : d;

@@ -1,6 +1,7 @@
 // The KV-cache decode path on the host: which calls take it (those with d_v == d: the
 // kernel has one head dim; d_v != d takes the fused forward), its configuration (the
-// default, or the small one where p.smem_limit does not hold the default: 99 KiB GPUs),
+// default, or the small one where p.smem_limit does not hold the default: 99 KiB GPUs;
+// head-dim buckets up to 256 and the 512 bucket, whose warps split O's columns),
 // the split count (num_splits = 0: a heuristic from the SM count and the work), the exact
 // workspace need (from upper bounds and p.smem_limit only, never device memory: the same
 // during CUDA graph capture), and the launch of the decode kernel (with splits, its last
@@ -25,6 +26,7 @@
 #include "cuda/runtime/device_attribute.hpp"
 #include "cuda/sm80/decode_dispatch.hpp"
 #include "cuda/sm80/decode_launch.hpp"
+#include "cuda/sm80/tile_size.hpp"
 #include "flashattn/error.hpp"
 #include "flashattn_cuda_manifest.hpp"
 
@@ -101,10 +103,12 @@ TileFacts facts_within(int limit) {
   using Default = DecodeTraits<D, kFp8, kT8>;
   using Small = DecodeTraits<D, kFp8, kT8, true>;
   // What the 99 KiB GPUs rely on: fp8 K/V fit at every head dim up to 256, 16-bit K/V up
-  // to 128 (beyond, KV-cache calls without a tree mask take the fused forward).
+  // to 128 (beyond, KV-cache calls without a tree mask take the fused forward), both in the
+  // 512 bucket (its 16-key tiles; the fused forward has no 99 KiB tile there).
   constexpr int kSmallNeed = Small::kSmemBytes + kDecodeStaticSmem;
   static_assert(D > 256 || !kFp8 || kSmallNeed <= kDecodeSmallSmemBytes, "fp8 decode above 99 KiB");
   static_assert(D > 128 || kSmallNeed <= kDecodeSmallSmemBytes, "16-bit decode above 99 KiB");
+  static_assert(D <= 256 || kSmallNeed <= kDecodeSmallSmemBytes, "512 decode above 99 KiB");
   if (Default::kSmemBytes + kDecodeStaticSmem <= limit) return facts_of<Default>(false, limit);
   return facts_of<Small>(kDecodeHasSmall<D, kFp8, kT8>, limit);
 }
@@ -190,6 +194,10 @@ void plan_tma(const FwdParams& p, const TileFacts& tf, DecodeArgs& a) {
   const int box_rows = p.block_table ? std::gcd(p.block_size, tf.block_n) : tf.block_n;
   if (box_rows < 8) return;
   const int elem = p.kv_dtype == DType::kFloat8E4M3 ? 1 : 2;
+  // A 128-byte segment of the bucket's key rows wholly past d (d <= 448 in the 512 bucket's
+  // 8 segments, or a d whose own bucket this build lacks): cp.async, which zero-fills it,
+  // rather than a tensor copy of a box that lies wholly outside the map.
+  if (p.d * elem <= (tf.segs - 1) * 128) return;
   a.box_rows = box_rows;
   const int rk = encode_kv_map(p, p.k, p.k_row_stride, p.k_head_stride, p.k_batch_stride, elem, tf.seg_elems,
                                tf.segs, box_rows, a.k_map);
@@ -221,6 +229,7 @@ bool clusters_fit(const FwdParams& p, bool t8, bool small, std::int64_t splits, 
     return active >= clusters;                                                         \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_CLUSTERS)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_DECODE_CLUSTERS)
 #undef FLASHATTN_DECODE_CLUSTERS
   return false;
 }
@@ -231,8 +240,18 @@ TileFacts tile_facts(int d, bool fp8, bool t8, int smem_limit) {
 #define FLASHATTN_DECODE_FACTS(D) \
   if (d <= D) return facts_for<D>(fp8, t8, limit);
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_FACTS)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_DECODE_FACTS)
 #undef FLASHATTN_DECODE_FACTS
   return {};
+}
+
+// The shared memory per block the fused forward needs at least for head dims up to d_max
+// (max(d, d_v)), which takes the KV-cache calls the decode kernel leaves (tile_size.hpp):
+// up to 256 its 99 KiB tiles, within every limit a GPU of the family grants (0 here);
+// above, the 512 bucket's one tile (112 KiB: none on a 99 KiB GPU).
+int fused_forward_need(int d_max) { return d_max <= 256 ? 0 : fwd_smem_bytes(fwd_tile_small(512), 512); }
+bool fused_forward_fits(int d_max, int smem_limit) {
+  return smem_limit <= 0 || smem_limit >= fused_forward_need(d_max);
 }
 
 }  // namespace
@@ -246,8 +265,22 @@ DecodePlan plan_decode(const FwdParams& p) {
     // the call (sm80 in the bucket of max(d, d_v), or sm90 where it takes the call;
     // num_splits, a speed hint, is not used there). fp8 caches and draft-tree masks only
     // the decode kernel runs: the API rejects them naming v_cache before the append
-    // (api/dispatch.hpp: check_kvcache_head_dim_v); here for any other caller.
-    if (!fp8 && p.tree_mask == nullptr) return plan;
+    // (api/dispatch.hpp: check_kvcache_head_dim_v); here for any other caller. Above 256
+    // the fused forward's tile needs 112 KiB: on a 99 KiB GPU an error naming v_cache (the
+    // decode kernel, which fits, would take d_v == d), before the call appends.
+    if (!fp8 && p.tree_mask == nullptr) {
+      const int d_max = std::max(p.d, p.d_v);
+      if (!fused_forward_fits(d_max, p.smem_limit)) {
+        throw Unsupported("kvcache_forward", "v_cache",
+                          "head dim d_v == d = " + std::to_string(p.d) + " (the decode kernel) or at least " +
+                              std::to_string(fused_forward_need(d_max)) +
+                              " bytes of shared memory per block for the fused forward, which runs KV-cache calls "
+                              "with d_v != d, at head dims above 256",
+                          "d_v = " + std::to_string(p.d_v) + " with " + std::to_string(p.smem_limit) +
+                              " bytes (the device's limit or opts.smem_cap)");
+      }
+      return plan;
+    }
     throw Unsupported("kvcache_forward", "v_cache",
                       "head dim d_v == d = " + std::to_string(p.d) +
                           (fp8 ? " with a float8_e4m3 cache" : " with a draft-tree mask") +
@@ -255,21 +288,28 @@ DecodePlan plan_decode(const FwdParams& p) {
                       "d_v = " + std::to_string(p.d_v));
   }
   const std::int64_t rows = std::int64_t(p.seqlen_q) * p.h_ratio;
-  if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows)) return plan;
+  // Above 256 on a 99 KiB GPU the fused forward has no tile: the decode kernel takes every
+  // row count there.
+  const bool fused = fused_forward_fits(p.d, p.smem_limit);
+  if (!(fp8 || p.tree_mask != nullptr || p.num_splits > 1 || rows <= kDecodeMaxRows) && fused) return plan;
   const TileFacts tf = tile_facts(p.d, fp8, use_t8(p), p.smem_limit);
   if (!tf.fits) {
     // No decode configuration within p.smem_limit (16-bit K/V at d >= 160 on a 99 KiB
     // GPU): the fused forward serves the call as it serves those with more packed rows
     // (num_splits, a speed hint, is not used there). fp8 caches and draft-tree masks only
-    // the decode kernel runs: an error here, before the call appends to the caches.
-    if (!fp8 && p.tree_mask == nullptr) return plan;
-    throw Unsupported("kvcache_forward", p.tree_mask != nullptr ? "tree_mask" : "k_cache",
+    // the decode kernel runs: an error here, before the call appends to the caches (as for
+    // a limit that neither holds: none a GPU grants, the 512 bucket's decode kernel fitting
+    // in 99 KiB).
+    if (!fp8 && p.tree_mask == nullptr && fused) return plan;
+    throw Unsupported("kvcache_forward", p.tree_mask != nullptr ? "tree_mask" : fp8 ? "k_cache" : "q",
                       "at least " + std::to_string(tf.smem + kDecodeStaticSmem) +
                           " bytes of shared memory per block for the decode kernel of head dim " +
                           std::to_string(p.d) + (fp8 ? " (fp8 K/V)" : " (16-bit K/V)") +
                           (p.tree_mask != nullptr ? ", which draft-tree masks need (the fused forward serves "
                                                     "KV-cache calls without one)"
-                                                  : ", which fp8 caches need"),
+                           : fp8                  ? ", which fp8 caches need"
+                                                  : " (the fused forward needs " +
+                                                        std::to_string(fused_forward_need(p.d)) + ")"),
                       std::to_string(p.smem_limit) + " bytes (the device's limit or opts.smem_cap)");
   }
   plan.use = true;
@@ -377,6 +417,7 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
     return;                                                      \
   }
   FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_DECODE_BUCKET)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_DECODE_BUCKET)
 #undef FLASHATTN_DECODE_BUCKET
 }
 
@@ -385,18 +426,19 @@ void run_decode_path(const FwdParams& p, const DecodePlan& plan) {
 namespace flashattn::detail::cuda {
 
 bool decode_fits(int d, bool fp8_cache, int smem_limit) noexcept {
-  if (!supports_head_dim(d)) return false;
+  if (!supports_wide_head_dim(d)) return false;
   return sm80::tile_facts(d, fp8_cache, false, smem_limit).fits && sm80::tile_facts(d, fp8_cache, true, smem_limit).fits;
 }
 
 bool kvcache_fits(int d, bool fp8_cache, bool tree_mask, int smem_limit) noexcept {
-  if (!supports_head_dim(d)) return false;
-  return decode_fits(d, fp8_cache, smem_limit) || (!fp8_cache && !tree_mask);
+  if (!supports_wide_head_dim(d)) return false;
+  return decode_fits(d, fp8_cache, smem_limit) ||
+         (!fp8_cache && !tree_mask && sm80::fused_forward_fits(d, smem_limit));
 }
 
 bool decode_clusters_fit(int device, int d, bool bf16, bool fp8_cache, int packed_rows, int splits, int clusters,
                          int smem_limit) noexcept {
-  if (!supports_head_dim(d) || splits < 2 || splits > sm80::kMaxClusterSplits) return false;
+  if (!supports_wide_head_dim(d) || splits < 2 || splits > sm80::kMaxClusterSplits) return false;
   if (sm80::cc_major(device) < 9) return false;
   try {
     FwdParams p;

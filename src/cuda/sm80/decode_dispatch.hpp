@@ -27,11 +27,13 @@ struct DecodePlan {
 // cluster occupancy (never device memory): the
 // workspace sizing (dispatch.cu: forward_workspace_size) resolves p.smem_limit as the call
 // does, so both see the same plan. A KV-cache call that no decode configuration within
-// p.smem_limit fits (16-bit K/V at d >= 160 on a 99 KiB GPU) is left to the fused forward
-// (use = false), or, with a draft-tree mask (or an fp8 cache), is Unsupported here, naming
-// tree_mask (k_cache), the bytes needed and the limit. A call with d_v != d is left to the
-// fused forward too (the decode kernel has one head dim), or, with an fp8 cache or a
-// draft-tree mask, is Unsupported here naming v_cache.
+// p.smem_limit fits (16-bit K/V at d >= 160, up to 256, on a 99 KiB GPU) is left to the
+// fused forward (use = false), or, with a draft-tree mask (or an fp8 cache), is Unsupported
+// here, naming tree_mask (k_cache), the bytes needed and the limit. A call with d_v != d
+// is left to the fused forward too (the decode kernel has one head dim), or, with an fp8
+// cache or a draft-tree mask, is Unsupported here naming v_cache (as it is above head dim
+// 256 where the fused forward's tile does not fit: a 99 KiB GPU). The decode kernel takes
+// every row count above 256 where the fused forward does not fit.
 DecodePlan plan_decode(const FwdParams& p);
 void run_decode_path(const FwdParams& p, const DecodePlan& plan);
 

@@ -31,6 +31,12 @@
 // fold like per-head scales: q_descale * k_descale into the softmax scale, v_descale into
 // the output.
 //
+// The 512 bucket (d in 264 .. 512; DecodeTraits::kColGroups): O of every column would not
+// fit in registers, so the 4 warps share each 16-key tile and split V's and O's columns
+// (128 each) instead of the keys: every warp computes the tile's S over all of d (the same
+// scores and softmax state in each) and its columns' P V; the warps' merge then has one
+// key share whose rows each column group writes in part.
+//
 // The pieces: the K/V tile loader (decode_loaders.cuh and its in-kernel part
 // decode_kernel_loaders.inc), the warps' merge and the store (decode_kernel_epilogue.inc),
 // and with splits > 1 the split-KV merge (collective/split_kv_merge.cuh), one launch per
@@ -80,7 +86,8 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   using namespace decode_detail;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kSub = Tr::kSub;
-  constexpr int kOTiles = kHeadDim / 8;
+  constexpr int kVCols = Tr::kVCols;  // the columns of O a warp holds: d up to 256
+  constexpr int kOTiles = kVCols / 8;
   constexpr int kKSteps = kHeadDim / 16;
   // (fp8 with q's fragments re-read from shared memory, which removes the 48 B of spills at
   // 168 registers, together with the split S below measured 189.5 against 186.2 us at 32k.)
@@ -122,6 +129,10 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
   const int g_kv = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int gq = lane >> 2, tq = lane & 3;
+  // This warp's share of a tile: its keys (key_warp) and O's columns from col0 (a column
+  // group of the 512 bucket; every column up to 256).
+  const int key_warp = Tr::kColGroups == 1 ? warp : warp % Tr::kKeyWarps;
+  const int col0 = Tr::kColGroups == 1 ? 0 : warp / Tr::kKeyWarps * kVCols;
   const int h_ratio = p.h_ratio;
 
   const int s_q = p.seq_len_q(b);
@@ -228,8 +239,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
     return x;
   };
 
-  // O (16 rows x d: kOTiles 8-dim tiles) or, kT8, O^T (d x 8 rows: d / 16 16-dim tiles).
-  constexpr int kOAcc = kT8 ? kHeadDim / 16 : kOTiles;
+  // O (16 rows x kVCols: kOTiles 8-dim tiles) or, kT8, O^T (kVCols x 8 rows: 16-dim tiles),
+  // the columns col0 .. col0 + kVCols.
+  constexpr int kOAcc = kT8 ? kVCols / 16 : kOTiles;
   float o[kOAcc][4];
 #pragma unroll
   for (int nt = 0; nt < kOAcc; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
@@ -356,7 +368,7 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
 #pragma unroll
     for (int sub = 0; sub < kSub; ++sub) {
       if constexpr (kT8) {
-        const int base = (warp * kSub + sub) * 16;
+        const int base = (key_warp * kSub + sub) * 16;
         const int m = lane >> 3, lr = lane & 7;
         // S^T for this warp's 16 keys: st[0], st[1] key base + gq, rows 2 tq, 2 tq + 1;
         // st[2], st[3] key base + gq + 8. A = the K fragments of the 16-row form, reordered.
@@ -444,9 +456,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
         const LdsmRow vr(lay, base + (m & 1) * 8 + lr, m >> 1);
         if constexpr (kFp8) {
 #pragma unroll
-          for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+          for (int cc = 0; cc < kVCols / 32; ++cc) {
             std::uint32_t r[4];
-            ldmatrix_x4_trans(vbase + vr.at(cc), r);
+            ldmatrix_x4_trans(vbase + vr.at(col0 / 32 + cc), r);
 #pragma unroll
             for (int hv = 0; hv < 2; ++hv) {
               const std::uint32_t w0 = __byte_perm(r[2 * hv], r[2 * hv + 1], 0x6420);
@@ -458,15 +470,15 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
           }
         } else {
 #pragma unroll
-          for (int c = 0; c < kHeadDim / 16; ++c) {
+          for (int c = 0; c < kVCols / 16; ++c) {
             std::uint32_t r[4];
-            ldmatrix_x4_trans(vbase + vr.at(c), r);
+            ldmatrix_x4_trans(vbase + vr.at(col0 / 16 + c), r);
             const std::uint32_t vf[4] = {r[0], r[2], r[1], r[3]};
             mma_m16n8k16<MmaElement>(o[c], vf, pb0, pb1);
           }
         }
       } else {
-        const int base = (warp * kSub + sub) * 16;
+        const int base = (key_warp * kSub + sub) * 16;
         // (S in two pairs of accumulators, even and odd 16-dim steps, to halve the MMA
         // dependency chain measured no faster on the H200: fp8 32k 191.4 against 186.2 us,
         // bf16 256.2 against 255.8.)
@@ -575,9 +587,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
         const LdsmRow vr(lay, base + (m & 1) * 8 + lr, m >> 1);
         if constexpr (kFp8) {
 #pragma unroll
-          for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+          for (int cc = 0; cc < kVCols / 32; ++cc) {
             std::uint32_t r[4];
-            ldmatrix_x4_trans(vbase + vr.at(cc), r);
+            ldmatrix_x4_trans(vbase + vr.at(col0 / 32 + cc), r);
 #pragma unroll
             for (int hv = 0; hv < 2; ++hv) {
               // Even bytes of x0 and x1 (w0), odd bytes (w1): one permute per pair of B halves.
@@ -589,9 +601,9 @@ __global__ void __launch_bounds__(DecodeTraits<kHeadDim, kFp8, kT8, kSmall>::kTh
           }
         } else {
 #pragma unroll
-          for (int c = 0; c < kHeadDim / 16; ++c) {
+          for (int c = 0; c < kVCols / 16; ++c) {
             std::uint32_t r[4];
-            ldmatrix_x4_trans(vbase + vr.at(c), r);
+            ldmatrix_x4_trans(vbase + vr.at(col0 / 16 + c), r);
             mma_m16n8k16<MmaElement>(o[2 * c], pa, r[0], r[1]);
             mma_m16n8k16<MmaElement>(o[2 * c + 1], pa, r[2], r[3]);
           }

@@ -22,13 +22,26 @@ inline constexpr int kDecodeSmallSmemBytes = 99 * 1024;
 // it from p.smem_limit); only the stage count differs (kMinBlocks, and so
 // __launch_bounds__, stay the default's). A distinct kernel only where its stage count
 // differs (kDecodeHasSmall).
+//
+// Up to d = 256 each warp holds every O column of its share of the keys (16 or 32 of a
+// tile's 64 or 128). In the 512 bucket (d in 264 .. 512) O would need 256 fp32 registers
+// per thread in the 16-row form: the warps split the columns of V and O instead
+// (kColGroups = 4, 128 columns each) over one shared 16-key tile, each computing the tile's
+// S = Q K^T over all of d (the same scores in every warp) and its columns' P V; the tile's
+// K and V (16 rows of 1 KiB each, 16-bit) then fit two stages in 99 KiB.
 template <int kHeadDim, bool kFp8, bool kT8 = false, bool kSmall = false>
 struct DecodeTraits {
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = 16;                       // packed query rows per block
   static constexpr int kSub = kHeadDim <= 64 ? 2 : 1;    // 16-key sub-tiles per warp per tile
-  static constexpr int kBlockN = kWarps * 16 * kSub;     // keys per K/V tile
+  static constexpr int kColGroups = kHeadDim > 256 ? 4 : 1;  // warps over V / O's columns
+  static constexpr int kKeyWarps = kWarps / kColGroups;      // warps over a tile's keys
+  static constexpr int kVCols = kHeadDim / kColGroups;       // O columns per warp
+  static constexpr int kBlockN = kKeyWarps * 16 * kSub;  // keys per K/V tile
+  // Whole warps per column group; a warp's columns in whole 32-column steps (fp8 V loads).
+  static_assert(kWarps % kColGroups == 0 && kVCols % 32 == 0 && kVCols * kColGroups == kHeadDim,
+                "DecodeTraits: head-dim bucket");
   static constexpr int kKvBytes = kFp8 ? 1 : 2;
   // K/V tiles in shared memory: each key row split into 128-byte segments; the tile's rows
   // in boxes (the whole tile when dense, one paged block's rows otherwise), a box's rows
@@ -53,7 +66,8 @@ struct DecodeTraits {
   // spill 80 B); fp8 d <= 128: 3 x 4 (2 x 6: latency-bound, 219.5 against 190.0 us; 4
   // blocks spill 340 B). Transposed kernel (158-163 registers unbounded), d <= 128: 3
   // blocks (16-bit: 2 stages, 248.5 against 254.4 us at 2 x 3; fp8: 4 stages, 141.0 us,
-  // against 190.8 at 4 blocks, 32 B of spills). d > 128: 2 blocks.
+  // against 190.8 at 4 blocks, 32 B of spills). d > 128: 2 blocks (the 512 bucket: 82 KiB
+  // each with 16-bit K/V, 2 stages of 16 keys; not measured on a device).
   static constexpr int kMinBlocks = kHeadDim <= 128 && (kFp8 || kT8) ? 3 : 2;
   static constexpr int kBarBytes = 64;  // the stages' mbarriers (sm90 tensor copies)
   static constexpr int kFitStages = (220 * 1024 / kMinBlocks - kQBytes - 1024 - 64) / kStageBytes;
@@ -66,9 +80,10 @@ struct DecodeTraits {
       !kSmall ? kDefaultStages
               : (kSmallFitStages < 2 ? 2 : (kSmallFitStages > kDefaultStages ? kDefaultStages : kSmallFitStages));
   static constexpr int kOStride = kHeadDim + 8;  // fp32 merge rows, padded
-  // The warps' merge (per warp: O rows, max, sum), then the block's partial O and lse for
-  // the cluster split merge (DecodeArgs::cluster): [kRows][kHeadDim] and [kRows] fp32.
-  static constexpr int kPartOffset = kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4;
+  // The warps' merge (per key warp: O rows, max, sum; the column groups of a key warp write
+  // their columns of its rows), then the block's partial O and lse for the cluster split
+  // merge (DecodeArgs::cluster): [kRows][kHeadDim] and [kRows] fp32.
+  static constexpr int kPartOffset = kKeyWarps * kRows * kOStride * 4 + 2 * kKeyWarps * kRows * 4;
   static constexpr int kMergeBytes = kPartOffset + kRows * kHeadDim * 4 + kRows * 4;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   // + 1024: the pipeline starts at the first 1024-byte boundary (the swizzle's period).
@@ -77,7 +92,8 @@ struct DecodeTraits {
 };
 
 // Whether the small configuration is a kernel of its own (fewer stages than the default):
-// 16-bit K/V at d 64 .. 128 (16-row form: 3 stages -> 2), fp8 K/V at d > 128 (3 -> 2).
+// 16-bit K/V at d 64 .. 128 (16-row form: 3 stages -> 2), fp8 K/V at d > 128 (3 -> 2; the
+// 512 bucket 5 -> 4).
 template <int kHeadDim, bool kFp8, bool kT8>
 inline constexpr bool kDecodeHasSmall =
     DecodeTraits<kHeadDim, kFp8, kT8, true>::kStages != DecodeTraits<kHeadDim, kFp8, kT8>::kStages;

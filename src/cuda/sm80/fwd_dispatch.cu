@@ -1,9 +1,10 @@
 // The sm80 forward: the decode kernel for the KV-cache calls it suits, else the fused
 // forward of the compiled head-dim bucket and element type; what it does not do (yet) is a
 // clear Unsupported error. The fused forward also takes the KV-cache calls that no decode
-// configuration fits within p.smem_limit (16-bit caches at d >= 160 on 99 KiB GPUs) and
-// those whose v has its own head dim (d_v != d, in the bucket of max(d, d_v): the decode
-// kernel has one head dim) — dense or paged, appended to before, cache_batch_idx, GQA,
+// configuration fits within p.smem_limit (16-bit caches at d 160 .. 256 on 99 KiB GPUs),
+// those with more packed query rows than the decode kernel takes, and those whose v has its
+// own head dim (d_v != d, in the bucket of max(d, d_v), 512 included: the decode kernel
+// has one head dim) — dense or paged, appended to before, cache_batch_idx, GQA,
 // masks, softcap, ALiBi, sinks: the same per-sequence helpers of FwdParams as the decode
 // kernel; num_splits, a speed hint, is not used there.
 #include <algorithm>
