@@ -30,6 +30,10 @@ int compute_capability(int device) noexcept;
 // Whether head dim d (d % 8 == 0) lies within the compiled buckets up to 256, which every
 // CUDA kernel of the sm80 family has (and the sm90 family's range).
 bool supports_head_dim(int d) noexcept;
+// The compiled sm80 bucket head dim d runs in (the smallest one >= d, 512 included), or 0
+// when there is none: tests of one bucket's configurations skip builds whose head-dim list
+// puts d in a larger bucket (FLASHATTN_HEAD_DIMS).
+int head_dim_bucket(int d) noexcept;
 // The same up to the largest compiled bucket, 512 included (sm80 alone: the forward and
 // backward, dense and varlen, and KV-cache calls; supports_head_dim's limit without it):
 // the head dims CUDA calls take (for clear errors).

@@ -17,6 +17,7 @@ bool built() noexcept { return false; }
 int device_count() noexcept { return 0; }
 int compute_capability(int) noexcept { return 0; }
 bool supports_head_dim(int) noexcept { return false; }
+int head_dim_bucket(int) noexcept { return 0; }
 bool supports_wide_head_dim(int) noexcept { return false; }
 bool decode_fits(int, bool, int) noexcept { return false; }
 bool kvcache_fits(int, bool, bool, int) noexcept { return false; }

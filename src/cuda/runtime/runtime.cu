@@ -59,6 +59,15 @@ constexpr int largest_wide_bucket() {
 
 // Any d % 8 == 0 up to the largest compiled bucket runs in the next bucket up.
 bool supports_head_dim(int d) noexcept { return d > 0 && d % 8 == 0 && d <= largest_bucket(); }
+int head_dim_bucket(int d) noexcept {
+  int bucket = 0;
+#define FLASHATTN_BUCKET_OF_D(D) \
+  if (bucket == 0 && d > 0 && d <= D) bucket = D;
+  FLASHATTN_CUDA_FOR_EACH_HEAD_DIM(FLASHATTN_BUCKET_OF_D)
+  FLASHATTN_CUDA_FOR_EACH_WIDE_HEAD_DIM(FLASHATTN_BUCKET_OF_D)
+#undef FLASHATTN_BUCKET_OF_D
+  return bucket;
+}
 bool supports_wide_head_dim(int d) noexcept {
   return d > 0 && d % 8 == 0 && d <= largest_wide_bucket();
 }
