@@ -1,11 +1,13 @@
 // What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp,
-// test_cuda_kvcache_fp8q.cpp, test_cuda_kvcache_512.cpp):
+// test_cuda_kvcache_fp8q.cpp, test_cuda_kvcache_512.cpp, test_cuda_kvcache_head_dim_v.cpp,
+// test_cuda_mla.cpp):
 // the device copies of a KV-cache case (DeviceCase), its description, and check_case,
 // which runs a case on the device and on the CPU backend and checks the appended caches
-// bitwise and the device output against the fp64 oracle; whether a forced split count
-// takes the cluster merge (takes_clusters); and the shared memory per block
-// that this process's CUDA calls may use (smem_limit_of), for skipping what a capped run
-// (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
+// bitwise and the device output against the fp64 oracle; the check that a call captured
+// in a CUDA graph replays to the direct call's bits (expect_replay_gives_direct_bits);
+// whether a forced split count takes the cluster merge (takes_clusters); and the shared
+// memory per block that this process's CUDA calls may use (smem_limit_of), for skipping
+// what a capped run (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -134,6 +136,65 @@ inline void capture_and_replay(DeviceCase& dev, const Options& opts, void* ws, s
   dev.lse->download(lse);
   FA_CUDA_OK(cudaGraphExecDestroy(exec));
   FA_CUDA_OK(cudaGraphDestroy(graph));
+}
+
+// The cache that expect_replay_gives_direct_bits also compares (none, k_cache, v_cache),
+// and its contents after the direct call's append and after the replay's.
+enum class ReplayCache { kNone, kK, kV };
+struct ReplayedCache {
+  HostTensor direct, graph;
+};
+
+// dev's call (c's case) on a non-blocking stream (`stream`, else one of its own) with a
+// caller workspace of ws_bytes (kvcache_workspace_size's answer, asked by the caller),
+// first directly, then captured into a CUDA graph and replayed once (capture_and_replay),
+// each after dev.reset(c) and a device synchronisation (the uploads run on the default
+// stream): the replay's out and lse must be the direct call's bits, and so `cache` after
+// the append where one is named (its two copies then in *cached, for more checks). Leaves
+// the replay's out / lse in c.out / c.lse for the oracle check that follows. A fatal
+// failure (the direct call throwing, a CUDA error) ends the check there.
+inline void expect_replay_gives_direct_bits(KVCacheCase& c, DeviceCase& dev, std::size_t ws_bytes,
+                                            ReplayCache cache = ReplayCache::kNone, ReplayedCache* cached = nullptr,
+                                            cudaStream_t stream = nullptr) {
+  struct Owned {  // freed on every way out
+    void* ws = nullptr;
+    cudaStream_t s = nullptr;
+    ~Owned() {
+      if (s) cudaStreamDestroy(s);
+      if (ws) cudaFree(ws);
+    }
+  } own;
+  if (ws_bytes) FA_CUDA_OK(cudaMalloc(&own.ws, ws_bytes));
+  if (stream == nullptr) {
+    FA_CUDA_OK(cudaStreamCreateWithFlags(&own.s, cudaStreamNonBlocking));
+    stream = own.s;
+  }
+  Options opts = dev.opts;
+  opts.stream = stream;
+  const DeviceCopy* cache_dev = cache == ReplayCache::kK ? dev.kc.get() : cache == ReplayCache::kV ? dev.vc.get() : nullptr;
+  const HostTensor& cache_host = cache == ReplayCache::kV ? c.v_cache : c.k_cache;
+  const char* cache_name = cache == ReplayCache::kV ? "v_cache" : "k_cache";
+
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {own.ws, ws_bytes}));
+  FA_CUDA_OK(cudaStreamSynchronize(stream));
+  HostTensor out_direct = c.out, lse_direct = c.lse, cache_direct = cache_host;
+  dev.out->download(out_direct);
+  dev.lse->download(lse_direct);
+  if (cache_dev) cache_dev->download(cache_direct);
+
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  HostTensor out_graph = c.out, lse_graph = c.lse, cache_graph = cache_host;
+  capture_and_replay(dev, opts, own.ws, ws_bytes, stream, out_graph, lse_graph);
+  if (cache_dev) cache_dev->download(cache_graph);
+  EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
+  EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
+  if (cache_dev) EXPECT_TRUE(cache_graph.bitwise_equal(cache_direct)) << cache_name << ": graph replay vs direct call";
+  c.out = out_graph;
+  c.lse = lse_graph;
+  if (cached) *cached = ReplayedCache{cache_direct, cache_graph};
 }
 
 // A call both entry points decline: kvcache_workspace_size and kvcache_forward raise

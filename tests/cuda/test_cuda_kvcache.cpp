@@ -226,34 +226,8 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     c.num_splits = 0;
     SCOPED_TRACE(describe_case(c));
     DeviceCase dev(c);
-    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cudaStream_t s;
-    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Options opts = dev.opts;
-    opts.stream = s;
-
-    dev.reset(c);
-    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
-    dev.out->download(out_direct);
-    dev.lse->download(lse_direct);
-    dev.kc->download(k_direct);
-
-    dev.reset(c);
-    HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    dev.kc->download(k_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    expect_replay_gives_direct_bits(c, dev, kvcache_workspace_size(dev.args, dev.opts), ReplayCache::kK);
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    cudaStreamDestroy(s);
-    if (ws) cudaFree(ws);
   }
 }
 
@@ -420,25 +394,8 @@ TEST(CudaKVCache, WideClusterGraphCapture) {
     DeviceCase d(c);
     const std::size_t ws_bytes = kvcache_workspace_size(d.args, d.opts);
     if (sms >= 128 && takes_clusters(c, 16, dev, sms)) EXPECT_EQ(ws_bytes, 0u) << "the heuristic's 16 cluster splits";
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    Options opts = d.opts;
-    opts.stream = s;
-    d.reset(c);
-    ASSERT_NO_THROW(kvcache_forward(d.args, d.out->view(), d.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse;
-    d.out->download(out_direct);
-    d.lse->download(lse_direct);
-    d.reset(c);
-    HostTensor out_graph = c.out, lse_graph = c.lse;
-    capture_and_replay(d, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    expect_replay_gives_direct_bits(c, d, ws_bytes, ReplayCache::kNone, nullptr, s);
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    if (ws) cudaFree(ws);
   }
   {
     KVCacheConfig cfg;

@@ -316,40 +316,13 @@ TEST(CudaKVCache512, GraphCaptureReplaysTheDirectCall) {
     c.num_splits = 0;
     SCOPED_TRACE(describe_case(c));
     DeviceCase dev(c);
-    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cudaStream_t s;
-    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Options opts = dev.opts;
-    opts.stream = s;
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
-    dev.out->download(out_direct);
-    dev.lse->download(lse_direct);
-    dev.kc->download(k_direct);
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    dev.kc->download(k_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(c.k_cache_expected)) << "k_cache after the append";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    ReplayedCache k;
+    expect_replay_gives_direct_bits(c, dev, kvcache_workspace_size(dev.args, dev.opts), ReplayCache::kK, &k);
+    EXPECT_TRUE(k.graph.bitwise_equal(c.k_cache_expected)) << "k_cache after the append";
     const ForwardResults got = forward_results(c);
     EXPECT_TRUE(fully_written("out", got.out));
     EXPECT_TRUE(fully_written("lse", got.lse));
     expect_forward_matches(c.problem(), c.cfg.dtype, got);
-    cudaStreamDestroy(s);
-    if (ws) cudaFree(ws);
   }
 }
 
@@ -502,35 +475,11 @@ TEST(CudaKVCache512Cap99KiB, WorkspaceAndGraphCapture) {
       DeviceCase dev(c);
       const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
       if (splits == 11) EXPECT_GT(ws_bytes, detail::cuda::kAppendVerdictBytes) << "11 splits' partials";
-      void* ws = nullptr;
-      if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-      cudaStream_t s;
-      FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      Options opts = dev.opts;
-      opts.stream = s;
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-      FA_CUDA_OK(cudaStreamSynchronize(s));
-      HostTensor out_direct = c.out, lse_direct = c.lse;
-      dev.out->download(out_direct);
-      dev.lse->download(lse_direct);
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      HostTensor out_graph = c.out, lse_graph = c.lse;
-      capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-      EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-      EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-      c.out = out_graph;
-      c.lse = lse_graph;
+      expect_replay_gives_direct_bits(c, dev, ws_bytes);
       const ForwardResults got = forward_results(c);
       EXPECT_TRUE(fully_written("out", got.out));
       EXPECT_TRUE(fully_written("lse", got.lse));
       expect_forward_matches(c.problem(), c.cfg.dtype, got);
-      cudaStreamDestroy(s);
-      if (ws) cudaFree(ws);
     }
   }
 }

@@ -277,35 +277,11 @@ TEST(CudaSmemCap, WorkspaceAndGraphCapture) {
       const std::size_t verdict = detail::cuda::kAppendVerdictBytes;
       if (!fp8 && d > 128) EXPECT_EQ(ws_bytes, verdict) << "the fused forward needs no workspace but the verdict";
       if (splits == 11 && (fp8 || d <= 128)) EXPECT_GT(ws_bytes, verdict);
-      void* ws = nullptr;
-      if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-      cudaStream_t s;
-      FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      Options opts = dev.opts;
-      opts.stream = s;
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-      FA_CUDA_OK(cudaStreamSynchronize(s));
-      HostTensor out_direct = c.out, lse_direct = c.lse;
-      dev.out->download(out_direct);
-      dev.lse->download(lse_direct);
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      HostTensor out_graph = c.out, lse_graph = c.lse;
-      capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-      EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-      EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-      c.out = out_graph;
-      c.lse = lse_graph;
+      expect_replay_gives_direct_bits(c, dev, ws_bytes);
       const ForwardResults got = forward_results(c);
       EXPECT_TRUE(fully_written("out", got.out));
       EXPECT_TRUE(fully_written("lse", got.lse));
       expect_forward_matches(c.problem(), c.cfg.dtype, got);
-      cudaStreamDestroy(s);
-      if (ws) cudaFree(ws);
     }
   }
 }
