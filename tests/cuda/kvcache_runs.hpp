@@ -5,13 +5,17 @@
 // which runs a case on the device and on the CPU backend and checks the appended caches
 // bitwise and the device output against the fp64 oracle; the check that a call captured
 // in a CUDA graph replays to the direct call's bits (expect_replay_gives_direct_bits);
-// whether a forced split count takes the cluster merge (takes_clusters); and the shared
-// memory per block that this process's CUDA calls may use (smem_limit_of), for skipping
-// what a capped run (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
+// whether a forced split count takes the cluster merge (takes_clusters) and the workspace
+// that says so (expect_workspace_follows_clusters); a split run against no split's
+// (check_case_agrees_with_no_split); and the shared memory per block that this process's
+// CUDA calls may use (smem_limit_of), for skipping what a capped run (FLASHATTN_SMEM_CAP,
+// a 99 KiB GPU) cannot do.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -291,6 +295,30 @@ inline bool takes_clusters(const KVCacheCase& c, int splits, int dev, int sms, i
   const int units = f.batch * f.h_k * ((rows + 15) / 16);
   return units * splits <= sms && detail::cuda::decode_clusters_fit(dev, f.d, f.dtype == DType::kBFloat16, f.fp8,
                                                                     rows, splits, units, smem_limit);
+}
+
+// c's call at its split count asks for a workspace of at most no_merge_bytes (none, or
+// the append check's verdict where the call appends to blocks) exactly where the plan
+// takes the cluster merge (takes_clusters, within smem_limit) on device `dev` with `sms` SMs.
+inline void expect_workspace_follows_clusters(const KVCacheCase& c, int dev, int sms, std::size_t no_merge_bytes = 0,
+                                              int smem_limit = 0) {
+  DeviceCase d(c);
+  const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
+  EXPECT_EQ(ws <= no_merge_bytes, takes_clusters(c, c.num_splits, dev, sms, smem_limit)) << "workspace " << ws;
+}
+
+// Runs c at its split count (check_case) and checks its out against no split's (base: c
+// run with num_splits 1) within 4 eps of c's dtype times max(1, max |out|), and, where
+// `lse`, its lse within 1e-4 times max(1, max |lse|).
+inline void check_case_agrees_with_no_split(KVCacheCase& c, const ForwardResults& base, bool lse = true) {
+  check_case(c);
+  const ForwardResults r = forward_results(c);
+  const ErrorStats e = error_stats(r.out, base.out);
+  EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(c.cfg.dtype) * std::max(1.0, e.max_abs_ref))
+      << "splits " << c.num_splits << " vs no split";
+  if (!lse) return;
+  const ErrorStats el = error_stats(r.lse, base.lse);
+  EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << c.num_splits << " vs no split";
 }
 
 inline int pick(Rng& rng, std::initializer_list<int> v) {

@@ -187,11 +187,7 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
     // units: 72 and 128 blocks), above 16 the workspace's.
     for (int splits : {2, 7, 8, 0, 9, 16, 17, 31, 64}) {
       c.num_splits = splits;
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base, false);
     }
   }
 }
@@ -327,19 +323,9 @@ TEST(CudaKVCache, WideClusterSplitsAgreeWithNoSplit) {
     for (int splits = 2; splits <= 16; ++splits) {
       c.num_splits = splits;
       SCOPED_TRACE(describe_case(c));
-      {
-        DeviceCase d(c);
-        const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
-        EXPECT_EQ(ws == 0, takes_clusters(c, splits, dev, sms)) << "workspace " << ws;
-      }
+      expect_workspace_follows_clusters(c, dev, sms);
       if (splits == 16) expect_wide_clusters_on_h100(c, splits, dev, sms);
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(sh.dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
-      const ErrorStats el = error_stats(r.lse, base.lse);
-      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base);
     }
   }
 }
@@ -361,14 +347,9 @@ TEST(CudaKVCache, Cluster16Step) {
   const ForwardResults base = forward_results(c);
   c.num_splits = 16;
   SCOPED_TRACE(describe_case(c));
-  {
-    DeviceCase d(c);
-    EXPECT_EQ(kvcache_workspace_size(d.args, d.opts) == 0, takes_clusters(c, 16, dev, sms));
-  }
+  expect_workspace_follows_clusters(c, dev, sms);
   expect_wide_clusters_on_h100(c, 16, dev, sms);
-  check_case(c);
-  const ErrorStats e = error_stats(forward_results(c).out, base.out);
-  EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(cfg.dtype) * std::max(1.0, e.max_abs_ref)) << "16 splits vs no split";
+  check_case_agrees_with_no_split(c, base, false);
 }
 
 // CUDA graph capture of wide-cluster decode steps. (1) The heuristic at batch 1 and an

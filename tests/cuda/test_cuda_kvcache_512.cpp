@@ -273,20 +273,11 @@ TEST(CudaKVCache512, SplitsAgreeWithNoSplit) {
     for (int splits : {2, 7, 8, 9, 16, 17, 31, 64, 0}) {
       c.num_splits = splits;
       SCOPED_TRACE(describe_case(c));
+      // The append to blocks ends the workspace with the device check's verdict.
       if (splits > 0) {
-        DeviceCase d(c);
-        const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
-        // The append to blocks ends the workspace with the device check's verdict.
-        EXPECT_EQ(ws <= detail::cuda::kAppendVerdictBytes, takes_clusters(c, splits, dev, sms, smem_limit_of(c.opts)))
-            << "workspace " << ws;
+        expect_workspace_follows_clusters(c, dev, sms, detail::cuda::kAppendVerdictBytes, smem_limit_of(c.opts));
       }
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(sh.dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
-      const ErrorStats el = error_stats(r.lse, base.lse);
-      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base);
     }
   }
 }
