@@ -7,9 +7,9 @@
 // in a CUDA graph replays to the direct call's bits (expect_replay_gives_direct_bits);
 // whether a forced split count takes the cluster merge (takes_clusters) and the workspace
 // that says so (expect_workspace_follows_clusters); a split run against no split's
-// (check_case_agrees_with_no_split); and the shared memory per block that this process's
+// (check_case_agrees_with_no_split); the shared memory per block that this process's
 // CUDA calls may use (smem_limit_of), for skipping what a capped run (FLASHATTN_SMEM_CAP,
-// a 99 KiB GPU) cannot do.
+// a 99 KiB GPU) cannot do; and a 99 KiB GPU's options on this one (cap_99k).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -340,6 +340,14 @@ inline int smem_limit_of(const Options& o) {
     if (env.smem_cap.ok) cap = env.request.smem_cap;
   }
   return cap > 0 && (optin == 0 || cap < optin) ? cap : optin;
+}
+
+constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
+
+// The options of a 99 KiB GPU's run on this one (opts.smem_cap, the sm80 family forced).
+inline void cap_99k(Options& o) {
+  o.smem_cap = kCap99KiB;
+  o.kernel_family = KernelFamily::kSm80;
 }
 
 // Skips the current test where a KV-cache call of head dim d (fp8 cache, tree mask) cannot

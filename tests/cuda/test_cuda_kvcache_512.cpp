@@ -44,7 +44,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
 // The fused forward's tile in the 512 bucket (tile_size.hpp: 64 x 32, one K and one V
 // buffer): the shared memory per block that KV-cache calls with d_v != d need above 256.
 constexpr int kFused512Smem = 112 * 1024;
@@ -56,11 +55,6 @@ bool built_512() { return detail::cuda::supports_wide_head_dim(512); }
     FA_REQUIRE_GPU();                                                             \
     if (!built_512()) GTEST_SKIP() << "head-dim bucket 512 not in this build";    \
   } while (0)
-
-void cap_99k(Options& o) {
-  o.smem_cap = kCap99KiB;
-  o.kernel_family = KernelFamily::kSm80;
-}
 
 // ---------------------------------------------------------------- the feature table
 

@@ -38,14 +38,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
-
-// The options of a 99 KiB GPU's run on this one.
-void cap_99k(Options& o) {
-  o.smem_cap = kCap99KiB;
-  o.kernel_family = KernelFamily::kSm80;
-}
-
 // The head-dim buckets the CUDA backend has (FLASHATTN_CUDA_BUCKETS up to 256); a d that
 // this build has no bucket for runs in the next larger one, so every d up to the largest
 // compiled bucket runs.
