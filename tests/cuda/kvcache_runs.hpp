@@ -9,7 +9,8 @@
 // that says so (expect_workspace_follows_clusters); a split run against no split's
 // (check_case_agrees_with_no_split); the shared memory per block that this process's
 // CUDA calls may use (smem_limit_of), for skipping what a capped run (FLASHATTN_SMEM_CAP,
-// a 99 KiB GPU) cannot do; and a 99 KiB GPU's options on this one (cap_99k).
+// a 99 KiB GPU) cannot do; a 99 KiB GPU's options on this one (cap_99k) and the random
+// 99 KiB suites' cases (check_random_case_at_99k).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -348,6 +349,27 @@ constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
 inline void cap_99k(Options& o) {
   o.smem_cap = kCap99KiB;
   o.kernel_family = KernelFamily::kSm80;
+}
+
+// Case `it` of the random 99 KiB suites (test_cuda_smem_cap.cpp, test_cuda_kvcache_512.cpp)
+// from cfg, whose shape the caller drew: paged (sharing prefix blocks at it % 4 == 1) or
+// dense (random_cache_layout), causal where s_q > 1 but at it % 4 == 1, a random window
+// (it % 5 == 3), softcap 4 (it % 5 == 2), ALiBi (it % 6 == 4), a learnable sink (it % 4 ==
+// 3), a split count drawn from {1, 0, 0, 3, 17}; run under cap_99k through check_case.
+inline void check_random_case_at_99k(Rng& rng, KVCacheConfig& cfg, int it) {
+  random_cache_layout(cfg, it % 4 == 1);
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
+  if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
+  if (it % 5 == 2) c.opts.softcap = 4.0f;
+  if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, false), false);
+  if (it % 4 == 3) {
+    c.sink.want_grad = false;
+    c.sink.set(random_sink(rng, cfg.h_q));
+  }
+  c.num_splits = pick(rng, {1, 0, 0, 3, 17});
+  cap_99k(c.opts);
+  check_case(c);
 }
 
 // Skips the current test where a KV-cache call of head dim d (fp8 cache, tree mask) cannot

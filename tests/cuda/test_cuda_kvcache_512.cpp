@@ -337,19 +337,7 @@ TEST(CudaKVCache512Cap99KiB, RandomCasesMatchCpuAndOracle) {
     }
     cfg.max_cache_len = pick(rng, {0, 37, 300, 900});
     cfg.block_size = it % 3 == 0 ? 0 : pick(rng, {1, 16, 64, 256});
-    random_cache_layout(cfg, it % 4 == 1);
-    KVCacheCase c = KVCacheCase::make(rng, cfg);
-    c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
-    if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
-    if (it % 5 == 2) c.opts.softcap = 4.0f;
-    if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, false), false);
-    if (it % 4 == 3) {
-      c.sink.want_grad = false;
-      c.sink.set(random_sink(rng, cfg.h_q));
-    }
-    c.num_splits = pick(rng, {1, 0, 0, 3, 17});
-    cap_99k(c.opts);
-    check_case(c);
+    check_random_case_at_99k(rng, cfg, it);
   }
 }
 
