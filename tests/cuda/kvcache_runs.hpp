@@ -20,6 +20,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -227,6 +228,16 @@ void expect_declined(const KVCacheCase& c, DeviceCase& dev, Check&& check, const
   EXPECT_TRUE(k_after.bitwise_equal(c.k_cache)) << "k_cache appended to by a declined call";
   EXPECT_TRUE(v_after.bitwise_equal(c.v_cache)) << "v_cache appended to by a declined call";
   EXPECT_EQ(out.count_nan(), out.numel()) << "out written by a declined call";
+}
+
+// The same for c's call as it is: its device copies made, reset (out poisoned) and
+// synchronised here.
+template <class Check>
+void expect_declined(const KVCacheCase& c, Check&& check, const std::string& accepted) {
+  DeviceCase dev(c);
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  expect_declined(c, dev, std::forward<Check>(check), accepted);
 }
 
 inline std::string describe_case(const KVCacheCase& c) {
