@@ -203,6 +203,13 @@ inline void expect_replay_gives_direct_bits(KVCacheCase& c, DeviceCase& dev, std
   if (cached) *cached = ReplayedCache{cache_direct, cache_graph};
 }
 
+// The same over c's own device copies, with the workspace kvcache_workspace_size asks for.
+inline void expect_replay_gives_direct_bits(KVCacheCase& c, ReplayCache cache = ReplayCache::kNone,
+                                            ReplayedCache* cached = nullptr) {
+  DeviceCase dev(c);
+  expect_replay_gives_direct_bits(c, dev, kvcache_workspace_size(dev.args, dev.opts), cache, cached);
+}
+
 // A call both entry points decline: kvcache_workspace_size and kvcache_forward raise
 // Unsupported (checked by `check`), and neither the caches (appends) nor out (poisoned by
 // dev.reset) are written. `accepted` says what was accepted, for the failure message.
