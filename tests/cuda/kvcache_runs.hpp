@@ -9,8 +9,9 @@
 // that says so (expect_workspace_follows_clusters); a split run against no split's
 // (check_case_agrees_with_no_split); the shared memory per block that this process's
 // CUDA calls may use (smem_limit_of), for skipping what a capped run (FLASHATTN_SMEM_CAP,
-// a 99 KiB GPU) cannot do; a 99 KiB GPU's options on this one (cap_99k) and the random
-// 99 KiB suites' cases (check_random_case_at_99k).
+// a 99 KiB GPU) cannot do; a 99 KiB GPU's options on this one (cap_99k) and the 99 KiB
+// suites' random cases, same-bits and workspace checks (check_random_case_at_99k,
+// check_capped_gives_default_bits, check_capped_workspace_and_replay).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -261,6 +262,17 @@ inline std::string describe_case(const KVCacheCase& c) {
          " " + describe(c.call_options());
 }
 
+// c's out and lse (a device call's, downloaded into c) fully written (no NaN of the
+// poisoning left) and against the fp64 oracle of prob (c.problem()) under the suite's
+// tolerance rule (expect_forward_matches; `expect`, where given, is prob's).
+inline void expect_written_and_matching(const KVCacheCase& c, const RefProblem& prob,
+                                        const ForwardExpectation* expect = nullptr) {
+  const ForwardResults got = forward_results(c);
+  EXPECT_TRUE(fully_written("out", got.out));
+  EXPECT_TRUE(fully_written("lse", got.lse));
+  expect_forward_matches(prob, c.cfg.dtype, got, expect);
+}
+
 // Runs c on the device (num_splits = c.num_splits) and on the CPU backend; checks the
 // appended caches bitwise and the device output against the oracle. Leaves the device
 // results in c.out / c.lse.
@@ -284,12 +296,9 @@ inline void check_case(KVCacheCase& c) {
   EXPECT_TRUE(v_after.bitwise_equal(cpu.v_cache)) << "v_cache after the append (device vs CPU)";
   dev.out->download(c.out);
   dev.lse->download(c.lse);
-  const ForwardResults got = forward_results(c);
-  EXPECT_TRUE(fully_written("out", got.out));
-  EXPECT_TRUE(fully_written("lse", got.lse));
   const RefProblem prob = c.problem();
   const ForwardExpectation expect = ForwardExpectation::of(prob, c.cfg.dtype);
-  expect_forward_matches(prob, c.cfg.dtype, got, &expect);
+  expect_written_and_matching(c, prob, &expect);
   // The CPU backend's own result under the same rule (the two backends agree through it).
   expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
 }
@@ -388,6 +397,39 @@ inline void check_random_case_at_99k(Rng& rng, KVCacheConfig& cfg, int it) {
   c.num_splits = pick(rng, {1, 0, 0, 3, 17});
   cap_99k(c.opts);
   check_case(c);
+}
+
+// The 99 KiB suites' same-bits check: c's call (sm80) with the device's whole shared
+// memory per block (optin, whatever FLASHATTN_SMEM_CAP says) and again under cap_99k, each
+// through check_case; the capped call's out and lse must be the default's bits.
+inline void check_capped_gives_default_bits(KVCacheCase& c, int optin) {
+  c.opts.kernel_family = KernelFamily::kSm80;
+  c.opts.smem_cap = optin;
+  check_case(c);
+  const HostTensor out_default = c.out, lse_default = c.lse;
+  cap_99k(c.opts);
+  check_case(c);
+  EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
+  EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+}
+
+// The 99 KiB suites' workspace and graph check: cfg's case, causal, at `splits` under
+// cap_99k; expect_workspace(bytes) on the workspace kvcache_workspace_size asks for, then
+// expect_replay_gives_direct_bits with it, the replay's out and lse fully written and
+// against the oracle.
+template <class ExpectWorkspace>
+void check_capped_workspace_and_replay(Rng& rng, const KVCacheConfig& cfg, int splits,
+                                       ExpectWorkspace&& expect_workspace) {
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.opts.causal = true;
+  c.num_splits = splits;
+  cap_99k(c.opts);
+  SCOPED_TRACE(describe_case(c));
+  DeviceCase dev(c);
+  const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
+  expect_workspace(ws_bytes);
+  expect_replay_gives_direct_bits(c, dev, ws_bytes);
+  expect_written_and_matching(c, c.problem());
 }
 
 // Skips the current test where a KV-cache call of head dim d (fp8 cache, tree mask) cannot

@@ -303,10 +303,7 @@ TEST(CudaKVCache512, GraphCaptureReplaysTheDirectCall) {
     ReplayedCache k;
     expect_replay_gives_direct_bits(c, ReplayCache::kK, &k);
     EXPECT_TRUE(k.graph.bitwise_equal(c.k_cache_expected)) << "k_cache after the append";
-    const ForwardResults got = forward_results(c);
-    EXPECT_TRUE(fully_written("out", got.out));
-    EXPECT_TRUE(fully_written("lse", got.lse));
-    expect_forward_matches(c.problem(), c.cfg.dtype, got);
+    expect_written_and_matching(c, c.problem());
   }
 }
 
@@ -367,14 +364,7 @@ TEST(CudaKVCache512Cap99KiB, SmallDecodeGivesTheDefaultsBits) {
         KVCacheCase c = KVCacheCase::make(rng, cfg);
         c.num_splits = splits;
         SCOPED_TRACE(describe_case(c));
-        c.opts.kernel_family = KernelFamily::kSm80;
-        c.opts.smem_cap = optin;  // the device's whole limit, whatever FLASHATTN_SMEM_CAP says
-        check_case(c);
-        const HostTensor out_default = c.out, lse_default = c.lse;
-        cap_99k(c.opts);
-        check_case(c);
-        EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
-        EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+        check_capped_gives_default_bits(c, optin);
       }
     }
   }
@@ -436,19 +426,9 @@ TEST(CudaKVCache512Cap99KiB, WorkspaceAndGraphCapture) {
       cfg.fp8 = fp8;
       cfg.cache_lens = {1100, 433};
       cfg.block_size = 16;
-      KVCacheCase c = KVCacheCase::make(rng, cfg);
-      c.opts.causal = true;
-      c.num_splits = splits;
-      cap_99k(c.opts);
-      SCOPED_TRACE(describe_case(c));
-      DeviceCase dev(c);
-      const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-      if (splits == 11) EXPECT_GT(ws_bytes, detail::cuda::kAppendVerdictBytes) << "11 splits' partials";
-      expect_replay_gives_direct_bits(c, dev, ws_bytes);
-      const ForwardResults got = forward_results(c);
-      EXPECT_TRUE(fully_written("out", got.out));
-      EXPECT_TRUE(fully_written("lse", got.lse));
-      expect_forward_matches(c.problem(), c.cfg.dtype, got);
+      check_capped_workspace_and_replay(rng, cfg, splits, [&](std::size_t ws_bytes) {
+        if (splits == 11) EXPECT_GT(ws_bytes, detail::cuda::kAppendVerdictBytes) << "11 splits' partials";
+      });
     }
   }
 }

@@ -197,14 +197,7 @@ TEST(CudaSmemCap, SmallDecodeGivesTheDefaultsBits) {
         c.opts.causal = true;
         c.num_splits = splits;
         SCOPED_TRACE(describe_case(c));
-        c.opts.kernel_family = KernelFamily::kSm80;
-        c.opts.smem_cap = optin;  // the device's whole limit, whatever FLASHATTN_SMEM_CAP says
-        check_case(c);
-        const HostTensor out_default = c.out, lse_default = c.lse;
-        cap_99k(c.opts);
-        check_case(c);
-        EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
-        EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+        check_capped_gives_default_bits(c, optin);
         ++ran;
       }
     }
@@ -244,22 +237,12 @@ TEST(CudaSmemCap, WorkspaceAndGraphCapture) {
       cfg.fp8 = fp8;
       cfg.max_cache_len = 2000;
       cfg.block_size = 16;
-      KVCacheCase c = KVCacheCase::make(rng, cfg);
-      c.opts.causal = true;
-      c.num_splits = splits;
-      cap_99k(c.opts);
-      SCOPED_TRACE(describe_case(c));
-      DeviceCase dev(c);
-      const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-      // The append (s_new = 3, paged) ends the workspace with the device check's verdict.
-      const std::size_t verdict = detail::cuda::kAppendVerdictBytes;
-      if (!fp8 && d > 128) EXPECT_EQ(ws_bytes, verdict) << "the fused forward needs no workspace but the verdict";
-      if (splits == 11 && (fp8 || d <= 128)) EXPECT_GT(ws_bytes, verdict);
-      expect_replay_gives_direct_bits(c, dev, ws_bytes);
-      const ForwardResults got = forward_results(c);
-      EXPECT_TRUE(fully_written("out", got.out));
-      EXPECT_TRUE(fully_written("lse", got.lse));
-      expect_forward_matches(c.problem(), c.cfg.dtype, got);
+      check_capped_workspace_and_replay(rng, cfg, splits, [&](std::size_t ws_bytes) {
+        // The append (s_new = 3, paged) ends the workspace with the device check's verdict.
+        const std::size_t verdict = detail::cuda::kAppendVerdictBytes;
+        if (!fp8 && d > 128) EXPECT_EQ(ws_bytes, verdict) << "the fused forward needs no workspace but the verdict";
+        if (splits == 11 && (fp8 || d <= 128)) EXPECT_GT(ws_bytes, verdict);
+      });
     }
   }
 }
