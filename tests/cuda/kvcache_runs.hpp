@@ -178,7 +178,8 @@ inline void expect_replay_gives_direct_bits(KVCacheCase& c, DeviceCase& dev, std
   }
   Options opts = dev.opts;
   opts.stream = stream;
-  const DeviceCopy* cache_dev = cache == ReplayCache::kK ? dev.kc.get() : cache == ReplayCache::kV ? dev.vc.get() : nullptr;
+  const DeviceCopy* cache_dev =
+      cache == ReplayCache::kK ? dev.kc.get() : cache == ReplayCache::kV ? dev.vc.get() : nullptr;
   const HostTensor& cache_host = cache == ReplayCache::kV ? c.v_cache : c.k_cache;
   const char* cache_name = cache == ReplayCache::kV ? "v_cache" : "k_cache";
 
