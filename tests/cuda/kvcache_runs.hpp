@@ -1,18 +1,27 @@
 // What the CUDA KV-cache suites share (test_cuda_kvcache.cpp, test_cuda_smem_cap.cpp,
-// test_cuda_kvcache_fp8q.cpp, test_cuda_kvcache_512.cpp):
+// test_cuda_kvcache_fp8q.cpp, test_cuda_kvcache_512.cpp, test_cuda_kvcache_head_dim_v.cpp,
+// test_cuda_mla.cpp):
 // the device copies of a KV-cache case (DeviceCase), its description, and check_case,
 // which runs a case on the device and on the CPU backend and checks the appended caches
-// bitwise and the device output against the fp64 oracle; whether a forced split count
-// takes the cluster merge (takes_clusters); and the shared memory per block
-// that this process's CUDA calls may use (smem_limit_of), for skipping what a capped run
-// (FLASHATTN_SMEM_CAP, a 99 KiB GPU) cannot do.
+// bitwise and the device output against the fp64 oracle; the check that a call captured
+// in a CUDA graph replays to the direct call's bits (expect_replay_gives_direct_bits);
+// whether a forced split count takes the cluster merge (takes_clusters) and the workspace
+// that says so (expect_workspace_follows_clusters); a split run against no split's
+// (check_case_agrees_with_no_split); the shared memory per block that this process's
+// CUDA calls may use (smem_limit_of), for skipping what a capped run (FLASHATTN_SMEM_CAP,
+// a 99 KiB GPU) cannot do; a 99 KiB GPU's options on this one (cap_99k) and the 99 KiB
+// suites' random cases, same-bits and workspace checks (check_random_case_at_99k,
+// check_capped_gives_default_bits, check_capped_workspace_and_replay).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
@@ -136,6 +145,73 @@ inline void capture_and_replay(DeviceCase& dev, const Options& opts, void* ws, s
   FA_CUDA_OK(cudaGraphDestroy(graph));
 }
 
+// The cache that expect_replay_gives_direct_bits also compares (none, k_cache, v_cache),
+// and its contents after the direct call's append and after the replay's.
+enum class ReplayCache { kNone, kK, kV };
+struct ReplayedCache {
+  HostTensor direct, graph;
+};
+
+// dev's call (c's case) on a non-blocking stream (`stream`, else one of its own) with a
+// caller workspace of ws_bytes (kvcache_workspace_size's answer, asked by the caller),
+// first directly, then captured into a CUDA graph and replayed once (capture_and_replay),
+// each after dev.reset(c) and a device synchronisation (the uploads run on the default
+// stream): the replay's out and lse must be the direct call's bits, and so `cache` after
+// the append where one is named (its two copies then in *cached, for more checks). Leaves
+// the replay's out / lse in c.out / c.lse for the oracle check that follows. A fatal
+// failure (the direct call throwing, a CUDA error) ends the check there.
+inline void expect_replay_gives_direct_bits(KVCacheCase& c, DeviceCase& dev, std::size_t ws_bytes,
+                                            ReplayCache cache = ReplayCache::kNone, ReplayedCache* cached = nullptr,
+                                            cudaStream_t stream = nullptr) {
+  struct Owned {  // freed on every way out
+    void* ws = nullptr;
+    cudaStream_t s = nullptr;
+    ~Owned() {
+      if (s) cudaStreamDestroy(s);
+      if (ws) cudaFree(ws);
+    }
+  } own;
+  if (ws_bytes) FA_CUDA_OK(cudaMalloc(&own.ws, ws_bytes));
+  if (stream == nullptr) {
+    FA_CUDA_OK(cudaStreamCreateWithFlags(&own.s, cudaStreamNonBlocking));
+    stream = own.s;
+  }
+  Options opts = dev.opts;
+  opts.stream = stream;
+  const DeviceCopy* cache_dev =
+      cache == ReplayCache::kK ? dev.kc.get() : cache == ReplayCache::kV ? dev.vc.get() : nullptr;
+  const HostTensor& cache_host = cache == ReplayCache::kV ? c.v_cache : c.k_cache;
+  const char* cache_name = cache == ReplayCache::kV ? "v_cache" : "k_cache";
+
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {own.ws, ws_bytes}));
+  FA_CUDA_OK(cudaStreamSynchronize(stream));
+  HostTensor out_direct = c.out, lse_direct = c.lse, cache_direct = cache_host;
+  dev.out->download(out_direct);
+  dev.lse->download(lse_direct);
+  if (cache_dev) cache_dev->download(cache_direct);
+
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  HostTensor out_graph = c.out, lse_graph = c.lse, cache_graph = cache_host;
+  capture_and_replay(dev, opts, own.ws, ws_bytes, stream, out_graph, lse_graph);
+  if (cache_dev) cache_dev->download(cache_graph);
+  EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
+  EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
+  if (cache_dev) EXPECT_TRUE(cache_graph.bitwise_equal(cache_direct)) << cache_name << ": graph replay vs direct call";
+  c.out = out_graph;
+  c.lse = lse_graph;
+  if (cached) *cached = ReplayedCache{cache_direct, cache_graph};
+}
+
+// The same over c's own device copies, with the workspace kvcache_workspace_size asks for.
+inline void expect_replay_gives_direct_bits(KVCacheCase& c, ReplayCache cache = ReplayCache::kNone,
+                                            ReplayedCache* cached = nullptr) {
+  DeviceCase dev(c);
+  expect_replay_gives_direct_bits(c, dev, kvcache_workspace_size(dev.args, dev.opts), cache, cached);
+}
+
 // A call both entry points decline: kvcache_workspace_size and kvcache_forward raise
 // Unsupported (checked by `check`), and neither the caches (appends) nor out (poisoned by
 // dev.reset) are written. `accepted` says what was accepted, for the failure message.
@@ -163,6 +239,16 @@ void expect_declined(const KVCacheCase& c, DeviceCase& dev, Check&& check, const
   EXPECT_EQ(out.count_nan(), out.numel()) << "out written by a declined call";
 }
 
+// The same for c's call as it is: its device copies made, reset (out poisoned) and
+// synchronised here.
+template <class Check>
+void expect_declined(const KVCacheCase& c, Check&& check, const std::string& accepted) {
+  DeviceCase dev(c);
+  dev.reset(c);
+  FA_CUDA_OK(cudaDeviceSynchronize());
+  expect_declined(c, dev, std::forward<Check>(check), accepted);
+}
+
 inline std::string describe_case(const KVCacheCase& c) {
   const KVCacheConfig& f = c.cfg;
   return std::string(dtype_name(f.dtype)) + " b " + std::to_string(f.batch) + " s_q " +
@@ -175,6 +261,17 @@ inline std::string describe_case(const KVCacheCase& c) {
          (f.qv ? " qv" : "") +
          " splits " + std::to_string(c.num_splits) +
          " " + describe(c.call_options());
+}
+
+// c's out and lse (a device call's, downloaded into c) fully written (no NaN of the
+// poisoning left) and against the fp64 oracle of prob (c.problem()) under the suite's
+// tolerance rule (expect_forward_matches; `expect`, where given, is prob's).
+inline void expect_written_and_matching(const KVCacheCase& c, const RefProblem& prob,
+                                        const ForwardExpectation* expect = nullptr) {
+  const ForwardResults got = forward_results(c);
+  EXPECT_TRUE(fully_written("out", got.out));
+  EXPECT_TRUE(fully_written("lse", got.lse));
+  expect_forward_matches(prob, c.cfg.dtype, got, expect);
 }
 
 // Runs c on the device (num_splits = c.num_splits) and on the CPU backend; checks the
@@ -200,12 +297,9 @@ inline void check_case(KVCacheCase& c) {
   EXPECT_TRUE(v_after.bitwise_equal(cpu.v_cache)) << "v_cache after the append (device vs CPU)";
   dev.out->download(c.out);
   dev.lse->download(c.lse);
-  const ForwardResults got = forward_results(c);
-  EXPECT_TRUE(fully_written("out", got.out));
-  EXPECT_TRUE(fully_written("lse", got.lse));
   const RefProblem prob = c.problem();
   const ForwardExpectation expect = ForwardExpectation::of(prob, c.cfg.dtype);
-  expect_forward_matches(prob, c.cfg.dtype, got, &expect);
+  expect_written_and_matching(c, prob, &expect);
   // The CPU backend's own result under the same rule (the two backends agree through it).
   expect_forward_matches(prob, c.cfg.dtype, forward_results(cpu), &expect);
 }
@@ -232,6 +326,30 @@ inline bool takes_clusters(const KVCacheCase& c, int splits, int dev, int sms, i
                                                                     rows, splits, units, smem_limit);
 }
 
+// c's call at its split count asks for a workspace of at most no_merge_bytes (none, or
+// the append check's verdict where the call appends to blocks) exactly where the plan
+// takes the cluster merge (takes_clusters, within smem_limit) on device `dev` with `sms` SMs.
+inline void expect_workspace_follows_clusters(const KVCacheCase& c, int dev, int sms, std::size_t no_merge_bytes = 0,
+                                              int smem_limit = 0) {
+  DeviceCase d(c);
+  const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
+  EXPECT_EQ(ws <= no_merge_bytes, takes_clusters(c, c.num_splits, dev, sms, smem_limit)) << "workspace " << ws;
+}
+
+// Runs c at its split count (check_case) and checks its out against no split's (base: c
+// run with num_splits 1) within 4 eps of c's dtype times max(1, max |out|), and, where
+// `lse`, its lse within 1e-4 times max(1, max |lse|).
+inline void check_case_agrees_with_no_split(KVCacheCase& c, const ForwardResults& base, bool lse = true) {
+  check_case(c);
+  const ForwardResults r = forward_results(c);
+  const ErrorStats e = error_stats(r.out, base.out);
+  EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(c.cfg.dtype) * std::max(1.0, e.max_abs_ref))
+      << "splits " << c.num_splits << " vs no split";
+  if (!lse) return;
+  const ErrorStats el = error_stats(r.lse, base.lse);
+  EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << c.num_splits << " vs no split";
+}
+
 inline int pick(Rng& rng, std::initializer_list<int> v) {
   return *(v.begin() + uniform_int(rng, 0, static_cast<int>(v.size()) - 1));
 }
@@ -251,6 +369,68 @@ inline int smem_limit_of(const Options& o) {
     if (env.smem_cap.ok) cap = env.request.smem_cap;
   }
   return cap > 0 && (optin == 0 || cap < optin) ? cap : optin;
+}
+
+constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
+
+// The options of a 99 KiB GPU's run on this one (opts.smem_cap, the sm80 family forced).
+inline void cap_99k(Options& o) {
+  o.smem_cap = kCap99KiB;
+  o.kernel_family = KernelFamily::kSm80;
+}
+
+// Case `it` of the random 99 KiB suites (test_cuda_smem_cap.cpp, test_cuda_kvcache_512.cpp)
+// from cfg, whose shape the caller drew: paged (sharing prefix blocks at it % 4 == 1) or
+// dense (random_cache_layout), causal where s_q > 1 but at it % 4 == 1, a random window
+// (it % 5 == 3), softcap 4 (it % 5 == 2), ALiBi (it % 6 == 4), a learnable sink (it % 4 ==
+// 3), a split count drawn from {1, 0, 0, 3, 17}; run under cap_99k through check_case.
+inline void check_random_case_at_99k(Rng& rng, KVCacheConfig& cfg, int it) {
+  random_cache_layout(cfg, it % 4 == 1);
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
+  if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
+  if (it % 5 == 2) c.opts.softcap = 4.0f;
+  if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, false), false);
+  if (it % 4 == 3) {
+    c.sink.want_grad = false;
+    c.sink.set(random_sink(rng, cfg.h_q));
+  }
+  c.num_splits = pick(rng, {1, 0, 0, 3, 17});
+  cap_99k(c.opts);
+  check_case(c);
+}
+
+// The 99 KiB suites' same-bits check: c's call (sm80) with the device's whole shared
+// memory per block (optin, whatever FLASHATTN_SMEM_CAP says) and again under cap_99k, each
+// through check_case; the capped call's out and lse must be the default's bits.
+inline void check_capped_gives_default_bits(KVCacheCase& c, int optin) {
+  c.opts.kernel_family = KernelFamily::kSm80;
+  c.opts.smem_cap = optin;
+  check_case(c);
+  const HostTensor out_default = c.out, lse_default = c.lse;
+  cap_99k(c.opts);
+  check_case(c);
+  EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
+  EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+}
+
+// The 99 KiB suites' workspace and graph check: cfg's case, causal, at `splits` under
+// cap_99k; expect_workspace(bytes) on the workspace kvcache_workspace_size asks for, then
+// expect_replay_gives_direct_bits with it, the replay's out and lse fully written and
+// against the oracle.
+template <class ExpectWorkspace>
+void check_capped_workspace_and_replay(Rng& rng, const KVCacheConfig& cfg, int splits,
+                                       ExpectWorkspace&& expect_workspace) {
+  KVCacheCase c = KVCacheCase::make(rng, cfg);
+  c.opts.causal = true;
+  c.num_splits = splits;
+  cap_99k(c.opts);
+  SCOPED_TRACE(describe_case(c));
+  DeviceCase dev(c);
+  const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
+  expect_workspace(ws_bytes);
+  expect_replay_gives_direct_bits(c, dev, ws_bytes);
+  expect_written_and_matching(c, c.problem());
 }
 
 // Skips the current test where a KV-cache call of head dim d (fp8 cache, tree mask) cannot

@@ -187,11 +187,7 @@ TEST(CudaKVCache, SplitsAgreeWithNoSplit) {
     // units: 72 and 128 blocks), above 16 the workspace's.
     for (int splits : {2, 7, 8, 0, 9, 16, 17, 31, 64}) {
       c.num_splits = splits;
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base, false);
     }
   }
 }
@@ -225,35 +221,8 @@ TEST(CudaKVCache, GraphCaptureReplaysTheDirectCall) {
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.num_splits = 0;
     SCOPED_TRACE(describe_case(c));
-    DeviceCase dev(c);
-    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cudaStream_t s;
-    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Options opts = dev.opts;
-    opts.stream = s;
-
-    dev.reset(c);
-    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
-    dev.out->download(out_direct);
-    dev.lse->download(lse_direct);
-    dev.kc->download(k_direct);
-
-    dev.reset(c);
-    HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    dev.kc->download(k_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    expect_replay_gives_direct_bits(c, ReplayCache::kK);
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    cudaStreamDestroy(s);
-    if (ws) cudaFree(ws);
   }
 }
 
@@ -353,19 +322,9 @@ TEST(CudaKVCache, WideClusterSplitsAgreeWithNoSplit) {
     for (int splits = 2; splits <= 16; ++splits) {
       c.num_splits = splits;
       SCOPED_TRACE(describe_case(c));
-      {
-        DeviceCase d(c);
-        const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
-        EXPECT_EQ(ws == 0, takes_clusters(c, splits, dev, sms)) << "workspace " << ws;
-      }
+      expect_workspace_follows_clusters(c, dev, sms);
       if (splits == 16) expect_wide_clusters_on_h100(c, splits, dev, sms);
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(sh.dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
-      const ErrorStats el = error_stats(r.lse, base.lse);
-      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base);
     }
   }
 }
@@ -387,14 +346,9 @@ TEST(CudaKVCache, Cluster16Step) {
   const ForwardResults base = forward_results(c);
   c.num_splits = 16;
   SCOPED_TRACE(describe_case(c));
-  {
-    DeviceCase d(c);
-    EXPECT_EQ(kvcache_workspace_size(d.args, d.opts) == 0, takes_clusters(c, 16, dev, sms));
-  }
+  expect_workspace_follows_clusters(c, dev, sms);
   expect_wide_clusters_on_h100(c, 16, dev, sms);
-  check_case(c);
-  const ErrorStats e = error_stats(forward_results(c).out, base.out);
-  EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(cfg.dtype) * std::max(1.0, e.max_abs_ref)) << "16 splits vs no split";
+  check_case_agrees_with_no_split(c, base, false);
 }
 
 // CUDA graph capture of wide-cluster decode steps. (1) The heuristic at batch 1 and an
@@ -420,25 +374,8 @@ TEST(CudaKVCache, WideClusterGraphCapture) {
     DeviceCase d(c);
     const std::size_t ws_bytes = kvcache_workspace_size(d.args, d.opts);
     if (sms >= 128 && takes_clusters(c, 16, dev, sms)) EXPECT_EQ(ws_bytes, 0u) << "the heuristic's 16 cluster splits";
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    Options opts = d.opts;
-    opts.stream = s;
-    d.reset(c);
-    ASSERT_NO_THROW(kvcache_forward(d.args, d.out->view(), d.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse;
-    d.out->download(out_direct);
-    d.lse->download(lse_direct);
-    d.reset(c);
-    HostTensor out_graph = c.out, lse_graph = c.lse;
-    capture_and_replay(d, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    expect_replay_gives_direct_bits(c, d, ws_bytes, ReplayCache::kNone, nullptr, s);
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    if (ws) cudaFree(ws);
   }
   {
     KVCacheConfig cfg;

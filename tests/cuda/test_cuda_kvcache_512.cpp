@@ -44,7 +44,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
 // The fused forward's tile in the 512 bucket (tile_size.hpp: 64 x 32, one K and one V
 // buffer): the shared memory per block that KV-cache calls with d_v != d need above 256.
 constexpr int kFused512Smem = 112 * 1024;
@@ -56,11 +55,6 @@ bool built_512() { return detail::cuda::supports_wide_head_dim(512); }
     FA_REQUIRE_GPU();                                                             \
     if (!built_512()) GTEST_SKIP() << "head-dim bucket 512 not in this build";    \
   } while (0)
-
-void cap_99k(Options& o) {
-  o.smem_cap = kCap99KiB;
-  o.kernel_family = KernelFamily::kSm80;
-}
 
 // ---------------------------------------------------------------- the feature table
 
@@ -273,20 +267,11 @@ TEST(CudaKVCache512, SplitsAgreeWithNoSplit) {
     for (int splits : {2, 7, 8, 9, 16, 17, 31, 64, 0}) {
       c.num_splits = splits;
       SCOPED_TRACE(describe_case(c));
+      // The append to blocks ends the workspace with the device check's verdict.
       if (splits > 0) {
-        DeviceCase d(c);
-        const std::size_t ws = kvcache_workspace_size(d.args, d.opts);
-        // The append to blocks ends the workspace with the device check's verdict.
-        EXPECT_EQ(ws <= detail::cuda::kAppendVerdictBytes, takes_clusters(c, splits, dev, sms, smem_limit_of(c.opts)))
-            << "workspace " << ws;
+        expect_workspace_follows_clusters(c, dev, sms, detail::cuda::kAppendVerdictBytes, smem_limit_of(c.opts));
       }
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(sh.dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
-      const ErrorStats el = error_stats(r.lse, base.lse);
-      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse, splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base);
     }
   }
 }
@@ -315,41 +300,10 @@ TEST(CudaKVCache512, GraphCaptureReplaysTheDirectCall) {
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     c.num_splits = 0;
     SCOPED_TRACE(describe_case(c));
-    DeviceCase dev(c);
-    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cudaStream_t s;
-    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Options opts = dev.opts;
-    opts.stream = s;
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
-    dev.out->download(out_direct);
-    dev.lse->download(lse_direct);
-    dev.kc->download(k_direct);
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    dev.kc->download(k_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
-    EXPECT_TRUE(k_graph.bitwise_equal(c.k_cache_expected)) << "k_cache after the append";
-    c.out = out_graph;
-    c.lse = lse_graph;
-    const ForwardResults got = forward_results(c);
-    EXPECT_TRUE(fully_written("out", got.out));
-    EXPECT_TRUE(fully_written("lse", got.lse));
-    expect_forward_matches(c.problem(), c.cfg.dtype, got);
-    cudaStreamDestroy(s);
-    if (ws) cudaFree(ws);
+    ReplayedCache k;
+    expect_replay_gives_direct_bits(c, ReplayCache::kK, &k);
+    EXPECT_TRUE(k.graph.bitwise_equal(c.k_cache_expected)) << "k_cache after the append";
+    expect_written_and_matching(c, c.problem());
   }
 }
 
@@ -379,19 +333,7 @@ TEST(CudaKVCache512Cap99KiB, RandomCasesMatchCpuAndOracle) {
     }
     cfg.max_cache_len = pick(rng, {0, 37, 300, 900});
     cfg.block_size = it % 3 == 0 ? 0 : pick(rng, {1, 16, 64, 256});
-    random_cache_layout(cfg, it % 4 == 1);
-    KVCacheCase c = KVCacheCase::make(rng, cfg);
-    c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
-    if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
-    if (it % 5 == 2) c.opts.softcap = 4.0f;
-    if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, false), false);
-    if (it % 4 == 3) {
-      c.sink.want_grad = false;
-      c.sink.set(random_sink(rng, cfg.h_q));
-    }
-    c.num_splits = pick(rng, {1, 0, 0, 3, 17});
-    cap_99k(c.opts);
-    check_case(c);
+    check_random_case_at_99k(rng, cfg, it);
   }
 }
 
@@ -422,14 +364,7 @@ TEST(CudaKVCache512Cap99KiB, SmallDecodeGivesTheDefaultsBits) {
         KVCacheCase c = KVCacheCase::make(rng, cfg);
         c.num_splits = splits;
         SCOPED_TRACE(describe_case(c));
-        c.opts.kernel_family = KernelFamily::kSm80;
-        c.opts.smem_cap = optin;  // the device's whole limit, whatever FLASHATTN_SMEM_CAP says
-        check_case(c);
-        const HostTensor out_default = c.out, lse_default = c.lse;
-        cap_99k(c.opts);
-        check_case(c);
-        EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
-        EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+        check_capped_gives_default_bits(c, optin);
       }
     }
   }
@@ -459,9 +394,6 @@ TEST(CudaKVCache512Cap99KiB, HeadDimVIsUnsupportedBeforeTheAppend) {
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     cap_99k(c.opts);
     SCOPED_TRACE(describe_case(c));
-    DeviceCase dev(c);
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
     auto expect_message = [&](const Unsupported& e) {
       EXPECT_EQ(e.argument(), "v_cache");
       EXPECT_THAT(e.what(), HasSubstr("expected head dim d_v == d = " + std::to_string(hd.d)));
@@ -470,7 +402,7 @@ TEST(CudaKVCache512Cap99KiB, HeadDimVIsUnsupportedBeforeTheAppend) {
       EXPECT_THAT(e.what(),
                   HasSubstr("got d_v = " + std::to_string(hd.d_v) + " with " + std::to_string(kCap99KiB) + " bytes"));
     };
-    expect_declined(c, dev, expect_message, "d_v != d above 256 within 99 KiB");
+    expect_declined(c, expect_message, "d_v != d above 256 within 99 KiB");
   }
 }
 
@@ -494,43 +426,9 @@ TEST(CudaKVCache512Cap99KiB, WorkspaceAndGraphCapture) {
       cfg.fp8 = fp8;
       cfg.cache_lens = {1100, 433};
       cfg.block_size = 16;
-      KVCacheCase c = KVCacheCase::make(rng, cfg);
-      c.opts.causal = true;
-      c.num_splits = splits;
-      cap_99k(c.opts);
-      SCOPED_TRACE(describe_case(c));
-      DeviceCase dev(c);
-      const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-      if (splits == 11) EXPECT_GT(ws_bytes, detail::cuda::kAppendVerdictBytes) << "11 splits' partials";
-      void* ws = nullptr;
-      if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-      cudaStream_t s;
-      FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      Options opts = dev.opts;
-      opts.stream = s;
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-      FA_CUDA_OK(cudaStreamSynchronize(s));
-      HostTensor out_direct = c.out, lse_direct = c.lse;
-      dev.out->download(out_direct);
-      dev.lse->download(lse_direct);
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      HostTensor out_graph = c.out, lse_graph = c.lse;
-      capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-      EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-      EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-      c.out = out_graph;
-      c.lse = lse_graph;
-      const ForwardResults got = forward_results(c);
-      EXPECT_TRUE(fully_written("out", got.out));
-      EXPECT_TRUE(fully_written("lse", got.lse));
-      expect_forward_matches(c.problem(), c.cfg.dtype, got);
-      cudaStreamDestroy(s);
-      if (ws) cudaFree(ws);
+      check_capped_workspace_and_replay(rng, cfg, splits, [&](std::size_t ws_bytes) {
+        if (splits == 11) EXPECT_GT(ws_bytes, detail::cuda::kAppendVerdictBytes) << "11 splits' partials";
+      });
     }
   }
 }
@@ -555,14 +453,11 @@ TEST(CudaKVCache512Declined, AboveTheCompiledBuckets) {
     cfg.max_cache_len = 20;
     KVCacheCase c = KVCacheCase::make(rng, cfg);
     SCOPED_TRACE(describe_case(c));
-    DeviceCase dev(c);
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
     auto expect_message = [&](const Unsupported& e) {
       EXPECT_EQ(e.argument(), "q");
       EXPECT_THAT(e.what(), HasSubstr("got d = " + std::to_string(d)));
     };
-    expect_declined(c, dev, expect_message, "d = " + std::to_string(d));
+    expect_declined(c, expect_message, "d = " + std::to_string(d));
   }
 }
 

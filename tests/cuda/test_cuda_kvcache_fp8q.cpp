@@ -132,13 +132,7 @@ TEST(CudaKVCacheFp8Q, SplitsAgreeWithNoSplit) {
     const ForwardResults base = forward_results(c);
     for (int splits : {2, 7, 0, 17, 64}) {
       c.num_splits = splits;
-      check_case(c);
-      const ForwardResults r = forward_results(c);
-      const ErrorStats e = error_stats(r.out, base.out);
-      EXPECT_LE(e.max_abs_err, 4 * dtype_epsilon(dtype) * std::max(1.0, e.max_abs_ref))
-          << "splits " << splits << " vs no split";
-      const ErrorStats el = error_stats(r.lse, base.lse);
-      EXPECT_LE(el.max_abs_err, 1e-4 * std::max(1.0, el.max_abs_ref)) << "lse: splits " << splits << " vs no split";
+      check_case_agrees_with_no_split(c, base);
     }
   }
 }
@@ -194,36 +188,10 @@ TEST(CudaKVCacheFp8Q, GraphCaptureReplaysTheDirectCall) {
   KVCacheCase c = KVCacheCase::make(rng, cfg);
   c.num_splits = 0;
   SCOPED_TRACE(describe_case(c));
-  DeviceCase dev(c);
-  const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-  void* ws = nullptr;
-  if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-  cudaStream_t s;
-  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  Options opts = dev.opts;
-  opts.stream = s;
-
-  dev.reset(c);
-  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-  FA_CUDA_OK(cudaStreamSynchronize(s));
-  HostTensor out_direct = c.out, lse_direct = c.lse, k_direct = c.k_cache;
-  dev.out->download(out_direct);
-  dev.lse->download(lse_direct);
-  dev.kc->download(k_direct);
-  EXPECT_TRUE(k_direct.bitwise_equal(c.k_cache_expected)) << "k_cache after the direct call's append";
-
-  dev.reset(c);
-  HostTensor out_graph = c.out, lse_graph = c.lse, k_graph = c.k_cache;
-  capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-  dev.kc->download(k_graph);
-  EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-  EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-  EXPECT_TRUE(k_graph.bitwise_equal(k_direct)) << "k_cache: graph replay vs direct call";
-  c.out = out_graph;
-  c.lse = lse_graph;
+  ReplayedCache k;
+  expect_replay_gives_direct_bits(c, ReplayCache::kK, &k);
+  EXPECT_TRUE(k.direct.bitwise_equal(c.k_cache_expected)) << "k_cache after the direct call's append";
   expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-  cudaStreamDestroy(s);
-  if (ws) cudaFree(ws);
 }
 
 // What the CUDA fp8-q call does not run: Unsupported naming the argument, from both entry
@@ -246,10 +214,8 @@ TEST(CudaKVCacheFp8Q, DeclinesNamingTheArgument) {
     KVCacheConfig cfg = base();
     cfg.d_v = 128;
     KVCacheCase c = KVCacheCase::make(rng, cfg);
-    DeviceCase dev(c);
-    dev.reset(c);
     expect_declined(
-        c, dev,
+        c,
         [](const Unsupported& e) {
           const std::string m = e.what();
           EXPECT_NE(m.find("argument 'v_cache': expected head dim d_v == d = 64 with a float8_e4m3 cache"),
@@ -279,10 +245,8 @@ TEST(CudaKVCacheFp8Q, DeclinesNamingTheArgument) {
     cfg.d = 528;
     cfg.max_cache_len = 8;
     KVCacheCase c = KVCacheCase::make(rng, cfg);
-    DeviceCase dev(c);
-    dev.reset(c);
     expect_declined(
-        c, dev,
+        c,
         [](const Unsupported& e) {
           const std::string m = e.what();
           EXPECT_NE(m.find("argument 'q'"), std::string::npos) << m;

@@ -199,38 +199,10 @@ TEST(CudaKVCacheHeadDimVGraph, CaptureReplaysTheDirectCall) {
     c.opts.kernel_family = family;
     c.num_splits = 0;
     SCOPED_TRACE(std::string(family_str(family)) + " " + describe_case(c));
-    DeviceCase dev(c);
-    const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-    void* ws = nullptr;
-    if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-    cudaStream_t s;
-    FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Options opts = dev.opts;
-    opts.stream = s;
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-    FA_CUDA_OK(cudaStreamSynchronize(s));
-    HostTensor out_direct = c.out, lse_direct = c.lse, v_direct = c.v_cache;
-    dev.out->download(out_direct);
-    dev.lse->download(lse_direct);
-    dev.vc->download(v_direct);
-
-    dev.reset(c);
-    FA_CUDA_OK(cudaDeviceSynchronize());
-    HostTensor out_graph = c.out, lse_graph = c.lse, v_graph = c.v_cache;
-    capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-    dev.vc->download(v_graph);
-    EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-    EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-    EXPECT_TRUE(v_graph.bitwise_equal(v_direct)) << "v_cache: graph replay vs direct call";
-    EXPECT_TRUE(v_graph.bitwise_equal(c.v_cache_expected)) << "v_cache after the append";
-    c.out = out_graph;
-    c.lse = lse_graph;
+    ReplayedCache v;
+    expect_replay_gives_direct_bits(c, ReplayCache::kV, &v);
+    EXPECT_TRUE(v.graph.bitwise_equal(c.v_cache_expected)) << "v_cache after the append";
     expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-    cudaStreamDestroy(s);
-    if (ws) cudaFree(ws);
   }
 }
 
@@ -241,16 +213,13 @@ TEST(CudaKVCacheHeadDimVGraph, CaptureReplaysTheDirectCall) {
 // call appends (caches unchanged, out not written).
 void expect_declined_before_the_append(KVCacheCase& c, const std::string& what) {
   SCOPED_TRACE(describe_case(c));
-  DeviceCase dev(c);
-  dev.reset(c);
-  FA_CUDA_OK(cudaDeviceSynchronize());
   auto expect_message = [&](const Unsupported& e) {
     EXPECT_EQ(e.argument(), "v_cache");
     EXPECT_THAT(e.what(), HasSubstr("expected head dim d_v == d = " + std::to_string(c.cfg.d) + " with "));
     EXPECT_THAT(e.what(), HasSubstr(what));
     EXPECT_THAT(e.what(), HasSubstr("got d_v = " + std::to_string(c.cfg.dv())));
   };
-  expect_declined(c, dev, expect_message, what + " with d_v != d");
+  expect_declined(c, expect_message, what + " with d_v != d");
 }
 
 TEST(CudaKVCacheHeadDimVErrors, Fp8CacheIsUnsupportedBeforeTheAppend) {

@@ -189,32 +189,8 @@ TEST(CudaMlaKVCacheGraph, CaptureReplaysTheDirectCall) {
   KVCacheCase c = make_kv_case(
       rng, {"graph", DType::kBFloat16, 2, 128, 1, 64, 512, 1, 1, 64, {4000, 301}, true, 0});
   SCOPED_TRACE(describe_case(c));
-  DeviceCase dev(c);
-  const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-  void* ws = nullptr;
-  if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-  cudaStream_t s;
-  FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  Options opts = dev.opts;
-  opts.stream = s;
-  dev.reset(c);
-  FA_CUDA_OK(cudaDeviceSynchronize());
-  ASSERT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-  FA_CUDA_OK(cudaStreamSynchronize(s));
-  HostTensor out_direct = c.out, lse_direct = c.lse;
-  dev.out->download(out_direct);
-  dev.lse->download(lse_direct);
-  dev.reset(c);
-  FA_CUDA_OK(cudaDeviceSynchronize());
-  HostTensor out_graph = c.out, lse_graph = c.lse;
-  capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-  EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-  EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-  c.out = out_graph;
-  c.lse = lse_graph;
+  expect_replay_gives_direct_bits(c);
   expect_forward_matches(c.problem(), c.cfg.dtype, forward_results(c));
-  cudaStreamDestroy(s);
-  if (ws) cudaFree(ws);
 }
 
 // ---------------------------------------------------------------- forward / varlen_forward
@@ -403,14 +379,11 @@ TEST(CudaMlaSm90Dispatch, TakesTheSuiteShapesDeclinesTheRest) {
 // kvcache_forward, before the append (caches unchanged, out not written).
 void expect_kv_declined(KVCacheCase& c, const std::string& argument, const std::string& what) {
   SCOPED_TRACE(describe_case(c) + " -> " + argument);
-  DeviceCase dev(c);
-  dev.reset(c);
-  FA_CUDA_OK(cudaDeviceSynchronize());
   auto check = [&](const Unsupported& e) {
     EXPECT_EQ(e.argument(), argument) << e.what();
     EXPECT_THAT(e.what(), HasSubstr(what));
   };
-  expect_declined(c, dev, check, argument);
+  expect_declined(c, check, argument);
 }
 
 TEST(CudaMlaErrors, UnsupportedNamesTheArgument) {

@@ -38,14 +38,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr int kCap99KiB = 101376;  // sm86 / sm89: 99 KiB per block
-
-// The options of a 99 KiB GPU's run on this one.
-void cap_99k(Options& o) {
-  o.smem_cap = kCap99KiB;
-  o.kernel_family = KernelFamily::kSm80;
-}
-
 // The head-dim buckets the CUDA backend has (FLASHATTN_CUDA_BUCKETS up to 256); a d that
 // this build has no bucket for runs in the next larger one, so every d up to the largest
 // compiled bucket runs.
@@ -114,19 +106,7 @@ TEST_P(CudaSmemCapKVCache, MatchesOracle) {
     cfg.s_new = pick(rng, {0, 1, cfg.s_q});
     cfg.max_cache_len = pick(rng, {0, 37, 300, 1100});
     cfg.block_size = it % 3 == 0 ? 0 : pick(rng, {1, 3, 16, 64, 256});
-    random_cache_layout(cfg, it % 4 == 1);
-    KVCacheCase c = KVCacheCase::make(rng, cfg);
-    c.opts.causal = cfg.s_q > 1 && it % 4 != 1;
-    if (it % 5 == 3) c.opts.window_left = uniform_int(rng, 0, 200);
-    if (it % 5 == 2) c.opts.softcap = 4.0f;
-    if (it % 6 == 4) c.set_alibi(random_alibi(rng, cfg.batch, cfg.h_q, false), false);
-    if (it % 4 == 3) {
-      c.sink.want_grad = false;
-      c.sink.set(random_sink(rng, cfg.h_q));
-    }
-    c.num_splits = pick(rng, {1, 0, 0, 3, 17});
-    cap_99k(c.opts);
-    check_case(c);
+    check_random_case_at_99k(rng, cfg, it);
   }
 }
 
@@ -167,15 +147,13 @@ TEST(CudaSmemCap, TreeMasks) {
       }
       ++large;
       SCOPED_TRACE(describe_case(c));
-      DeviceCase dev(c);
-      dev.reset(c);
       auto expect_message = [&](const Unsupported& e) {
         EXPECT_EQ(e.argument(), "tree_mask");
         EXPECT_THAT(e.what(), HasSubstr("bytes of shared memory per block for the decode kernel of head dim " +
                                         std::to_string(d)));
         EXPECT_THAT(e.what(), HasSubstr("got 101376 bytes"));
       };
-      expect_declined(c, dev, expect_message, "a tree mask at d = " + std::to_string(d) + " within 99 KiB");
+      expect_declined(c, expect_message, "a tree mask at d = " + std::to_string(d) + " within 99 KiB");
     }
   }
   if (large == 0) GTEST_LOG_(INFO) << "no head dim above 128 in this build: the Unsupported case not run";
@@ -219,14 +197,7 @@ TEST(CudaSmemCap, SmallDecodeGivesTheDefaultsBits) {
         c.opts.causal = true;
         c.num_splits = splits;
         SCOPED_TRACE(describe_case(c));
-        c.opts.kernel_family = KernelFamily::kSm80;
-        c.opts.smem_cap = optin;  // the device's whole limit, whatever FLASHATTN_SMEM_CAP says
-        check_case(c);
-        const HostTensor out_default = c.out, lse_default = c.lse;
-        cap_99k(c.opts);
-        check_case(c);
-        EXPECT_TRUE(c.out.bitwise_equal(out_default)) << "out: small configuration vs default";
-        EXPECT_TRUE(c.lse.bitwise_equal(lse_default)) << "lse: small configuration vs default";
+        check_capped_gives_default_bits(c, optin);
         ++ran;
       }
     }
@@ -266,46 +237,12 @@ TEST(CudaSmemCap, WorkspaceAndGraphCapture) {
       cfg.fp8 = fp8;
       cfg.max_cache_len = 2000;
       cfg.block_size = 16;
-      KVCacheCase c = KVCacheCase::make(rng, cfg);
-      c.opts.causal = true;
-      c.num_splits = splits;
-      cap_99k(c.opts);
-      SCOPED_TRACE(describe_case(c));
-      DeviceCase dev(c);
-      const std::size_t ws_bytes = kvcache_workspace_size(dev.args, dev.opts);
-      // The append (s_new = 3, paged) ends the workspace with the device check's verdict.
-      const std::size_t verdict = detail::cuda::kAppendVerdictBytes;
-      if (!fp8 && d > 128) EXPECT_EQ(ws_bytes, verdict) << "the fused forward needs no workspace but the verdict";
-      if (splits == 11 && (fp8 || d <= 128)) EXPECT_GT(ws_bytes, verdict);
-      void* ws = nullptr;
-      if (ws_bytes) FA_CUDA_OK(cudaMalloc(&ws, ws_bytes));
-      cudaStream_t s;
-      FA_CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      Options opts = dev.opts;
-      opts.stream = s;
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      EXPECT_NO_THROW(kvcache_forward(dev.args, dev.out->view(), dev.lse->view(), opts, {ws, ws_bytes}));
-      FA_CUDA_OK(cudaStreamSynchronize(s));
-      HostTensor out_direct = c.out, lse_direct = c.lse;
-      dev.out->download(out_direct);
-      dev.lse->download(lse_direct);
-
-      dev.reset(c);
-      FA_CUDA_OK(cudaDeviceSynchronize());
-      HostTensor out_graph = c.out, lse_graph = c.lse;
-      capture_and_replay(dev, opts, ws, ws_bytes, s, out_graph, lse_graph);
-      EXPECT_TRUE(out_graph.bitwise_equal(out_direct)) << "out: graph replay vs direct call";
-      EXPECT_TRUE(lse_graph.bitwise_equal(lse_direct)) << "lse: graph replay vs direct call";
-      c.out = out_graph;
-      c.lse = lse_graph;
-      const ForwardResults got = forward_results(c);
-      EXPECT_TRUE(fully_written("out", got.out));
-      EXPECT_TRUE(fully_written("lse", got.lse));
-      expect_forward_matches(c.problem(), c.cfg.dtype, got);
-      cudaStreamDestroy(s);
-      if (ws) cudaFree(ws);
+      check_capped_workspace_and_replay(rng, cfg, splits, [&](std::size_t ws_bytes) {
+        // The append (s_new = 3, paged) ends the workspace with the device check's verdict.
+        const std::size_t verdict = detail::cuda::kAppendVerdictBytes;
+        if (!fp8 && d > 128) EXPECT_EQ(ws_bytes, verdict) << "the fused forward needs no workspace but the verdict";
+        if (splits == 11 && (fp8 || d <= 128)) EXPECT_GT(ws_bytes, verdict);
+      });
     }
   }
 }
