@@ -257,6 +257,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
         const int valid = s_k - j0;  // >= 1: tile < t_end
         const bool tail = valid < kBlockN && !a.v_tail_zero;
         std::uint64_t* bar = tail ? bar_tail : &full[stage];
+        // The tile's first block-table entry read before the wait for its stage, so that
+        // the load's latency is not added to the copy's (blocks of 64: the only one).
+        const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
+        int page0 = 0;
+        if (leader && a.page_rows != 0) page0 = table[j0 / p.block_size];
         mbar_wait(&empty[stage], phase ^ 1);
         if (leader) {
           if (a.page_rows == 0) {
@@ -271,11 +276,10 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
             const int rows = a.page_rows;
             const int chunks = min(kBlockN / rows, (valid + rows - 1) / rows);
             mbar_arrive_expect_tx(bar, chunks * rows * row_bytes);
-            const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
             for (int ch = 0; ch < chunks; ++ch) {
               const int j = j0 + ch * rows;
               // block_id's clamp (params.hpp), on the hoisted row of the table
-              const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
+              const int page = FwdParams::clamp_index(ch == 0 ? page0 : table[j / p.block_size], 0, p.kv_cache_rows - 1);
               const int jr = j % p.block_size;
               tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar);
               for (int c = 0; c < a.v_segs; ++c) {
