@@ -79,9 +79,14 @@
 //   and 520-590 TFLOP/s of useful work); if they stay, 160-180 U: 32k ~1.5-1.65 ms, 4k
 //   215-235 us (1.1-1.2 x).
 //   Not done: FlashMLA's (deepseek-ai/FlashMLA, csrc/sm90/decode/dense) per-64-column
-//   TMA barriers, with which the next tiles' S starts on the first blocks while the
-//   rest load (with whole-tile stages the loads bind once L > ~40 U), and its paired
-//   tiles (both warpgroups' S at once, P of the first rescaled by the second's factor).
+//   TMA barriers, with which the next tiles' S starts on the first blocks while the rest
+//   load (with whole-tile stages the loads bind once L > ~40 U), and its paired tiles
+//   (both warpgroups' S at once, P of the first rescaled by the second's factor; with
+//   whole-tile stages both tiles' loads would start only after both P V). A stage's full
+//   barrier split in two (S's first 20 k-steps once the rope and latent blocks 1..4 have
+//   landed) models 4-15 % worse at L <= 35 U and no better above: the wgmma.fence after
+//   the second wait splits S into two groups (ptxas: gsb0 on the 20th), so the P-first
+//   order's wait<1> for P(oth) V also waits for S's first part and releases oth later.
 // Epilogue as the sm80 kernel's: each consumer writes its columns of out (or with splits
 // its fp32 partials; the last split of a row chunk merges them,
 // collective/split_kv_merge.cuh), consumer 0 the lse; masks, softcap, ALiBi and the
