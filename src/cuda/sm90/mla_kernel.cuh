@@ -68,12 +68,14 @@
 //        A's softmax(t+1)]...: the softmax of one consumer overlaps the other's S GEMM and
 //        the P V halves; T = max(68 U, (L + S + X + P V) / 2) per tile with both stages
 //        busy, i.e. tensor-bound while L <= ~35 U.
-//   Modelled (two-stage discrete-event model of both consumers, X = 15-20 U for the
-//   straight-line softmax: 32 FFMA + 32 EX2 + 16 packs + 4 stmatrix, MUFU-bound at ~256
-//   cycles; decision poll 0.5 U, wake-up 1 U, wgmma completion latency 2 U): L = 25 U:
-//   68 U (main's order: 85-90 U); L = 35 U: 71 U (85-90); L = 45 U: 81 U (85-90); L >=
-//   60 U: 85-90 U, main's order (in L ~ 55 U, X = 20 U the stage-first choice costs
-//   2.5 %). Prediction: if the ~90 U outside the model were the old softmax's (gone
+//   Modelled (bench/mla_schedule_model.py model: both consumers and the 2-stage ring in
+//   discrete time; X = 15-20 U for the straight-line softmax: 32 FFMA + 32 EX2 + 16 packs
+//   + 4 stmatrix, MUFU-bound at ~256 cycles; decision poll 0.5 U, wake-up 1 U, wgmma
+//   completion latency 2 U): L = 25 U: 68 U (main's order: 85-90 U); L = 35 U: 71 U
+//   (85-90); L = 45 U: 81 U (85-90); L >= 60 U: 85-90 U, main's order. Where the stage
+//   lands just before P would have, S first costs: L ~ 55 U, X = 20 U +2.5 %; L ~ 65 U,
+//   X = 30 U +7.5 %. (bench/mla_schedule_model.py protocol checks the barrier protocol
+//   below over random interleavings.) Prediction: if the ~90 U outside the model were the old softmax's (gone
 //   with its branches), 80-95 U per tile (the 72 U shared-memory floor and the ~76-80 %
 //   FlashMLA reaches bound the 68-71 U above): 32k 750-890 us, 4k 125-140 us (660-780
 //   and 520-590 TFLOP/s of useful work); if they stay, 160-180 U: 32k ~1.5-1.65 ms, 4k
