@@ -10,7 +10,7 @@
 //     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by a
 //     "full" mbarrier (transaction bytes) and an "empty" one (both consumers' release);
 //     with a paged cache a tile is copied in boxes of gcd(block_size, 64) rows through the
-//     block table. Where the tensor goes on past a sequence's keys (cache slots, the next
+//     block table (its first entry read before the wait for the stage). Where the tensor goes on past a sequence's keys (cache slots, the next
 //     sequence) the warp zeroes the latent rows past the end before the consumers see the
 //     tile: their P is exactly 0, but 0 * NaN would poison O. Its registers go to the
 //     consumers (setmaxnreg).
@@ -45,7 +45,7 @@
 // tensor pipe idle unless the other consumer has work queued), L = a tile's load (72 KB)
 // from the release of its stage to its full barrier. A = owner of t + 1, B = owner of t;
 // the tensor line shows which wgmma groups are in flight.
-//   main (f915e1d), per tile:
+//   main (258841f), per tile:
 //     B: ..S(t) | softmax(t) X | bar.arrive P(t) | PVo(t) wait<0> rel t | bar.sync P(t+1) .............
 //     A: bar.sync P(t) ......... | PVs(t) S(t+1) wait<1> rel t wait<0> | softmax(t+1) X | bar.arrive ..
 //     tensor:                    [PVs(t) || PVo(t): 32 U][S(t+1): 36 U] [idle: X + wake-up]
@@ -75,11 +75,11 @@
 //   (85-90); L = 45 U: 81 U (85-90); L >= 60 U: 85-90 U, main's order. Where the stage
 //   lands just before P would have, S first costs: L ~ 55 U, X = 20 U +2.5 %; L ~ 65 U,
 //   X = 30 U +7.5 %. (bench/mla_schedule_model.py protocol checks the barrier protocol
-//   below over random interleavings.) Prediction: if the ~90 U outside the model were the old softmax's (gone
-//   with its branches), 80-95 U per tile (the 72 U shared-memory floor and the ~76-80 %
-//   FlashMLA reaches bound the 68-71 U above): 32k 750-890 us, 4k 125-140 us (660-780
-//   and 520-590 TFLOP/s of useful work); if they stay, 160-180 U: 32k ~1.5-1.65 ms, 4k
-//   215-235 us (1.1-1.2 x).
+//   below over random interleavings.) Prediction: if the ~90 U outside the model were
+//   the old softmax's (gone with its branches), 80-95 U per tile (the 72 U shared-memory
+//   floor and the ~76-80 % FlashMLA reaches bound the 68-71 U above): 32k 750-890 us, 4k
+//   125-140 us (660-780 and 520-590 TFLOP/s of useful work); if they stay, 160-180 U:
+//   32k ~1.5-1.65 ms, 4k 215-235 us (1.1-1.2 x).
 //   Not done: FlashMLA's (deepseek-ai/FlashMLA, csrc/sm90/decode/dense) per-64-column
 //   TMA barriers, with which the next tiles' S starts on the first blocks while the rest
 //   load (with whole-tile stages the loads bind once L > ~40 U), and its paired tiles
