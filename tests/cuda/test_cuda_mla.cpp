@@ -199,7 +199,7 @@ TEST(CudaMlaKVCacheRescale, GrowingScores) {
         const std::int64_t r = std::int64_t(slot) * rows_per + row;
         if (biased[static_cast<std::size_t>(r)]) continue;
         biased[static_cast<std::size_t>(r)] = 1;
-        for (std::int64_t e = 0; e < width; ++e) base.v_cache.set(r * width + e, base.v_cache.get(r * width + e) + bias);
+        for (std::int64_t e = r * width; e < (r + 1) * width; ++e) base.v_cache.set(e, base.v_cache.get(e) + bias);
       }
     }
     base.v_cache_expected = base.v_cache;

@@ -10,10 +10,10 @@
 //     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by a
 //     "full" mbarrier (transaction bytes) and an "empty" one (both consumers' release);
 //     with a paged cache a tile is copied in boxes of gcd(block_size, 64) rows through the
-//     block table (its first entry read before the wait for the stage). Where the tensor goes on past a sequence's keys (cache slots, the next
-//     sequence) the warp zeroes the latent rows past the end before the consumers see the
-//     tile: their P is exactly 0, but 0 * NaN would poison O. Its registers go to the
-//     consumers (setmaxnreg).
+//     block table (its first entry read before the wait for the stage). Where the tensor
+//     goes on past a sequence's keys (cache slots, the next sequence) the warp zeroes the
+//     latent rows past the end before the consumers see the tile: their P is exactly 0,
+//     but 0 * NaN would poison O. Its registers go to the consumers (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: q' = [q | qv] (64 rows x 576 dims, zero past d and
 //     d_v) is copied once into shared memory (cp.async, swizzled as TMA would). They take
 //     the tiles in turn: consumer c alone computes S = q' k'^T of the tiles 2 i + c (64 x
@@ -286,7 +286,8 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
             for (int ch = 0; ch < chunks; ++ch) {
               const int j = j0 + ch * rows;
               // block_id's clamp (params.hpp), on the hoisted row of the table
-              const int page = FwdParams::clamp_index(ch == 0 ? page0 : table[j / p.block_size], 0, p.kv_cache_rows - 1);
+              const int entry = ch == 0 ? page0 : table[j / p.block_size];
+              const int page = FwdParams::clamp_index(entry, 0, p.kv_cache_rows - 1);
               const int jr = j % p.block_size;
               tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar);
               for (int c = 0; c < a.v_segs; ++c) {
