@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -100,6 +101,13 @@ const MlaKV kKVCases[] = {
     // consumer with no tile of its own; the last tile either's), the same over 3 splits.
     {"decode_h64_paged64_tile_counts", DType::kBFloat16, 4, 64, 1, 64, 512, 1, 1, 64, {63, 127, 191, 255}, true, 1},
     {"decode_h64_dense_tile_counts_split3", DType::kFloat16, 4, 64, 1, 64, 512, 1, 1, 0, {63, 191, 383, 511}, true, 3},
+    // The sm90 kernel's round order (S of the own tile first when its stage has landed, else
+    // P V of the other's tile first): 5 to 10 tiles in one split (odd counts: the last tile
+    // consumer 0's; 2 mod 4 and 0 mod 4: consumer 1's), and 9 to 11 over 2 splits (5 / 4,
+    // 5 / 5, 6 / 5 per split).
+    {"decode_h64_paged64_tile_counts_5_10", DType::kFloat16, 6, 64, 1, 64, 512, 1, 1, 64,
+     {319, 383, 447, 511, 575, 639}, true, 1},
+    {"decode_h128_dense_tile_counts_split2", DType::kBFloat16, 3, 128, 1, 64, 512, 1, 1, 0, {575, 639, 703}, true, 2},
     // Blocks of 12 (boxes of gcd(12, 64) = 4 rows): the sm90 kernel declines, sm80 runs it.
     {"decode_h32_paged12_sm80", DType::kBFloat16, 2, 32, 1, 64, 512, 1, 1, 12, {100, 37}, true, 1},
 };
@@ -162,6 +170,45 @@ TEST(CudaMlaKVCacheOptions, WindowSoftcapAlibiSink) {
     c.sink.set(random_sink(rng, m.h_q));
     SCOPED_TRACE("case " + std::to_string(it));
     check_case(c);
+  }
+}
+
+// Scores that grow along the keys, so that the rows' reference max moves (the kernels'
+// lazy rescale: by more than 2^8) every few tiles, in tiles of both sm90 consumers: each
+// rescales its half of O by the factor the tile's owner hands over with P, whichever of
+// S and the other's P V its round issues first. qv is made positive and every latent
+// value of key j gets 0.003 j added (sequence 0: rising throughout; sequence 1: a
+// sawtooth of 384 keys, the max rising, then falling behind and passed again); one split
+// and three. No append (the caches are changed after the draw).
+TEST(CudaMlaKVCacheRescale, GrowingScores) {
+  FA_REQUIRE_GPU();
+  FA_SKIP_UNLESS_MLA_FITS(Options{});
+  FA_SEEDED_RNG(rng);
+  for (int it = 0; it < 2; ++it) {
+    const MlaKV m{"growing", it ? DType::kFloat16 : DType::kBFloat16, 2, 64, 1, 64, 512, 1, 0, 64, {1000, 777},
+                  false, it ? 3 : 1};
+    KVCacheCase base = make_kv_case(rng, m);
+    for (std::int64_t i = 0; i < base.qv.numel(); ++i) base.qv.set(i, std::fabs(base.qv.get(i)));
+    const std::int64_t width = std::int64_t(m.h_k) * m.d_v, rows_per = base.v_cache.size(1);
+    // (A block shared by both sequences' prefixes takes sequence 0's bias, once.)
+    std::vector<char> biased(static_cast<std::size_t>(base.v_cache.size(0) * rows_per), 0);
+    for (int b = 0; b < m.batch; ++b) {
+      for (int j = 0; j < base.cache_lens[static_cast<std::size_t>(b)]; ++j) {
+        const double bias = 0.003 * (b == 0 ? j : j % 384);
+        const auto [slot, row] = base.locate(b, j);
+        const std::int64_t r = std::int64_t(slot) * rows_per + row;
+        if (biased[static_cast<std::size_t>(r)]) continue;
+        biased[static_cast<std::size_t>(r)] = 1;
+        for (std::int64_t e = r * width; e < (r + 1) * width; ++e) base.v_cache.set(e, base.v_cache.get(e) + bias);
+      }
+    }
+    base.v_cache_expected = base.v_cache;
+    for (KernelFamily family : gpu_families()) {
+      KVCacheCase c = base;
+      c.opts.kernel_family = family;
+      SCOPED_TRACE(std::string(family_str(family)) + (it ? " fp16, 3 splits" : " bf16, 1 split"));
+      check_case(c);
+    }
   }
 }
 

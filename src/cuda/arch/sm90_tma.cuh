@@ -35,6 +35,11 @@ __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t phas
   while (!ptx::mbarrier_try_wait_parity(bar, phase)) {
   }
 }
+// Whether the phase of parity `phase` has completed, without waiting (a poll; a thread that
+// goes on to use what the phase guards waits on it with mbar_wait as well).
+__device__ __forceinline__ bool mbar_test(std::uint64_t* bar, std::uint32_t phase) {
+  return ptx::mbarrier_test_wait_parity(bar, phase);
+}
 
 // ---- TMA: a 4-D box of the tensor map into shared memory, completing on `bar`
 __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_map, int c0, int c1,

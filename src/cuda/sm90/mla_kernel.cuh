@@ -10,30 +10,85 @@
 //     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by a
 //     "full" mbarrier (transaction bytes) and an "empty" one (both consumers' release);
 //     with a paged cache a tile is copied in boxes of gcd(block_size, 64) rows through the
-//     block table. Where the tensor goes on past a sequence's keys (cache slots, the next
-//     sequence) the warp zeroes the latent rows past the end before the consumers see the
-//     tile: their P is exactly 0, but 0 * NaN would poison O. Its registers go to the
-//     consumers (setmaxnreg).
+//     block table (its first entry read before the wait for the stage). Where the tensor
+//     goes on past a sequence's keys (cache slots, the next sequence) the warp zeroes the
+//     latent rows past the end before the consumers see the tile: their P is exactly 0,
+//     but 0 * NaN would poison O. Its registers go to the consumers (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: q' = [q | qv] (64 rows x 576 dims, zero past d and
 //     d_v) is copied once into shared memory (cp.async, swizzled as TMA would). They take
 //     the tiles in turn: consumer c alone computes S = q' k'^T of the tiles 2 i + c (64 x
-//     64, 36 k-steps of m64n64k16, both operands in shared memory) and their online
-//     softmax, then hands P (16-bit, swizzled as an A operand), the rows' reference max and
-//     rescale factor over to the other through shared memory (a named barrier per
-//     direction); both add P V to their half of O: consumer c holds O's columns 256 c ..
+//     64, 36 k-steps of m64n64k16, both operands in shared memory; with 2 stages these are
+//     the stage-c tiles) and their online softmax, then hands P (16-bit, swizzled as an A
+//     operand, stored by stmatrix into the tile's own rope block, which only S reads), the
+//     rows' reference max and rescale factor over to the other (an mbarrier per owner,
+//     p_ready); both add P V to their half of O: consumer c holds O's columns 256 c ..
 //     256 c + 255 (128 fp32 registers), the tile's owner with P from registers (m64n256k16
 //     rs), the other with P from shared memory (ss), V read MN-major from the tile's latent
 //     blocks 1 + 4 c .. 4 + 4 c. The reference max thus runs through the tiles in order,
 //     the same in both; each keeps its share of the row sums (its tiles' P, rescaled with
 //     every tile's factor as its O is), added up in the epilogue. S of a tile, the larger
 //     half of the work (576 of the 1088 MACs per key and row), is computed once, not by
-//     both consumers; S of a tile overlaps the other consumer's P V of the previous one.
-//     Alternate tiles rather than each S split by keys (32 / 32 with m64n32): that would
-//     read q' (the A operand) from shared memory twice per tile and exchange the row max
-//     within every tile; whole tiles read each of q' and k' once per S, and the one
-//     exchange per tile carries P and the max together. Shared memory fits one P buffer
-//     (8 KiB: 216 KiB of q' and the 2-stage ring, 227 KiB in all), reused each tile: its
-//     writer (the next tile's owner) was the last tile's only reader from shared memory.
+//     both consumers. Alternate tiles rather than each S split by keys (32 / 32 with
+//     m64n32): that would read q' (the A operand) from shared memory twice per tile and
+//     exchange the row max within every tile; whole tiles read each of q' and k' once per
+//     S, and the one exchange per tile carries P and the max together. P needs no buffer
+//     of its own (216 KiB of q' and the 2-stage ring, 227 KiB in all: no third stage).
+//
+// The schedule, a timeline model. Unit U = one m64n64k16 bf16 wgmma at the full rate: 2 x
+// 64 x 64 x 16 = 131072 FLOP; an H100 / H200 SM does 989.4 TFLOP/s / 132 SMs / 1.83 GHz =
+// 4096 dense FLOP per cycle, so U = 32 cycles. A tile (64 rows x 64 keys) is S 36 U + P V
+// 32 U (2 halves of 4 m64n256k16 = 16 U each) = 68 U = 2176 cycles of tensor work; its
+// shared-memory reads and writes (S 144 KB, P V 72 KB, the TMA's 72 KB, P 8 KB) take 2312
+// cycles (72 U) at 128 bytes per cycle. Measured (bench/wgmma_micro.cu): one warpgroup's
+// chain of m64n64 ss products runs at the full rate (80 % for 8 k-steps waited on, ~97 %
+// for 36), so a lone S is 36 U. X = the owner's softmax and hand-over (CUDA cores, the
+// tensor pipe idle unless the other consumer has work queued), L = a tile's load (72 KB)
+// from the release of its stage to its full barrier. A = owner of t + 1, B = owner of t;
+// the tensor line shows which wgmma groups are in flight.
+//   main (258841f), per tile:
+//     B: ..S(t) | softmax(t) X | bar.arrive P(t) | PVo(t) wait<0> rel t | bar.sync P(t+1) .............
+//     A: bar.sync P(t) ......... | PVs(t) S(t+1) wait<1> rel t wait<0> | softmax(t+1) X | bar.arrive ..
+//     tensor:                    [PVs(t) || PVo(t): 32 U][S(t+1): 36 U] [idle: X + wake-up]
+//   S(t+1) is issued only after P(t) arrived (in A's issue order PVs(t) comes first), so
+//   every tile's chain S -> softmax -> hand-over -> P V is serial: T = 68 U + X + e. The
+//   load of t + 2 starts at "rel t" (32 U into the period), so L up to ~T is hidden. With
+//   the old softmax (per score two taken branches over ~37 KB of code: the softcap / ALiBi
+//   / mask variants of each score inlined between them, 64 jumps per tile; generic-space
+//   hand-over stores) X was ~30-45 U by instruction count, giving T ~100-115 U; the H200
+//   measured 204 U per tile (4k 261.9 us, 32k 1861 us at 1.83 GHz: 3.57 us per tile and a
+//   fixed ~33 us), so ~90 U per tile are not in this model (instruction fetch stalls of
+//   the branchy softmax are the candidate: the decode kernel's ncu shows them).
+//   This kernel, per round of A (own tile t + 1, the other's t):
+//     A: poll{full(t+1), P(t)} -- stage first: S(t+1) | mbar wait P(t) | PVs(t) (queued behind
+//        S) | wait<1>: S done | softmax(t+1) X || tensor: PVs(t), B's work | hand P(t+1) |
+//        wait<0> rel t | PVo(t+1) wait<0> rel t+1
+//     A: poll{full(t+1), P(t)} -- P first (stage still loading): PVs(t) S(t+1) | wait<1> rel t
+//        | wait<0> | softmax(t+1) ... (main's order)
+//     tensor, stage first: [S(t+1) during B's softmax(t)][PVs(t) || PVo(t)][S(t+2) during
+//        A's softmax(t+1)]...: the softmax of one consumer overlaps the other's S GEMM and
+//        the P V halves; T = max(68 U, (L + S + X + P V) / 2) per tile with both stages
+//        busy, i.e. tensor-bound while L <= ~35 U.
+//   Modelled (bench/mla_schedule_model.py model: both consumers and the 2-stage ring in
+//   discrete time; X = 15-20 U for the straight-line softmax: 32 FFMA + 32 EX2 + 16 packs
+//   + 4 stmatrix, MUFU-bound at ~256 cycles; decision poll 0.5 U, wake-up 1 U, wgmma
+//   completion latency 2 U): L = 25 U: 68 U (main's order: 85-90 U); L = 35 U: 71 U
+//   (85-90); L = 45 U: 81 U (85-90); L >= 60 U: 85-90 U, main's order. Where the stage
+//   lands just before P would have, S first costs: L ~ 55 U, X = 20 U +2.5 %; L ~ 65 U,
+//   X = 30 U +7.5 %. (bench/mla_schedule_model.py protocol checks the barrier protocol
+//   below over random interleavings.) Prediction: if the ~90 U outside the model were
+//   the old softmax's (gone with its branches), 80-95 U per tile (the 72 U shared-memory
+//   floor and the ~76-80 % FlashMLA reaches bound the 68-71 U above): 32k 750-890 us, 4k
+//   125-140 us (660-780 and 520-590 TFLOP/s of useful work); if they stay, 160-180 U:
+//   32k ~1.5-1.65 ms, 4k 215-235 us (1.1-1.2 x).
+//   Not done: FlashMLA's (deepseek-ai/FlashMLA, csrc/sm90/decode/dense) per-64-column
+//   TMA barriers, with which the next tiles' S starts on the first blocks while the rest
+//   load (with whole-tile stages the loads bind once L > ~40 U), and its paired tiles
+//   (both warpgroups' S at once, P of the first rescaled by the second's factor; with
+//   whole-tile stages both tiles' loads would start only after both P V). A stage's full
+//   barrier split in two (S's first 20 k-steps once the rope and latent blocks 1..4 have
+//   landed) models 4-15 % worse at L <= 35 U and no better above: the wgmma.fence after
+//   the second wait splits S into two groups (ptxas: gsb0 on the 20th), so the P-first
+//   order's wait<1> for P(oth) V also waits for S's first part and releases oth later.
 // Epilogue as the sm80 kernel's: each consumer writes its columns of out (or with splits
 // its fp32 partials; the last split of a row chunk merges them,
 // collective/split_kv_merge.cuh), consumer 0 the lse; masks, softcap, ALiBi and the
@@ -72,20 +127,23 @@ struct MlaConfig {
   static constexpr int kQBytes = kSegs * kSegBytes;  // 73728
   static constexpr int kTileBytes = kSegs * kSegBytes;
   static constexpr int kStages = 2;
-  static constexpr int kBarriers = 2 * kStages + 1;  // full, empty per stage; the tail copy
-  // P of one tile (64 rows x 64 keys, 16-bit: one column block) and per row its reference
-  // max and rescale factor, the owner's hand-over to the other consumer; the row sums'
-  // exchange of the epilogue (a share per consumer).
-  static constexpr int kPBytes = kSegBytes;
-  static constexpr int kRowBytes = 4 * kRows * (2 + kConsumers);
-  // Dynamic shared memory: 1024 bytes of alignment slack, q', the ring, P and the row
-  // arrays, the barriers, the split merge's flag (no static shared memory). The ring's 2
-  // stages leave room for one P buffer only (a third stage would not fit either).
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kTileBytes + kPBytes + kRowBytes + 8 * kBarriers + 8;
-  // Named barriers (0 is __syncthreads): both consumers; "P of a tile of consumer c is in
-  // shared memory" (c arrives, the other waits).
+  // full, empty per stage; the tail copy; per consumer "P of my tile is in shared memory".
+  static constexpr int kBarriers = 2 * kStages + 1 + kConsumers;
+  // Per row the owner's reference max and rescale factor of its last tile (a pair per
+  // consumer), the row sums' exchange of the epilogue (a share per consumer).
+  static constexpr int kRowBytes = 4 * kRows * (2 * kConsumers + kConsumers);
+  // Each consumer's order decision per round (two slots, alternating rounds).
+  static constexpr int kOrderBytes = 4 * 2 * kConsumers;
+  // Dynamic shared memory: 1024 bytes of alignment slack, q', the ring, the row arrays, the
+  // order slots, the barriers, the split merge's flag (no static shared memory). P of a
+  // tile has no buffer of its own: it goes to its stage's rope block (block 0), which only
+  // S reads. A third stage would not fit.
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + kStages * kTileBytes + kRowBytes + kOrderBytes + 8 * kBarriers + 8;
+  // Named barriers (0 is __syncthreads): both consumers; each consumer's own warpgroup
+  // (its order decision).
   static constexpr int kBarConsumers = 1;
-  static constexpr int kBarPReady = 2;  // + the owner's index
+  static constexpr int kBarOrder = 2;  // + the consumer's index
   // setmaxnreg: the block's pool is its launch allocation (__launch_bounds__(384, 1): 168
   // per thread); a setmaxnreg.inc the pool cannot serve waits forever.
   static constexpr int kProducerRegs = 24;
@@ -122,18 +180,20 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr int kBlockN = Cfg::kBlockN, kSegBytes = Cfg::kSegBytes;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  // Aligned by pointer arithmetic on the shared array itself (not through an integer), so
+  // that every access derived from it stays a shared-memory one (LDS / STS, not generic).
+  unsigned char* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   unsigned char* sQ = smem;
   unsigned char* sKV = sQ + Cfg::kQBytes;
-  unsigned char* sP = sKV + Cfg::kStages * Cfg::kTileBytes;  // 1024-aligned: a column block
-  auto* sMax = reinterpret_cast<float*>(sP + Cfg::kPBytes);
-  float* sCorr = sMax + Cfg::kRows;
-  float* sL = sCorr + Cfg::kRows;  // [consumer][row]
-  auto* bars = reinterpret_cast<std::uint64_t*>(sP + Cfg::kPBytes + Cfg::kRowBytes);
+  auto* sMax = reinterpret_cast<float*>(sKV + Cfg::kStages * Cfg::kTileBytes);  // [owner][row]
+  float* sCorr = sMax + Cfg::kConsumers * Cfg::kRows;                             // [owner][row]
+  float* sL = sCorr + Cfg::kConsumers * Cfg::kRows;                               // [consumer][row]
+  int* s_order = reinterpret_cast<int*>(sL + Cfg::kConsumers * Cfg::kRows);      // [consumer][round % 2]
+  auto* bars = reinterpret_cast<std::uint64_t*>(s_order + 2 * Cfg::kConsumers);
   std::uint64_t* full = bars;
   std::uint64_t* empty = bars + Cfg::kStages;
   std::uint64_t* bar_tail = bars + 2 * Cfg::kStages;
+  std::uint64_t* p_ready = bars + 2 * Cfg::kStages + 1;  // [owner]
   int* merge_flag = reinterpret_cast<int*>(bars + Cfg::kBarriers);
 
   const int splits = a.split.splits, row_chunks = a.split.row_chunks;
@@ -168,6 +228,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       mbar_init(&empty[s], 4 * Cfg::kConsumers);
     }
     mbar_init(bar_tail, 1);
+    for (int c = 0; c < Cfg::kConsumers; ++c) mbar_init(&p_ready[c], 4);
     mbar_init_fence();
   }
   // Latent column blocks past d_v are never copied: zero in both stages, once.
@@ -203,6 +264,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
         const int valid = s_k - j0;  // >= 1: tile < t_end
         const bool tail = valid < kBlockN && !a.v_tail_zero;
         std::uint64_t* bar = tail ? bar_tail : &full[stage];
+        // The tile's first block-table entry read before the wait for its stage, so that
+        // the load's latency is not added to the copy's (blocks of 64: the only one).
+        const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
+        int page0 = 0;
+        if (leader && a.page_rows != 0) page0 = table[j0 / p.block_size];
         mbar_wait(&empty[stage], phase ^ 1);
         if (leader) {
           if (a.page_rows == 0) {
@@ -217,11 +283,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
             const int rows = a.page_rows;
             const int chunks = min(kBlockN / rows, (valid + rows - 1) / rows);
             mbar_arrive_expect_tx(bar, chunks * rows * row_bytes);
-            const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
             for (int ch = 0; ch < chunks; ++ch) {
               const int j = j0 + ch * rows;
               // block_id's clamp (params.hpp), on the hoisted row of the table
-              const int page = FwdParams::clamp_index(table[j / p.block_size], 0, p.kv_cache_rows - 1);
+              const int entry = ch == 0 ? page0 : table[j / p.block_size];
+              const int page = FwdParams::clamp_index(entry, 0, p.kv_cache_rows - 1);
               const int jr = j % p.block_size;
               tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar);
               for (int c = 0; c < a.v_segs; ++c) {
@@ -303,31 +369,13 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
 
   const bool plain = p.softcap == 0.0f && p.alibi_slopes == nullptr;
   const float scale_log2 = p.scale * kLog2e;
-  // Score x of row hf with key j, in log2 units, -inf where masked (unless `full`: every
-  // row of the chunk sees the whole tile).
-  auto score = [&](float x, int hf, std::int64_t j, bool full_tile) {
-    if (plain) {
-      x *= scale_log2;
-    } else {
-      x *= p.scale;
-      if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-      if (row_slope[hf] != 0.0f) {
-        std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - j;
-        if (dist < 0) dist = -dist;
-        x -= row_slope[hf] * static_cast<float>(dist);
-      }
-      x *= kLog2e;
-    }
-    if (!full_tile && !(j >= row_jb[hf] && j < row_je[hf])) x = -INFINITY;
-    return x;
-  };
 
   float o[128];
 #pragma unroll
   for (int n = 0; n < 128; ++n) o[n] = 0.0f;
   // The rows' reference max (the same in both consumers: the owner of a tile computes it,
   // the other reads it with the tile's P) and this consumer's share of the row sums (its
-  // own tiles' P, rescaled with every tile's factor as O is: the shares add up at the end).
+  // own tiles' P, rescaled with every tile's factor as its O is: the shares add up at the end).
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   float s[32];
   std::uint32_t pa[4][4];
@@ -336,21 +384,21 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   // column-block layout (64 rows of 128 bytes per block).
   const std::uint32_t q_lo0 = smem_desc_lo(smem_addr(sQ), 0);
   const std::uint32_t kv_addr = smem_addr(sKV);
-  const std::uint32_t p_lo = smem_desc_lo(smem_addr(sP), 0);
   const int row_a = 16 * warp_in + lane / 4;  // this thread's rows row_a, row_a + 8
   const int n_tiles = t_end > t_begin ? static_cast<int>((t_end - t_begin + splits - 1) / splits) : 0;
+  const int other = 1 - cw;
 
-  // Tile it (local index: the ring's order) is in stage it % kStages; each warp of both
-  // consumers releases it once, after its own P V of the tile completed.
-  auto release = [&](int it) {
+  // Tile t (local index: the ring's order) is in stage t % kStages; consumer t % 2 owns it
+  // (with 2 stages, consumer c's tiles are the stage-c tiles). Each warp of both consumers
+  // releases it once, after its own P V of the tile completed.
+  auto release = [&](int t) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[it % Cfg::kStages]);
+    if (lane == 0) mbar_arrive(&empty[t % Cfg::kStages]);
   };
+  auto stage_addr = [&](int t) { return kv_addr + (t % Cfg::kStages) * Cfg::kTileBytes; };
   // O[:, 256 cw ..] += P V: V = the tile's latent blocks 1 + 4 cw .. 4 + 4 cw, MN-major
   // (blocks 8192 bytes apart), 16 keys (2048 bytes) per k-step.
-  auto v_lo = [&](int it) {
-    return smem_desc_lo(kv_addr + (it % Cfg::kStages) * Cfg::kTileBytes + (1 + 4 * cw) * kSegBytes, kSegBytes);
-  };
+  auto v_lo = [&](int t) { return smem_desc_lo(stage_addr(t) + (1 + 4 * cw) * kSegBytes, kSegBytes); };
   auto rescale = [&](const float (&corr)[2]) {
     // Warp-uniform: skipped unless some row of the warp moved its reference max.
     if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
@@ -359,26 +407,13 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     }
   };
 
-  // Consumer cw owns the tiles it with it % 2 == cw: it alone computes their S and online
-  // softmax. A round of its loop takes the other's tile t and its own t + 1: once t's
-  // owner has handed P(t) over, P(t) V from shared memory, then S(t + 1) behind it; the
-  // wait for P(t) V releases tile t (the ring's next load) before S(t + 1) completes; then
-  // the softmax of t + 1 (from t's reference max), P(t + 1) to shared memory in place of
-  // P(t) (this consumer was P(t)'s only reader: its wgmma has completed) for the other
-  // consumer, and P(t + 1) V from registers. So S(t + 1) of one consumer overlaps P(t) V
-  // of the other.
-  // P(t) V goes first, not S(t + 1): with 2 stages S(t + 1) waits for its stage, which held
-  // t - 1, and whatever is issued behind that wait is late by the load; tile t's release
-  // (the load of t + 2) must not be. The rounds are straight-line code (the first and last
-  // apart), so that ptxas sees which wgmma group each wait leaves pending.
   auto issue_s = [&](int own) {
     // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block.
-    const int stage = own % Cfg::kStages;
-    mbar_wait(&full[stage], (own / Cfg::kStages) & 1);
+    mbar_wait(&full[own % Cfg::kStages], (own / Cfg::kStages) & 1);
     // q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
     std::uint32_t q_lo = q_lo0;
     asm volatile("" : "+r"(q_lo));
-    const std::uint32_t k_lo = smem_desc_lo(kv_addr + stage * Cfg::kTileBytes, 0);
+    const std::uint32_t k_lo = smem_desc_lo(stage_addr(own), 0);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < Cfg::kSegs * 4; ++ks) {
@@ -388,26 +423,27 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     }
     wgmma_commit();
   };
-  // P(t) V from shared memory, once t's owner handed P(t), its rows' reference max and
-  // factor over (fenced before its arrive). Each warp reads the 16 rows of P its own warp
-  // of the owner wrote (an m64 wgmma's A rows are the warp's own).
-  auto pv_shared = [&](int t) {
-    if (cw == 0) {
-      named_barrier_sync(Cfg::kBarPReady + 1, 128 * Cfg::kConsumers);
-    } else {
-      named_barrier_sync(Cfg::kBarPReady, 128 * Cfg::kConsumers);
-    }
+  // The other consumer's tile t: once its owner handed P(t) over (P in the stage's rope
+  // block, the rows' reference max and factor in sMax / sCorr, stored and fenced before
+  // the owner's p_ready arrive), this consumer's O and row sums take the factor (its O is
+  // not in flight: its own P V of t - 1 was waited on) and the max.
+  auto take_over = [&](int t) {
+    mbar_wait(&p_ready[other], (t / 2) & 1);
     float corr[2];
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      corr[hf] = sCorr[row_a + 8 * hf];
-      row_max[hf] = sMax[row_a + 8 * hf];
+      corr[hf] = sCorr[other * Cfg::kRows + row_a + 8 * hf];
+      row_max[hf] = sMax[other * Cfg::kRows + row_a + 8 * hf];
       row_sum[hf] *= corr[hf];
     }
     rescale(corr);
-    // Tile t's copy completed before its owner's S; this consumer's own wait on the full
-    // barrier (its phase long complete) is what makes the TMA's writes visible to it.
+  };
+  // P(t) V from shared memory: A = the stage's rope block (P, K-major as q'), B = V. Tile
+  // t's copy completed before its owner's S; this consumer's own wait on the full barrier
+  // (its phase long complete) is what makes the TMA's writes visible to it.
+  auto pv_shared = [&](int t) {
     mbar_wait(&full[t % Cfg::kStages], (t / Cfg::kStages) & 1);
+    const std::uint32_t p_lo = smem_desc_lo(stage_addr(t), 0);
     const std::uint32_t vl = v_lo(t);
     wgmma_fence();
 #pragma unroll
@@ -418,38 +454,73 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     wgmma_commit();
   };
   // Scores, mask, online softmax (lazy rescale) of the own tile on the accumulator layout:
-  // s[4 c + 2 hf + e] is row hf's key 8 c + 2 (lane % 4) + e of the tile; P to pa.
+  // s[4 c + 2 hf + e] is row hf's key 8 c + 2 (lane % 4) + e of the tile; P to pa (16-bit)
+  // and to s (fp32, for the row sums). The common tile (no softcap, no ALiBi, every row of
+  // the chunk sees every key, scale > 0) takes a straight path: the max of the raw scores,
+  // then one FFMA and one EX2 per score. Otherwise the scores go to log2 units first (each
+  // option a loop under its own uniform branch), then the mask.
   auto softmax = [&](int own, float (&corr)[2]) {
     const std::int64_t j0 = (t_begin + std::int64_t(own) * splits) * kBlockN;
     const bool full_tile = j0 >= full_lo && j0 + kBlockN <= full_hi;
+    float mul = 1.0f;
+    if (plain && full_tile && scale_log2 > 0.0f) {
+      mul = scale_log2;
+    } else if (plain) {
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      s[n] = score(s[n], (n % 4) / 2, j0 + 8 * (n / 4) + 2 * (lane % 4) + n % 2, full_tile);
+      for (int n = 0; n < 32; ++n) s[n] *= scale_log2;
+    } else {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) s[n] *= p.scale;
+      if (p.softcap > 0.0f) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) s[n] = p.softcap * tanhf(s[n] / p.softcap);
+      }
+      if (p.alibi_slopes != nullptr) {
+#pragma unroll
+        for (int n = 0; n < 32; ++n) {
+          const int hf = (n % 4) / 2;
+          std::int64_t dist = std::int64_t(row_i[hf]) + s_k - s_q - (j0 + 8 * (n / 4) + 2 * (lane % 4) + n % 2);
+          if (dist < 0) dist = -dist;
+          s[n] -= row_slope[hf] * static_cast<float>(dist);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 32; ++n) s[n] *= kLog2e;
+    }
+    if (!full_tile) {
+      // The rows' visible keys relative to the tile, clamped to [-1, 65].
+      int lo[2], hi[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const std::int64_t b_rel = row_jb[hf] - j0, e_rel = row_je[hf] - j0;
+        lo[hf] = b_rel < -1 ? -1 : b_rel > kBlockN + 1 ? kBlockN + 1 : static_cast<int>(b_rel);
+        hi[hf] = e_rel < -1 ? -1 : e_rel > kBlockN + 1 ? kBlockN + 1 : static_cast<int>(e_rel);
+      }
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        const int hf = (n % 4) / 2, j = 8 * (n / 4) + 2 * (lane % 4) + n % 2;
+        s[n] = j >= lo[hf] && j < hi[hf] ? s[n] : -INFINITY;
+      }
     }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      float m = row_max[hf];
+      float m = -INFINITY;
 #pragma unroll
       for (int c = 0; c < 8; ++c) m = fmaxf(m, fmaxf(s[4 * c + 2 * hf], s[4 * c + 2 * hf + 1]));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      m = fmaxf(row_max[hf], m * mul);
       // A row with no visible key yet keeps -inf (-inf - -inf is NaN and compares false).
       const bool move = m - row_max[hf] > kMlaRescaleLog2;
       const float old = row_max[hf];
       if (move) row_max[hf] = m;
       const float base = row_max[hf] == -INFINITY ? 0.0f : row_max[hf];
       corr[hf] = move ? sm80::fast_exp2(old - base) : 1.0f;
-      float sum = 0.0f;
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float pe = sm80::fast_exp2(s[4 * c + 2 * hf + e] - base);
-          s[4 * c + 2 * hf + e] = pe;
-          sum += pe;
-        }
+        for (int e = 0; e < 2; ++e) s[4 * c + 2 * hf + e] = sm80::fast_exp2(fmaf(s[4 * c + 2 * hf + e], mul, -base));
       }
-      row_sum[hf] = row_sum[hf] * corr[hf] + sum;
     }
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -459,45 +530,44 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
     }
   };
-  // P of the own tile to shared memory for the other consumer (whose P V of the previous
-  // tile, the buffer's last reader, was this consumer: completed before this): row r at
-  // 128 r, key chunk c (8 keys, 16 bytes) at the 128-byte swizzle's position c ^ (r % 8)
-  // (r % 8 = lane / 4); pa[kk][q] holds chunk 2 kk + q / 2 of row row_a + 8 (q % 2).
-  // Bank-conflict free (a warp's 32 words: 8 rows x 4 lanes over distinct chunks).
-  auto hand_over = [&](const float (&corr)[2]) {
-    // The swizzle opaque: hoisted out of the tile loop, the 8 chunks' offsets would stay live.
-    int swz = lane / 4;
-    asm volatile("" : "+r"(swz));
-    unsigned char* const p_row = sP + row_a * 128 + 4 * (lane % 4);
+  // P of the own tile to its stage's rope block for the other consumer (S(own), block 0's
+  // only reader, has completed: waited on before the softmax; the block is loaded again
+  // only after both consumers released the tile, the other after its P V of it): the A
+  // operand's layout, row r at 128 r, key chunk c (8 keys, 16 bytes) at the 128-byte
+  // swizzle's position c ^ (r % 8). stmatrix x4 per 16 keys: matrix i (lanes 8 i .. 8 i + 7
+  // give its rows) is rows 16 warp_in + 8 (i % 2) + (0..7) of chunk 2 kk + i / 2, register
+  // i = pa[kk][i]. Each 8-row matrix covers 8 distinct 16-byte bank groups. Then the rows'
+  // max and factor; all fenced for the async proxy, one arrive per warp.
+  auto hand_over = [&](int own, const float (&corr)[2]) {
+    // The row part opaque: hoisted out of the tile loop, the 4 addresses would stay live.
+    int mi = lane / 8, mr = lane % 8;
+    asm volatile("" : "+r"(mi), "+r"(mr));
+    const std::uint32_t row_addr = stage_addr(own) + (16 * warp_in + 8 * (mi % 2) + mr) * 128;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int c = 2 * kk + q / 2;
-        *reinterpret_cast<std::uint32_t*>(p_row + 8 * 128 * (q % 2) + ((c ^ swz) * 16)) = pa[kk][q];
-      }
+      stmatrix_x4(row_addr + (((2 * kk + mi / 2) ^ mr) * 16), pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3]);
     }
     if (lane % 4 == 0) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        sMax[row_a + 8 * hf] = row_max[hf];
-        sCorr[row_a + 8 * hf] = corr[hf];
+        sMax[cw * Cfg::kRows + row_a + 8 * hf] = row_max[hf];
+        sCorr[cw * Cfg::kRows + row_a + 8 * hf] = corr[hf];
       }
     }
     fence_proxy_async_smem();  // P written by the generic proxy, read by the other's wgmma
-    // The arrive (all 128 writers) synchronizes with the other consumer's sync (PTX ISA 8.9.4),
-    // which orders these stores before its own of the next tile. (compute-sanitizer racecheck
-    // on H200, 2026-12-06, reported those two consumers' stores as write-write hazards: the
-    // tool does not seem to model arrive -> sync; docs/performance.md.)
-    if (cw == 0) {
-      named_barrier_arrive(Cfg::kBarPReady, 128 * Cfg::kConsumers);
-    } else {
-      named_barrier_arrive(Cfg::kBarPReady + 1, 128 * Cfg::kConsumers);
-    }
+    __syncwarp();              // the warp's stores before its arrive (release)
+    if (lane == 0) mbar_arrive(&p_ready[cw]);
   };
-  // P V of the own tile from registers; waited here: this consumer's next tile (own + 2)
-  // needs the stage back.
+  // P V of the own tile from registers, waited on: this consumer's next tile (own + 2)
+  // needs the stage back, and its next rescale needs O.
   auto pv_own = [&](int own, const float (&corr)[2]) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) sum += s[4 * c + 2 * hf] + s[4 * c + 2 * hf + 1];
+      row_sum[hf] = row_sum[hf] * corr[hf] + sum;
+    }
     rescale(corr);
     const std::uint32_t vl = v_lo(own);
     wgmma_fence();
@@ -509,36 +579,77 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     wgmma_wait<0>();
     release(own);
   };
-
-  int t = cw - 1;
-  if (t < 0) {
-    // Consumer 0's tile 0: nothing to take over.
-    if (n_tiles > 0) {
-      float corr[2];
-      issue_s(0);
-      wgmma_wait<0>();
-      softmax(0, corr);
-      hand_over(corr);
-      pv_own(0, corr);
+  // Which comes first in a round: S of the own tile (its stage has landed) or P V of the
+  // other's previous tile (its P has been handed over). One thread polls both barriers;
+  // the warpgroup takes its answer (wgmma's issue order must be the warpgroup's).
+  auto s_goes_first = [&](int own, int oth) {
+    int* slot = s_order + 2 * cw + ((own / 2) & 1);
+    if (warp_in == 0 && lane == 0) {
+      int first = 0;
+      for (;;) {
+        if (mbar_test(&full[own % Cfg::kStages], (own / Cfg::kStages) & 1)) {
+          first = 1;
+          break;
+        }
+        if (mbar_test(&p_ready[other], (oth / 2) & 1)) break;
+      }
+      *slot = first;
     }
-    t += 2;
-  }
-  for (; t + 1 < n_tiles; t += 2) {
+    // (Constant barrier ids: a computed one makes ptxas reserve all 16.)
+    if (cw == 0) {
+      named_barrier_sync(Cfg::kBarOrder, 128);
+    } else {
+      named_barrier_sync(Cfg::kBarOrder + 1, 128);
+    }
+    return warp_uniform(*slot) != 0;
+  };
+
+  // The schedule (the header's timeline): consumer cw's round k takes the other's tile
+  // oth = own - 1 and its own tile own = 2 k + cw. S(own) goes to the tensor pipe as soon as
+  // its stage has landed, also before P(oth) arrives: then it runs while the other consumer
+  // computes the softmax of oth, and P(oth) V queues behind it (this consumer's wgmma run
+  // in issue order). When P(oth) comes first (the stage is still loading), P(oth) V goes
+  // first and its wait releases oth (the ring's next load) before S(own) completes. The
+  // softmax of own always follows the take-over of oth (the reference max runs through the
+  // tiles in order); P(own) is handed over before P(own) V from registers.
+  for (int own = cw;; own += 2) {
+    const int oth = own - 1;
+    const bool has_oth = oth >= 0 && oth < n_tiles;
+    if (own >= n_tiles) {
+      // The other consumer's last tile (or none).
+      if (has_oth) {
+        take_over(oth);
+        pv_shared(oth);
+        wgmma_wait<0>();
+        release(oth);
+      }
+      break;
+    }
+    bool oth_held = false;  // P(oth) V issued, its wait (and the release of oth) still to come
+    if (!has_oth) {
+      // Consumer 0's tile 0: nothing to take over.
+      issue_s(own);
+      wgmma_wait<0>();
+    } else if (s_goes_first(own, oth)) {
+      issue_s(own);
+      take_over(oth);
+      pv_shared(oth);
+      wgmma_wait<1>();  // S(own); P(oth) V may still run
+      oth_held = true;
+    } else {
+      take_over(oth);
+      pv_shared(oth);
+      issue_s(own);
+      wgmma_wait<1>();  // P(oth) V: tile oth done
+      release(oth);
+      wgmma_wait<0>();  // S(own)
+    }
     float corr[2];
-    pv_shared(t);
-    issue_s(t + 1);
-    wgmma_wait<1>();  // P(t) V: tile t done, the shared P free to overwrite
-    release(t);
-    wgmma_wait<0>();  // S(t + 1)
-    softmax(t + 1, corr);
-    hand_over(corr);
-    pv_own(t + 1, corr);
-  }
-  if (t < n_tiles) {
-    // The other consumer's last tile.
-    pv_shared(t);
-    wgmma_wait<0>();
-    release(t);
+    softmax(own, corr);
+    hand_over(own, corr);
+    wgmma_wait<0>();  // P(oth) V where it is still in flight; nothing otherwise
+    if (oth_held) release(oth);
+    pv_own(own, corr);
   }
 
   // ---- the row sums: this consumer's share plus the other's.
