@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
-# The sm90 MLA decode kernel's new round order (branch mla-seesaw: S of a consumer's own
-# tile issued as soon as its stage has landed, the softmax's straight path, P handed over in
-# the stage's rope block) on the GPU machine, in one call of ~3-6 minutes:
+# The sm90 MLA decode kernel's load overlap (branch mla-next: in the P-first order the
+# other's tile is released before the wait for the own stage, so two tile loads can be in
+# flight; each stage lands in 3 column-block groups with a full barrier each and S(t) issues
+# a group's k-steps as soon as it has landed) against main (c0e7acf), on the GPU machine, in
+# one call of ~4-7 minutes:
 #   1. the MLA test suites of the new build ('CudaMla*:*/CudaMla*', the new
 #      CudaMlaKVCacheRescale included), in three processes under `timeout 150 stdbuf -oL`
 #      (each case runs the sm90 and the sm80 kernel: gpu_families());
-#   2. the MLA decode bench (BENCH_MLA=1: batch 64, 128 query heads over one latent head,
+#   2. racecheck (compute-sanitizer --tool racecheck --racecheck-report hazard) of the new
+#      build on three small MLA cases (paged 16 with 5 splits, the growing-scores case,
+#      the 1-4 tiles per split case), under `timeout 240`;
+#   3. the MLA decode bench (BENCH_MLA=1: batch 64, 128 query heads over one latent head,
 #      d 64 + d_v 512, paged 64, bf16, contexts 4k and 32k), base and new alternating, two
 #      rounds (base, new, base, new), each into its own CSV;
-#   3. a short table last: us per call of each round, useful TFLOP/s (2 x 128 x 1088 flops
+#   4. a short table last: us per call of each round, useful TFLOP/s (2 x 128 x 1088 flops
 #      per key and sequence) of the better round, new / base speed.
 #
-#   bash scripts/mla_gpu.sh [tests|bench|all]     (default all; from the repository root)
+#   bash scripts/mla_gpu.sh [tests|bench|race|all]   (default all; from the repository root)
 #   TESTS_FILTER=<gtest filter>                    one test process with that filter instead
 #
-# Binaries, from mla_pack.tar.zst (unpacked here when mla-new/ is missing; zstd from the
+# Binaries, from mla2_pack.tar.zst (unpacked here when mla-new/ is missing; zstd from the
 # PATH or .carry/tools/):
-#   mla-base/flashattn_cuda_tests, mla-base/flashattn_cuda_decode_bench   (main 258841f)
+#   mla-base/flashattn_cuda_tests, mla-base/flashattn_cuda_decode_bench   (main c0e7acf)
 #   mla-new/flashattn_cuda_tests,  mla-new/flashattn_cuda_decode_bench    (this branch)
 # built with -DFLASHATTN_CUDA=ON -DFLASHATTN_CUDA_ARCHS=90 -DFLASHATTN_HEAD_DIMS="64;128"
 # (Release). Logs and CSVs go to $OUT (default ./out).
@@ -29,16 +34,17 @@ LOG="$OUT/mla_gpu.log"
 : >"$LOG"
 summary=()
 
-if [ ! -x mla-new/flashattn_cuda_tests ] && [ -f mla_pack.tar.zst ]; then
+PACK=mla2_pack.tar.zst
+if [ ! -x mla-new/flashattn_cuda_tests ] && [ -f "$PACK" ]; then
   if command -v zstd >/dev/null; then
-    zstd -dc --long=29 mla_pack.tar.zst | tar xf -
+    zstd -dc --long=29 "$PACK" | tar xf -
   elif [ -x .carry/tools/zstd ]; then
-    LD_LIBRARY_PATH=.carry/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} .carry/tools/zstd -dc --long=29 mla_pack.tar.zst | tar xf -
+    LD_LIBRARY_PATH=.carry/tools${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} .carry/tools/zstd -dc --long=29 "$PACK" | tar xf -
   fi
 fi
 for v in mla-base mla-new; do
   for b in flashattn_cuda_tests flashattn_cuda_decode_bench; do
-    [ -x "$v/$b" ] || { echo "mla_gpu: $v/$b missing (unpack mla_pack.tar.zst here)" | tee -a "$LOG" >&2; exit 1; }
+    [ -x "$v/$b" ] || { echo "mla_gpu: $v/$b missing (unpack $PACK here)" | tee -a "$LOG" >&2; exit 1; }
   done
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader 2>&1 | sed 's/^/gpu: /' | tee -a "$LOG"
@@ -75,7 +81,27 @@ if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
   fi
 fi
 
-# ---------------------------------------------------------------- 2. bench A/B
+# ---------------------------------------------------------------- 2. racecheck (new build)
+if [ "$STEPS" = all ] || [ "$STEPS" = race ]; then
+  SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  race_filter='Cuda/CudaMlaKVCache.MatchesCpuAndOracle/decode_h16_paged16_split5:CudaMlaKVCacheRescale.GrowingScores'
+  race_filter="$race_filter:Cuda/CudaMlaKVCache.MatchesCpuAndOracle/decode_h64_paged64_tile_counts"
+  echo "==== racecheck: $race_filter" | tee -a "$LOG"
+  t0=$(date +%s)
+  if [ -x "$SAN" ]; then
+    timeout 240 "$SAN" --tool racecheck --racecheck-report hazard \
+      mla-new/flashattn_cuda_tests --gtest_filter="$race_filter" >"$OUT/mla_racecheck.txt" 2>&1
+    rc=$?
+    cat "$OUT/mla_racecheck.txt" >>"$LOG"
+    hazards=$(grep -E 'RACECHECK SUMMARY|hazard' "$OUT/mla_racecheck.txt" | tail -3 | tr '\n' ' ')
+    ran=$(grep -cE '^\[       OK \]' "$OUT/mla_racecheck.txt" || true)
+    summary+=("racecheck: rc $rc, $ran tests ok; ${hazards:-no hazard lines} ($(($(date +%s) - t0)) s)")
+  else
+    summary+=("racecheck: compute-sanitizer not found")
+  fi
+fi
+
+# ---------------------------------------------------------------- 3. bench A/B
 if [ "$STEPS" = all ] || [ "$STEPS" = bench ]; then
   for round in 1 2; do
     for v in base new; do

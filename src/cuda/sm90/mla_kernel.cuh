@@ -7,8 +7,9 @@
 // split plan (sm80::plan_mla: splits, row chunks, workspace), 3 warpgroups:
 //   warpgroup 0, the producer: one thread of its first warp issues the TMA copies of each
 //     64-key tile k' = [k | v] (9 column blocks of 64 dims, 128-byte swizzle: block 0 the
-//     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by a
-//     "full" mbarrier (transaction bytes) and an "empty" one (both consumers' release);
+//     rope keys, blocks 1..8 the latent) into a 2-stage ring, each stage guarded by three
+//     "full" mbarriers (transaction bytes; column blocks 0-2, 3-5, 6-8) and an "empty" one
+//     (both consumers' release);
 //     with a paged cache a tile is copied in boxes of gcd(block_size, 64) rows through the
 //     block table (its first entry read before the wait for the stage). Where the tensor
 //     goes on past a sequence's keys (cache slots, the next sequence) the warp zeroes the
@@ -34,61 +35,41 @@
 //     S, and the one exchange per tile carries P and the max together. P needs no buffer
 //     of its own (216 KiB of q' and the 2-stage ring, 227 KiB in all: no third stage).
 //
-// The schedule, a timeline model. Unit U = one m64n64k16 bf16 wgmma at the full rate: 2 x
-// 64 x 64 x 16 = 131072 FLOP; an H100 / H200 SM does 989.4 TFLOP/s / 132 SMs / 1.83 GHz =
-// 4096 dense FLOP per cycle, so U = 32 cycles. A tile (64 rows x 64 keys) is S 36 U + P V
-// 32 U (2 halves of 4 m64n256k16 = 16 U each) = 68 U = 2176 cycles of tensor work; its
-// shared-memory reads and writes (S 144 KB, P V 72 KB, the TMA's 72 KB, P 8 KB) take 2312
-// cycles (72 U) at 128 bytes per cycle. Measured (bench/wgmma_micro.cu): one warpgroup's
-// chain of m64n64 ss products runs at the full rate (80 % for 8 k-steps waited on, ~97 %
-// for 36), so a lone S is 36 U. X = the owner's softmax and hand-over (CUDA cores, the
-// tensor pipe idle unless the other consumer has work queued), L = a tile's load (72 KB)
-// from the release of its stage to its full barrier. A = owner of t + 1, B = owner of t;
-// the tensor line shows which wgmma groups are in flight.
-//   main (258841f), per tile:
-//     B: ..S(t) | softmax(t) X | bar.arrive P(t) | PVo(t) wait<0> rel t | bar.sync P(t+1) .............
-//     A: bar.sync P(t) ......... | PVs(t) S(t+1) wait<1> rel t wait<0> | softmax(t+1) X | bar.arrive ..
-//     tensor:                    [PVs(t) || PVo(t): 32 U][S(t+1): 36 U] [idle: X + wake-up]
-//   S(t+1) is issued only after P(t) arrived (in A's issue order PVs(t) comes first), so
-//   every tile's chain S -> softmax -> hand-over -> P V is serial: T = 68 U + X + e. The
-//   load of t + 2 starts at "rel t" (32 U into the period), so L up to ~T is hidden. With
-//   the old softmax (per score two taken branches over ~37 KB of code: the softcap / ALiBi
-//   / mask variants of each score inlined between them, 64 jumps per tile; generic-space
-//   hand-over stores) X was ~30-45 U by instruction count, giving T ~100-115 U; the H200
-//   measured 204 U per tile (4k 261.9 us, 32k 1861 us at 1.83 GHz: 3.57 us per tile and a
-//   fixed ~33 us), so ~90 U per tile are not in this model (instruction fetch stalls of
-//   the branchy softmax are the candidate: the decode kernel's ncu shows them).
-//   This kernel, per round of A (own tile t + 1, the other's t):
-//     A: poll{full(t+1), P(t)} -- stage first: S(t+1) | mbar wait P(t) | PVs(t) (queued behind
-//        S) | wait<1>: S done | softmax(t+1) X || tensor: PVs(t), B's work | hand P(t+1) |
-//        wait<0> rel t | PVo(t+1) wait<0> rel t+1
-//     A: poll{full(t+1), P(t)} -- P first (stage still loading): PVs(t) S(t+1) | wait<1> rel t
-//        | wait<0> | softmax(t+1) ... (main's order)
-//     tensor, stage first: [S(t+1) during B's softmax(t)][PVs(t) || PVo(t)][S(t+2) during
-//        A's softmax(t+1)]...: the softmax of one consumer overlaps the other's S GEMM and
-//        the P V halves; T = max(68 U, (L + S + X + P V) / 2) per tile with both stages
-//        busy, i.e. tensor-bound while L <= ~35 U.
-//   Modelled (bench/mla_schedule_model.py model: both consumers and the 2-stage ring in
-//   discrete time; X = 15-20 U for the straight-line softmax: 32 FFMA + 32 EX2 + 16 packs
-//   + 4 stmatrix, MUFU-bound at ~256 cycles; decision poll 0.5 U, wake-up 1 U, wgmma
-//   completion latency 2 U): L = 25 U: 68 U (main's order: 85-90 U); L = 35 U: 71 U
-//   (85-90); L = 45 U: 81 U (85-90); L >= 60 U: 85-90 U, main's order. Where the stage
-//   lands just before P would have, S first costs: L ~ 55 U, X = 20 U +2.5 %; L ~ 65 U,
-//   X = 30 U +7.5 %. (bench/mla_schedule_model.py protocol checks the barrier protocol
-//   below over random interleavings.) Prediction: if the ~90 U outside the model were
-//   the old softmax's (gone with its branches), 80-95 U per tile (the 72 U shared-memory
-//   floor and the ~76-80 % FlashMLA reaches bound the 68-71 U above): 32k 750-890 us, 4k
-//   125-140 us (660-780 and 520-590 TFLOP/s of useful work); if they stay, 160-180 U:
-//   32k ~1.5-1.65 ms, 4k 215-235 us (1.1-1.2 x).
-//   Not done: FlashMLA's (deepseek-ai/FlashMLA, csrc/sm90/decode/dense) per-64-column
-//   TMA barriers, with which the next tiles' S starts on the first blocks while the rest
-//   load (with whole-tile stages the loads bind once L > ~40 U), and its paired tiles
-//   (both warpgroups' S at once, P of the first rescaled by the second's factor; with
-//   whole-tile stages both tiles' loads would start only after both P V). A stage's full
-//   barrier split in two (S's first 20 k-steps once the rope and latent blocks 1..4 have
-//   landed) models 4-15 % worse at L <= 35 U and no better above: the wgmma.fence after
-//   the second wait splits S into two groups (ptxas: gsb0 on the 20th), so the P-first
-//   order's wait<1> for P(oth) V also waits for S's first part and releases oth later.
+// The schedule, a timeline model (bench/mla_schedule_model.py). Unit U = one m64n64k16
+// bf16 wgmma at the full rate: 131072 FLOP = 32 cycles of an SM (4096 dense FLOP per
+// cycle). A tile (64 rows x 64 keys) is S 36 U + P V 32 U (2 halves of 4 m64n256k16) = 68 U
+// of tensor work; its shared-memory traffic ~72 U at 128 bytes per cycle. X = the owner's
+// softmax and hand-over (~20 U: 32 FFMA + 32 EX2 + 16 packs + 4 stmatrix per thread), L =
+// a tile's load (72 KB) from the release of its stage to its last column block landed.
+// A round of consumer A (own tile t + 1, the other's tile t, owned by B):
+//   poll{first group of t + 1 landed, P(t)}:
+//   S first: S(t+1) (3 commit groups, each issued once its column blocks landed) | take
+//     over P(t) | P(t) V (queued behind S) | wait<1>: S done | softmax(t+1) X || tensor:
+//     P(t) V, B's P V | hand P(t+1) over | wait<0>, release t | P(t+1) V from registers,
+//     wait<0>, release t + 1.
+//   P first (t + 1 still loading): take over P(t) | P(t) V, wait<0>, release t | S(t+1) in
+//     its groups | wait<0> | softmax(t+1) ... as above.
+// c0e7acf (one full barrier per stage; in the P-first order t was released after the wait
+// for t + 1's stage, so the load of t + 2 never started before t + 1 had landed: one load
+// in flight per SM) measured on the H100 (1980 MHz; batch 64, 128 rows per latent head, 2
+// row chunks x 64 sequences = 128 blocks on 132 SMs, no splits): 4k 163 us (64 tiles per
+// block), 32k 1124 us (512): 2.145 us per tile and a fixed ~26 us. That is 133 U at 1.98
+// GHz (99 U at the dense GEMM ceiling measured on this card, 797 TFLOP/s = 21.7 ns per U);
+// the model with L = 25-45 U gives 68-82 U, so loads bind: the model's c0e7acf order runs
+// at T = L + 0.5 U once L >= ~100 U, i.e. L ~ 2.1 us for one 72 KB copy per SM (~4.4 TB/s
+// L2 -> SM over 128 SMs, 2.2 TB/s of HBM with the row chunks' second read from L2).
+// This kernel: the P-first order releases t before waiting for t + 1's stage (two loads in
+// flight), and S(t+1) starts on its first column blocks (0-2: rope + latent 0-1) while the
+// rest land. Modelled, X = 20 U (c0e7acf -> this): L = 80: 90.1 -> 81.2 U; 100: 100.5 ->
+// 90.1; 120: 120.5 -> 100.1; 140: 140.4 -> 109.6. Either change alone: within +-3 % at L =
+// 100 (release alone 103.2, groups alone 100.5): the release opens the second load, the
+// groups cut the stage's use (S mostly inside the transfer), each bounding the other.
+// Between S's groups each waits on an mbarrier (a loop); a wgmma.fence after each wait
+// keeps ptxas from inserting its own warpgroup arrive there (C7520, wgmma serialized).
+//   Not done: FlashMLA's (deepseek-ai/FlashMLA, csrc/sm90/decode/dense) separate P buffer
+// and split release by V halves (here both halves are freed at about the same time, after
+// the P V pair); a third stage (q' 72 KB + 3 x 72 KB > 227 KB); 32-key tiles for more
+// stages (m64n32 S reads q' twice as often: shared-memory-bound).
 // Epilogue as the sm80 kernel's: each consumer writes its columns of out (or with splits
 // its fp32 partials; the last split of a row chunk merges them,
 // collective/split_kv_merge.cuh), consumer 0 the lse; masks, softcap, ALiBi and the
@@ -127,8 +108,13 @@ struct MlaConfig {
   static constexpr int kQBytes = kSegs * kSegBytes;  // 73728
   static constexpr int kTileBytes = kSegs * kSegBytes;
   static constexpr int kStages = 2;
-  // full, empty per stage; the tail copy; per consumer "P of my tile is in shared memory".
-  static constexpr int kBarriers = 2 * kStages + 1 + kConsumers;
+  // A stage's column blocks land in kGroups groups of kGroupSegs blocks, each with its own
+  // full barrier: S(t) issues the k-steps of a group as soon as it has landed.
+  static constexpr int kGroups = 3;
+  static constexpr int kGroupSegs = kSegs / kGroups;
+  // full per stage and group, empty per stage; the tail copy; per consumer "P of my tile is
+  // in shared memory".
+  static constexpr int kBarriers = kStages * kGroups + kStages + 1 + kConsumers;
   // Per row the owner's reference max and rescale factor of its last tile (a pair per
   // consumer), the row sums' exchange of the epilogue (a share per consumer).
   static constexpr int kRowBytes = 4 * kRows * (2 * kConsumers + kConsumers);
@@ -155,6 +141,7 @@ struct MlaConfig {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
                 "setmaxnreg: the warpgroups' registers exceed the block's launch allocation");
   static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(kGroups * kGroupSegs == kSegs, "whole column blocks per group");
 };
 
 // Kernel arguments besides FwdParams: the K and V tensor maps (box 64 columns x box rows,
@@ -190,10 +177,10 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   float* sL = sCorr + Cfg::kConsumers * Cfg::kRows;                               // [consumer][row]
   int* s_order = reinterpret_cast<int*>(sL + Cfg::kConsumers * Cfg::kRows);      // [consumer][round % 2]
   auto* bars = reinterpret_cast<std::uint64_t*>(s_order + 2 * Cfg::kConsumers);
-  std::uint64_t* full = bars;
-  std::uint64_t* empty = bars + Cfg::kStages;
-  std::uint64_t* bar_tail = bars + 2 * Cfg::kStages;
-  std::uint64_t* p_ready = bars + 2 * Cfg::kStages + 1;  // [owner]
+  std::uint64_t* full = bars;  // [stage][group]
+  std::uint64_t* empty = bars + Cfg::kStages * Cfg::kGroups;
+  std::uint64_t* bar_tail = empty + Cfg::kStages;
+  std::uint64_t* p_ready = bar_tail + 1;  // [owner]
   int* merge_flag = reinterpret_cast<int*>(bars + Cfg::kBarriers);
 
   const int splits = a.split.splits, row_chunks = a.split.row_chunks;
@@ -224,7 +211,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
 
   if (tid == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
-      mbar_init(&full[s], 1);
+      for (int g = 0; g < Cfg::kGroups; ++g) mbar_init(&full[s * Cfg::kGroups + g], 1);
       mbar_init(&empty[s], 4 * Cfg::kConsumers);
     }
     mbar_init(bar_tail, 1);
@@ -254,7 +241,10 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       }
       const int k_row0 = p.cu_seqlens_k != nullptr ? p.k_start(b) : 0;
       const int k_b = p.cu_seqlens_k != nullptr || p.is_paged() ? 0 : p.cache_row(b);
-      const std::uint32_t row_bytes = 128u * (1 + a.v_segs);  // copied bytes per key
+      // Column blocks copied per group (block 0 the rope keys, 1 + c the latent block c < v_segs).
+      auto group_segs = [&](int g) {
+        return max(0, min(Cfg::kGroupSegs, 1 + a.v_segs - g * Cfg::kGroupSegs));
+      };
       int it = 0, tail_it = 0;
       for (std::int64_t tile = t_begin; tile < t_end; tile += splits, ++it) {
         const int stage = it % Cfg::kStages;
@@ -263,7 +253,9 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
         const int j0 = static_cast<int>(tile) * kBlockN;
         const int valid = s_k - j0;  // >= 1: tile < t_end
         const bool tail = valid < kBlockN && !a.v_tail_zero;
-        std::uint64_t* bar = tail ? bar_tail : &full[stage];
+        std::uint64_t* full_g = &full[stage * Cfg::kGroups];
+        // The barrier of column block seg: its group's, or with a tail the tail barrier.
+        auto bar = [&](int seg) { return tail ? bar_tail : &full_g[seg / Cfg::kGroupSegs]; };
         // The tile's first block-table entry read before the wait for its stage, so that
         // the load's latency is not added to the copy's (blocks of 64: the only one).
         const int* table = p.block_table + std::int64_t(b) * p.block_table_batch_stride;
@@ -271,27 +263,34 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
         if (leader && a.page_rows != 0) page0 = table[j0 / p.block_size];
         mbar_wait(&empty[stage], phase ^ 1);
         if (leader) {
+          // The expected bytes of each barrier: rows copied x 128 bytes per column block.
+          const int copy_rows = a.page_rows == 0 ? kBlockN
+                                                 : min(kBlockN / a.page_rows, (valid + a.page_rows - 1) / a.page_rows) *
+                                                       a.page_rows;
+          if (tail) {
+            mbar_arrive_expect_tx(bar_tail, copy_rows * 128u * (1 + a.v_segs));
+          } else {
+            for (int g = 0; g < Cfg::kGroups; ++g) mbar_arrive_expect_tx(&full_g[g], copy_rows * 128u * group_segs(g));
+          }
           if (a.page_rows == 0) {
-            mbar_arrive_expect_tx(bar, kBlockN * row_bytes);
-            tma_load_4d(dst, &a.tmap_k, 0, k_row0 + j0, g_kv, k_b, bar);
+            tma_load_4d(dst, &a.tmap_k, 0, k_row0 + j0, g_kv, k_b, bar(0));
             for (int c = 0; c < a.v_segs; ++c) {
-              tma_load_4d(dst + (1 + c) * kSegBytes, &a.tmap_v, 64 * c, k_row0 + j0, g_kv, k_b, bar);
+              tma_load_4d(dst + (1 + c) * kSegBytes, &a.tmap_v, 64 * c, k_row0 + j0, g_kv, k_b, bar(1 + c));
             }
           } else {
             // Boxes of page_rows rows, none crossing a block; those wholly past the keys'
             // end are not copied (their rows are masked, their latent zeroed below).
             const int rows = a.page_rows;
-            const int chunks = min(kBlockN / rows, (valid + rows - 1) / rows);
-            mbar_arrive_expect_tx(bar, chunks * rows * row_bytes);
+            const int chunks = copy_rows / rows;
             for (int ch = 0; ch < chunks; ++ch) {
               const int j = j0 + ch * rows;
               // block_id's clamp (params.hpp), on the hoisted row of the table
               const int entry = ch == 0 ? page0 : table[j / p.block_size];
               const int page = FwdParams::clamp_index(entry, 0, p.kv_cache_rows - 1);
               const int jr = j % p.block_size;
-              tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar);
+              tma_load_4d(dst + ch * rows * 128, &a.tmap_k, 0, jr, g_kv, page, bar(0));
               for (int c = 0; c < a.v_segs; ++c) {
-                tma_load_4d(dst + (1 + c) * kSegBytes + ch * rows * 128, &a.tmap_v, 64 * c, jr, g_kv, page, bar);
+                tma_load_4d(dst + (1 + c) * kSegBytes + ch * rows * 128, &a.tmap_v, 64 * c, jr, g_kv, page, bar(1 + c));
               }
             }
           }
@@ -309,7 +308,9 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
           }
           fence_proxy_async_smem();
           __syncwarp();
-          if (leader) mbar_arrive(&full[stage]);
+          if (leader) {
+            for (int g = 0; g < Cfg::kGroups; ++g) mbar_arrive(&full_g[g]);
+          }
         }
       }
     }
@@ -407,21 +408,30 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     }
   };
 
+  // Tile t's column-block group g has landed (the TMA's writes visible to this thread).
+  auto wait_group = [&](int t, int g) {
+    mbar_wait(&full[(t % Cfg::kStages) * Cfg::kGroups + g], (t / Cfg::kStages) & 1);
+  };
   auto issue_s = [&](int own) {
-    // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block.
-    mbar_wait(&full[own % Cfg::kStages], (own / Cfg::kStages) & 1);
+    // S = q' k'^T over the 576 dims: 36 k-steps of 32 bytes, 4 per column block; a commit
+    // group per column-block group, each issued once its blocks have landed.
     // q's descriptor opaque here: hoisted out of the tile loop, every k-step's would stay live.
     std::uint32_t q_lo = q_lo0;
     asm volatile("" : "+r"(q_lo));
     const std::uint32_t k_lo = smem_desc_lo(stage_addr(own), 0);
-    wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < Cfg::kSegs * 4; ++ks) {
-      const std::uint32_t off = ((ks / 4) * kSegBytes + (ks % 4) * 32) / 16;
-      Wgmma<64>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + off), smem_desc_from_lo(k_lo + off),
-                                         ks > 0 ? 1 : 0);
+    for (int g = 0; g < Cfg::kGroups; ++g) {
+      wait_group(own, g);
+      wgmma_fence();
+#pragma unroll
+      for (int kg = 0; kg < Cfg::kGroupSegs * 4; ++kg) {
+        const int ks = g * Cfg::kGroupSegs * 4 + kg;
+        const std::uint32_t off = ((ks / 4) * kSegBytes + (ks % 4) * 32) / 16;
+        Wgmma<64>::template ss<Element, 0>(s, smem_desc_from_lo(q_lo + off), smem_desc_from_lo(k_lo + off),
+                                           ks > 0 ? 1 : 0);
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
   };
   // The other consumer's tile t: once its owner handed P(t) over (P in the stage's rope
   // block, the rows' reference max and factor in sMax / sCorr, stored and fenced before
@@ -442,7 +452,8 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   // t's copy completed before its owner's S; this consumer's own wait on the full barrier
   // (its phase long complete) is what makes the TMA's writes visible to it.
   auto pv_shared = [&](int t) {
-    mbar_wait(&full[t % Cfg::kStages], (t / Cfg::kStages) & 1);
+#pragma unroll
+    for (int g = 0; g < Cfg::kGroups; ++g) wait_group(t, g);
     const std::uint32_t p_lo = smem_desc_lo(stage_addr(t), 0);
     const std::uint32_t vl = v_lo(t);
     wgmma_fence();
@@ -587,7 +598,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
     if (warp_in == 0 && lane == 0) {
       int first = 0;
       for (;;) {
-        if (mbar_test(&full[own % Cfg::kStages], (own / Cfg::kStages) & 1)) {
+        if (mbar_test(&full[(own % Cfg::kStages) * Cfg::kGroups], (own / Cfg::kStages) & 1)) {
           first = 1;
           break;
         }
@@ -606,10 +617,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
 
   // The schedule (the header's timeline): consumer cw's round k takes the other's tile
   // oth = own - 1 and its own tile own = 2 k + cw. S(own) goes to the tensor pipe as soon as
-  // its stage has landed, also before P(oth) arrives: then it runs while the other consumer
-  // computes the softmax of oth, and P(oth) V queues behind it (this consumer's wgmma run
-  // in issue order). When P(oth) comes first (the stage is still loading), P(oth) V goes
-  // first and its wait releases oth (the ring's next load) before S(own) completes. The
+  // its first column-block group has landed, also before P(oth) arrives: then it runs while
+  // the other consumer computes the softmax of oth, and P(oth) V queues behind it (this
+  // consumer's wgmma run in issue order). When P(oth) comes first (the stage is still
+  // loading), P(oth) V goes first and is waited on, releasing oth (the ring's next load)
+  // before the wait for own's stage. The
   // softmax of own always follows the take-over of oth (the reference max runs through the
   // tiles in order); P(own) is handed over before P(own) V from registers.
   for (int own = cw;; own += 2) {
@@ -634,14 +646,16 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       issue_s(own);
       take_over(oth);
       pv_shared(oth);
-      wgmma_wait<1>();  // S(own); P(oth) V may still run
+      wgmma_wait<1>();  // S(own)'s groups; P(oth) V may still run
       oth_held = true;
     } else {
+      // P(oth) V waited on and oth released before the wait for the own stage: the ring's
+      // next load into oth's stage does not wait for own's to land.
       take_over(oth);
       pv_shared(oth);
-      issue_s(own);
-      wgmma_wait<1>();  // P(oth) V: tile oth done
+      wgmma_wait<0>();
       release(oth);
+      issue_s(own);
       wgmma_wait<0>();  // S(own)
     }
     float corr[2];
