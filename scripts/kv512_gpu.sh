@@ -22,9 +22,10 @@
 #   ninja -C build-kv tests/flashattn_cuda_tests && mkdir -p .c17/tools
 #   tar cf - -C build-kv tests/flashattn_cuda_tests | zstd -T2 -12 --long=29 -o .c17/kv512.tar.zst
 #   cp "$(command -v zstd)" .c17/tools/   (with its liblzma / liblz4 from ldd beside it)
-# Not yet run on a GPU (2026-12-07: no device could be had after the branch was built). Everything goes
-# to $OUT/kv512.log (default ./out), one summary line per pass at its end.
+# Run on the lent H100 on 2026-12-07 (eighteenth session; docs/performance.md, History). Everything
+# goes to $OUT/kv512.log (default ./out), one summary line per pass at its end.
 set -uo pipefail
+. "$(dirname "$0")/gtest_state.sh"
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 LOG="$OUT/kv512.log"
@@ -60,17 +61,8 @@ run_pass() {
   env $env timeout "$t" stdbuf -oL "$T" --gtest_filter="$filter" >"$out" 2>&1
   rc=$?
   cat "$out" >>"$LOG"
-  local passed skipped failed state
-  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out" | grep -oE '[0-9]+$' || true)
-  skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out" | grep -oE '[0-9]+$' || true)
-  failed=$(grep -E '^\[  FAILED  \] [A-Za-z]' "$out" | sed 's/^\[  FAILED  \] //' | sort -u | tr '\n' ' ')
-  if [ $rc = 124 ] || [ $rc = 137 ]; then
-    state="TIMEOUT after ${t}s (last started: $(grep -E '^\[ RUN' "$out" | tail -1 | sed 's/.*RUN *\] *//'))"
-  elif [ $rc = 0 ]; then
-    state="ok, ${passed:-0} passed, ${skipped:-0} skipped"
-  else
-    state="FAILED rc $rc, ${passed:-0} passed: ${failed:-see the log (crash?)}"
-  fi
+  local state
+  state=$(gtest_state "$out" $rc "$t")
   summary+=("$name: $state ($(($(date +%s) - t0))s)")
   rm -f "$out"
 }

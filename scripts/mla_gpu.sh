@@ -27,6 +27,7 @@
 # (Release). Logs and CSVs go to $OUT (default ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. scripts/gtest_state.sh
 STEPS=${1:-all}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -51,22 +52,13 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,
 
 # ---------------------------------------------------------------- 1. tests (new build)
 run_tests() {  # name filter
-  local name=$1 filter=$2 out="$OUT/mla_tests_$1.txt" t0 rc passed skipped failed state
+  local name=$1 filter=$2 out="$OUT/mla_tests_$1.txt" t0 rc state
   echo "==== tests $name: $filter" | tee -a "$LOG"
   t0=$(date +%s)
   timeout 150 stdbuf -oL mla-new/flashattn_cuda_tests --gtest_filter="$filter" >"$out" 2>&1
   rc=$?
   cat "$out" >>"$LOG"
-  passed=$(grep -oE '^\[  PASSED  \] [0-9]+' "$out" | grep -oE '[0-9]+$' || true)
-  skipped=$(grep -oE '^\[  SKIPPED \] [0-9]+' "$out" | grep -oE '[0-9]+$' || true)
-  failed=$(grep -E '^\[  FAILED  \] [A-Za-z]' "$out" | sed 's/^\[  FAILED  \] //' | sort -u | tr '\n' ' ')
-  if [ $rc = 124 ] || [ $rc = 137 ]; then
-    state="TIMEOUT after 150 s (last started: $(grep -E '^\[ RUN' "$out" | tail -1 | sed 's/.*RUN *\] *//'))"
-  elif [ $rc = 0 ]; then
-    state="ok, ${passed:-0} passed, ${skipped:-0} skipped"
-  else
-    state="FAILED rc $rc, ${passed:-0} passed: ${failed:-see the log (crash?)}"
-  fi
+  state=$(gtest_state "$out" $rc 150)
   summary+=("tests $name: $state ($(($(date +%s) - t0)) s)")
 }
 if [ "$STEPS" = all ] || [ "$STEPS" = tests ]; then
