@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       mbar_init(&empty[s], 4 * Cfg::kConsumers);
     }
     mbar_init(bar_tail, 1);
-    for (int c = 0; c < Cfg::kConsumers; ++c) mbar_init(&p_ready[c], 4);
+    for (int c = 0; c < Cfg::kConsumers; ++c) mbar_init(&p_ready[c], 128);  // every thread of the owner
     mbar_init_fence();
   }
   // Latent column blocks past d_v are never copied: zero in both stages, once.
@@ -548,7 +548,11 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
   // swizzle's position c ^ (r % 8). stmatrix x4 per 16 keys: matrix i (lanes 8 i .. 8 i + 7
   // give its rows) is rows 16 warp_in + 8 (i % 2) + (0..7) of chunk 2 kk + i / 2, register
   // i = pa[kk][i]. Each 8-row matrix covers 8 distinct 16-byte bank groups. Then the rows'
-  // max and factor; all fenced for the async proxy, one arrive per warp.
+  // max and factor; all fenced for the async proxy, then every thread's arrive (release):
+  // each thread's own stores are ordered before the other consumer's wait (acquire), with
+  // no warp barrier in the chain (compute-sanitizer's racecheck does not carry the order
+  // through __syncwarp to lane 0's arrive: it reported the rows' max / factor stores of
+  // the other lanes as RAW hazards). One warp instruction either way.
   auto hand_over = [&](int own, const float (&corr)[2]) {
     // The row part opaque: hoisted out of the tile loop, the 4 addresses would stay live.
     int mi = lane / 8, mr = lane % 8;
@@ -566,8 +570,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
       }
     }
     fence_proxy_async_smem();  // P written by the generic proxy, read by the other's wgmma
-    __syncwarp();              // the warp's stores before its arrive (release)
-    if (lane == 0) mbar_arrive(&p_ready[cw]);
+    mbar_arrive(&p_ready[cw]);
   };
   // P V of the own tile from registers, waited on: this consumer's next tile (own + 2)
   // needs the stage back, and its next rescale needs O.
