@@ -424,11 +424,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
   if constexpr (kConsumers > 1) {
     if (cw == kConsumers - 1) named_barrier_arrive(1, 128 * 2);
   }
+  // The work tiles in the producer's order: next_tile() gives the next valid one (valid
+  // false past the end). It runs a tile ahead, under the last P V GEMM of the tile before,
+  // with the normalisers and lse: that GEMM's wait, not the scalar epilogue, then leads
+  // into the out stores and the next tile's first S GEMM.
+  int next_u = blockIdx.x, next_part = 0;
+  auto next_tile = [&] {
+    WorkTile t;
+    t.valid = false;
+    while (!t.valid && next_u < args.n_units) {
+      t = work_tile<kBlockM, kBlockN>(p, next_u, next_part, args.m_blocks);
+      if (++next_part == unit_parts(p)) {
+        next_part = 0;
+        next_u += gridDim.x;
+      }
+    }
+    return t;
+  };
   int kv_it = 0, q_it = 0;
-  for (int u = blockIdx.x; u < args.n_units; u += gridDim.x)
-  for (int part = 0; part < unit_parts(p); ++part) {
-    const WorkTile w = work_tile<kBlockM, kBlockN>(p, u, part, args.m_blocks);
-    if (!w.valid) continue;
+  for (WorkTile w = next_tile(); w.valid;) {
     const TileMask mask(w.s_q, w.s_k, p.mask);
     const int row_lo = w.m0 + row_in_tile;  // sequence row of half 0
     const float slope = p.alibi_slope(w.b, w.h);
@@ -558,13 +572,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
       issue_pv(stage_of(n_tiles - 1));
       wgmma_commit();
       turn_pass();
-      wgmma_wait<0>();
-      release(&empty_v[stage_of(n_tiles - 1)]);
-      kv_it += n_tiles;
     }
 
-    // ---- epilogue: O / l straight from the accumulators (pairs of columns), lse per row.
-    // A learnable sink joins each row's max and sum here (log2 units), outside the key loop.
+    // ---- under the last P V GEMM (the row statistics are final): the normalisers, lse per
+    // row, the next work tile. A learnable sink joins each row's max and sum here (log2
+    // units), outside the key loop.
     float inv[2], lse[2];
     const float sink_log2 = p.sink != nullptr ? p.sink[w.h] * 1.4426950408889634f : -INFINITY;
 #pragma unroll
@@ -589,6 +601,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         lse[half] = empty ? -INFINITY : (row_max[half] * to_log2 + log2f(sum)) * 0.6931471805599453f;
       }
     }
+    if (p.lse != nullptr && lane % 4 == 0) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = row_lo + 8 * half;
+        if (i < w.s_q) p.lse[p.lse_offset(w.b, w.h) + i] = lse[half];
+      }
+    }
+    const WorkTile next = next_tile();
+    wgmma_wait<0>();  // the last P V (unconditional: ptxas tracks no condition across the branches)
+    if (n_tiles > 0) {
+      release(&empty_v[(kv_it + n_tiles - 1) % kStages]);
+      kv_it += n_tiles;
+    }
+
+    // ---- epilogue: O / l from the accumulators.
     // A consumer whose 64 rows are all real stages them in shared memory (stmatrix, the
     // 128-byte swizzle of the boxes) and one thread stores them by TMA, so the warps go on
     // to the next tile while the copy drains; a slab with rows past the sequence (whose
@@ -629,13 +656,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         }
       }
     }
-    Out* const o_base =
-        static_cast<Out*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
+    if (!staged) {
+      Out* const o_base =
+          static_cast<Out*>(p.out) + p.o_offset(w.b) + std::int64_t(w.h) * p.o_head_stride;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = row_lo + 8 * half;
-      if (i < w.s_q) {
-        if (!staged) {
+      for (int half = 0; half < 2; ++half) {
+        const int i = row_lo + 8 * half;
+        if (i < w.s_q) {
           Out* const o_row = o_base + std::int64_t(i) * p.o_row_stride + 2 * (lane % 4);
 #pragma unroll
           for (int c = 0; c < kHeadDim / 8; ++c) {
@@ -645,9 +672,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
             }
           }
         }
-        if (p.lse != nullptr && lane % 4 == 0) p.lse[p.lse_offset(w.b, w.h) + i] = lse[half];
       }
     }
+    w = next;
   }
   // The TMA stores have read the out slabs before the block's shared memory goes.
   if constexpr (Cfg::kTmaStore) {
