@@ -45,6 +45,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/params.hpp"
 #include "cuda/arch/pack.cuh"
@@ -88,6 +89,13 @@ struct BwdConfig {
   // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
   // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
   static constexpr bool kEarlyDv = kBlockM + kHeadDim + kBlockM / 4 <= 208;
+  // FA3's order instead (takes precedence over kEarlyDv): dV's product issued after dS^T's
+  // shared-memory store, before the dS barrier. On unmasked tiles the exponentials, dS^T,
+  // both packs and the store are one basic block (the masked pass is a second copy of it),
+  // so ptxas interleaves the 32 MUFU.EX2 (8 cycles apart) with dS^T's arithmetic; with dV
+  // issued between them the exponentials issued back to back with nothing to hide them
+  // (docs/notes/bwd_fa3_sass.md).
+  static constexpr bool kDvAtDsStore = kEarlyDv;
   // dK and dV leave through shared memory and TMA stores (the epilogue): each consumer's
   // 64 key rows of both, 16-bit, staged in the Q / dO ring once every product is done.
   static constexpr bool kTmaStoreDkv = !kSplitHd;
@@ -143,7 +151,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kKN = kHeadDim / 2;  // dK (and dV) accumulator floats per thread
   constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
   constexpr float kLog2e = 1.4426950408889634f;
-  constexpr bool kEarlyDv = Cfg::kEarlyDv && kRaw;
+  constexpr bool kDvAtDsStore = Cfg::kDvAtDsStore && kRaw;
+  constexpr bool kEarlyDv = Cfg::kEarlyDv && kRaw && !kDvAtDsStore;
   // Consumer w's dQ block: rows 64 (w / this), columns kDqCols (w % this).
   constexpr int kDqColBlocks = kHeadDim / Cfg::kDqCols;
   constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
@@ -327,7 +336,87 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           }
           wgmma_commit();
         };
-        if constexpr (kRaw) {
+        // dS^T packed (da) and stored to shared memory: 64-query column blocks of [kBlockN keys x
+        // 128 bytes], the TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). da[kk] holds
+        // the four 8 x 8 matrices of the warp's 16 key rows x queries 16 kk .. 16 kk + 15 in
+        // stmatrix order (rows +0 / +8, columns +0 / +8): lane l gives the row l % 8 (+ 8 for odd
+        // l / 8) of matrix l / 8, whose 8 columns are chunk 2 (kk % 4) + l / 16 of its row,
+        // swizzled: (2 (kk % 4) + h) ^ r = 2 (kk % 4) ^ (h ^ r) with h = l / 16, r = l % 8.
+        // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
+        // kept per k-step and spilled.)
+        auto store_ds = [&] {
+#pragma unroll
+          for (int kk = 0; kk < kMK; ++kk) {
+            da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
+            da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
+            da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
+            da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
+          }
+          std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
+          std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
+          asm volatile("" : "+r"(ds_lane), "+r"(ds_t));
+          ds_lane += (it & 1) * Cfg::kDsBytes;
+#pragma unroll
+          for (int kk = 0; kk < kMK; ++kk) {
+            stmatrix_x4(ds_lane + (kk / 4) * kBlockN * 128 + ((32u * (kk % 4)) ^ ds_t), da[kk][0], da[kk][1], da[kk][2],
+                        da[kk][3]);
+          }
+        };
+        if constexpr (kDvAtDsStore) {
+          // FA3's order (Cfg::kDvAtDsStore): P^T, dS^T, their packs and dS^T's store in one
+          // pass per tile kind, the masked one a copy with the selects, so that the unmasked
+          // pass is one basic block from the S^T wait to the store (ptxas hoists the dP^T wait
+          // into the exponentials and fills the MUFU.EX2 gaps with dS^T's arithmetic); dV's
+          // product is issued after it, below. lse and D are read into registers before the
+          // waits (see the other branch).
+          float2 lse_r[kBlockM / 8], dd_r[kBlockM / 8];
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) lse_r[c] = *reinterpret_cast<const float2*>(lse_s + 8 * c);
+          wgmma_wait<1>();
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) dd_r[c] = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
+          auto pass = [&](auto masked_c) {
+            if constexpr (decltype(masked_c)::value) {
+              // Opaque inputs (no instruction): the compiler hoisted the exponentials both
+              // copies share above the branch, back to back again.
+#pragma unroll
+              for (int i = 0; i < kSN; ++i) asm volatile("" : "+f"(s[i]));
+            }
+#pragma unroll
+            for (int c = 0; c < kBlockM / 8; ++c) {
+              const float2 l = lse_r[c];
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
+                s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
+              }
+            }
+            if constexpr (decltype(masked_c)::value) zero_invisible(s);
+            wgmma_wait<0>();  // dP^T
+            // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D
+            // hold (docs/semantics.md rule 5).
+#pragma unroll
+            for (int c = 0; c < kBlockM / 8; ++c) {
+              const float2 dd = dd_r[c];
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int r = 4 * c + 2 * half;
+                dp[r] = s[r] * (dp[r] - dd.x);
+                dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
+              }
+            }
+            if constexpr (decltype(masked_c)::value) zero_invisible(dp);
+            pack_p();
+            store_ds();
+            // (and an opaque end, so that the shared tail is not sunk below the branch)
+            if constexpr (decltype(masked_c)::value) asm volatile("" ::: "memory");
+          };
+          if (masked) {
+            pass(std::true_type{});
+          } else {
+            pass(std::false_type{});
+          }
+        } else if constexpr (kRaw) {
           // P^T = exp2(S^T * scale log2 e - lse log2 e) while dP^T is computed. lse (and D
           // below) are read into registers before the waits, so that their shared loads'
           // latency hides behind the products (ncu, H100: the FFMAs waiting on them held
@@ -409,30 +498,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           }
           pack_p();
         }
-#pragma unroll
-        for (int kk = 0; kk < kMK; ++kk) {
-          da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
-          da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
-          da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
-          da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
-        }
-        // dS^T to shared memory: 64-query column blocks of [kBlockN keys x 128 bytes], the
-        // TMA's 128-byte swizzle (16-byte chunk index ^ row % 8). da[kk] holds the four 8 x 8
-        // matrices of the warp's 16 key rows x queries 16 kk .. 16 kk + 15 in stmatrix order
-        // (rows +0 / +8, columns +0 / +8): lane l gives the row l % 8 (+ 8 for odd l / 8) of
-        // matrix l / 8, whose 8 columns are chunk 2 (kk % 4) + l / 16 of its row, swizzled:
-        // (2 (kk % 4) + h) ^ r = 2 (kk % 4) ^ (h ^ r) with h = l / 16, r = l % 8.
-        // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
-        // kept per k-step and spilled.)
-        std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
-        std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
-        asm volatile("" : "+r"(ds_lane), "+r"(ds_t));
-        ds_lane += (it & 1) * Cfg::kDsBytes;
-#pragma unroll
-        for (int kk = 0; kk < kMK; ++kk) {
-          stmatrix_x4(ds_lane + (kk / 4) * kBlockN * 128 + ((32u * (kk % 4)) ^ ds_t), da[kk][0], da[kk][1], da[kk][2],
-                      da[kk][3]);
-        }
+        if constexpr (!kDvAtDsStore) store_ds();
+        if constexpr (kDvAtDsStore) issue_dv();  // runs across the barrier and dQ's issue
         fence_proxy_async_smem();
         // Both halves of dS^T are in shared memory.
         named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
@@ -447,7 +514,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                                                 smem_desc_from_lo(kq_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
         }
         wgmma_commit();
-        if constexpr (!kEarlyDv) issue_dv();
+        if constexpr (!kEarlyDv && !kDvAtDsStore) issue_dv();
         // dK_w += dS^T Q.
         wgmma_fence();
 #pragma unroll
@@ -456,7 +523,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
         wgmma_commit();
         // Pending: [dV,] dQ[, dV], dK.
-        if constexpr (kEarlyDv) {
+        if constexpr (kEarlyDv || kDvAtDsStore) {
           wgmma_wait<1>();
         } else {
           wgmma_wait<2>();
