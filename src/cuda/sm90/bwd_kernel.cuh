@@ -362,6 +362,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                         da[kk][3]);
           }
         };
+        // kRaw: P^T = exp2(S^T * scale log2 e - lse log2 e), lse per query column from
+        // registers; dS^T = P^T (dP^T - D) in place of dP^T.
+        auto exp_p = [&](const float2 (&lse_r)[kBlockM / 8]) {
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) {
+            const float2 l = lse_r[c];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
+              s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
+            }
+          }
+        };
+        auto ds_of = [&](const float2 (&dd_r)[kBlockM / 8]) {
+#pragma unroll
+          for (int c = 0; c < kBlockM / 8; ++c) {
+            const float2 dd = dd_r[c];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int r = 4 * c + 2 * half;
+              dp[r] = s[r] * (dp[r] - dd.x);
+              dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
+            }
+          }
+        };
         if constexpr (kDvAtDsStore) {
           // FA3's order (Cfg::kDvAtDsStore): P^T, dS^T, their packs and dS^T's store in one
           // pass per tile kind, the masked one a copy with the selects, so that the unmasked
@@ -382,29 +407,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 #pragma unroll
               for (int i = 0; i < kSN; ++i) asm volatile("" : "+f"(s[i]));
             }
-#pragma unroll
-            for (int c = 0; c < kBlockM / 8; ++c) {
-              const float2 l = lse_r[c];
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
-                s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
-              }
-            }
+            exp_p(lse_r);
             if constexpr (decltype(masked_c)::value) zero_invisible(s);
             wgmma_wait<0>();  // dP^T
             // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D
             // hold (docs/semantics.md rule 5).
-#pragma unroll
-            for (int c = 0; c < kBlockM / 8; ++c) {
-              const float2 dd = dd_r[c];
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int r = 4 * c + 2 * half;
-                dp[r] = s[r] * (dp[r] - dd.x);
-                dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
-              }
-            }
+            ds_of(dd_r);
             if constexpr (decltype(masked_c)::value) zero_invisible(dp);
             pack_p();
             store_ds();
@@ -425,15 +433,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 #pragma unroll
           for (int c = 0; c < kBlockM / 8; ++c) lse_r[c] = *reinterpret_cast<const float2*>(lse_s + 8 * c);
           wgmma_wait<1>();
-#pragma unroll
-          for (int c = 0; c < kBlockM / 8; ++c) {
-            const float2 l = lse_r[c];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              s[4 * c + 2 * half] = bwd_exp2(s[4 * c + 2 * half] * scale_log2 - l.x);
-              s[4 * c + 2 * half + 1] = bwd_exp2(s[4 * c + 2 * half + 1] * scale_log2 - l.y);
-            }
-          }
+          exp_p(lse_r);
           if (masked) zero_invisible(s);
           float2 dd_r[kBlockM / 8];
 #pragma unroll
@@ -448,16 +448,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D hold
           // (a visible probability that underflowed to 0 still carries a NaN dO row's NaN,
           // docs/semantics.md rule 5).
-#pragma unroll
-          for (int c = 0; c < kBlockM / 8; ++c) {
-            const float2 dd = dd_r[c];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int r = 4 * c + 2 * half;
-              dp[r] = s[r] * (dp[r] - dd.x);
-              dp[r + 1] = s[r + 1] * (dp[r + 1] - dd.y);
-            }
-          }
+          ds_of(dd_r);
           // One branch around the whole masked pass (inside the loop above, ptxas branched
           // around each column group: 8 branches per pair on unmasked tiles).
           if (masked) zero_invisible(dp);
