@@ -21,4 +21,19 @@ __device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
   }
 }
 
+// A 16-bit A operand from an fp32 accumulator: an m64nN wgmma's accumulator (8 values per
+// thread per 16 columns) and the A fragment of an m64nNk16 wgmma (four registers per k-step)
+// share their thread / row / column layout, so k-step kk's registers are the accumulator's
+// values 8 kk .. 8 kk + 7 paired in order (P for P V in the forward, P^T and dS^T in the
+// backward).
+template <typename Element, int kSteps, int kN>
+__device__ __forceinline__ void pack_a_frags(const float (&acc)[kN], std::uint32_t (&a)[kSteps][4]) {
+  static_assert(8 * kSteps <= kN, "pack_a_frags: the accumulator holds fewer than 8 values per k-step");
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[kk][j] = pack2<Element>(acc[8 * kk + 2 * j], acc[8 * kk + 2 * j + 1]);
+  }
+}
+
 }  // namespace flashattn::detail::cuda

@@ -319,13 +319,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
               }
         };
         auto pack_p = [&] {
-#pragma unroll
-          for (int kk = 0; kk < kMK; ++kk) {
-            pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-            pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-            pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-            pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-          }
+          pack_a_frags<Element>(s, pa);
         };
         // dV_w += P^T dO (dO read MN-major: 16 query rows per k-step).
         auto issue_dv = [&] {
@@ -345,13 +339,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         // (The lane's term is made opaque: hoisted out of the loop, the store addresses were
         // kept per k-step and spilled.)
         auto store_ds = [&] {
-#pragma unroll
-          for (int kk = 0; kk < kMK; ++kk) {
-            da[kk][0] = pack2<Element>(dp[8 * kk + 0], dp[8 * kk + 1]);
-            da[kk][1] = pack2<Element>(dp[8 * kk + 2], dp[8 * kk + 3]);
-            da[kk][2] = pack2<Element>(dp[8 * kk + 4], dp[8 * kk + 5]);
-            da[kk][3] = pack2<Element>(dp[8 * kk + 6], dp[8 * kk + 7]);
-          }
+          pack_a_frags<Element>(dp, da);
           std::uint32_t ds_lane = smem_addr(sdS) + (64 * cw + 16 * warp_in + 8 * ((lane / 8) % 2) + lane % 8) * 128;
           std::uint32_t ds_t = 16u * ((lane / 16) ^ (lane % 8));
           asm volatile("" : "+r"(ds_lane), "+r"(ds_t));

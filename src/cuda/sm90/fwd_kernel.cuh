@@ -403,13 +403,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fwd_kernel(const __grid_cons
         pa[kk][3] = pack4_e4m3(x[10], x[11], x[14], x[15]);
       }
     } else {
-#pragma unroll
-      for (int kk = 0; kk < kPK; ++kk) {
-        pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-      }
+      pack_a_frags<Element>(s, pa);
     }
   };
   // Warp-uniform: skipped unless some row of the warp moved its reference max.

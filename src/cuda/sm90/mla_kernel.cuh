@@ -533,13 +533,7 @@ __global__ void __launch_bounds__(MlaConfig::kThreads, 1)
         for (int e = 0; e < 2; ++e) s[4 * c + 2 * hf + e] = sm80::fast_exp2(fmaf(s[4 * c + 2 * hf + e], mul, -base));
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      pa[kk][0] = pack2<Element>(s[8 * kk + 0], s[8 * kk + 1]);
-      pa[kk][1] = pack2<Element>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = pack2<Element>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = pack2<Element>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    pack_a_frags<Element>(s, pa);
   };
   // P of the own tile to its stage's rope block for the other consumer (S(own), block 0's
   // only reader, has completed: waited on before the softmax; the block is loaded again
