@@ -85,17 +85,16 @@ struct BwdConfig {
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
                                     (kDqStaged ? kConsumers * kDqBytes : 0) + 2 * kStages * kBlockM * 4 +
                                     8 * kBarriers;
-  // dV's product is issued before dS is computed (overlapping it) where the registers
-  // live then (S^T, dP^T, dK, dV, P^T's fragments) leave room: ptxas serialised every
-  // wgmma of the 128 x 128 hdim-64 tile that way (224 of 240 live), not hdim 128's 64-row.
-  static constexpr bool kEarlyDv = kBlockM + kHeadDim + kBlockM / 4 <= 208;
-  // FA3's order instead (takes precedence over kEarlyDv): dV's product issued after dS^T's
-  // shared-memory store, before the dS barrier. On unmasked tiles the exponentials, dS^T,
-  // both packs and the store are one basic block (the masked pass is a second copy of it),
-  // so ptxas interleaves the 32 MUFU.EX2 (8 cycles apart) with dS^T's arithmetic; with dV
-  // issued between them the exponentials issued back to back with nothing to hide them
-  // (docs/notes/bwd_fa3_sass.md).
-  static constexpr bool kDvAtDsStore = kEarlyDv;
+  // FA3's order: dV's product issued after dS^T's shared-memory store, before the dS
+  // barrier, so that it runs across the barrier and dQ's issue. On unmasked tiles the
+  // exponentials, dS^T, both packs and the store are one basic block (the masked pass is a
+  // second copy of it), so ptxas interleaves the 32 MUFU.EX2 (8 cycles apart) with dS^T's
+  // arithmetic; with dV issued between them (the order before b6ca380) the exponentials
+  // issued back to back with nothing to hide them (docs/notes/bwd_fa3_sass.md). Only where
+  // the registers live across dV's issue (S^T, dP^T, dK, dV, P^T's fragments) leave room:
+  // ptxas serialised every wgmma of the 128 x 128 hdim-64 tile with dV issued early (224 of
+  // 240 live), not hdim 128's 64-row; elsewhere dV is issued after dQ.
+  static constexpr bool kDvAtDsStore = kBlockM + kHeadDim + kBlockM / 4 <= 208;
   // dK and dV leave through shared memory and TMA stores (the epilogue): each consumer's
   // 64 key rows of both, 16-bit, staged in the Q / dO ring once every product is done.
   static constexpr bool kTmaStoreDkv = !kSplitHd;
@@ -152,7 +151,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
   constexpr int kMK = kBlockM / 16;  // k-steps of the products over the query rows
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr bool kDvAtDsStore = Cfg::kDvAtDsStore && kRaw;
-  constexpr bool kEarlyDv = Cfg::kEarlyDv && kRaw && !kDvAtDsStore;
   // Consumer w's dQ block: rows 64 (w / this), columns kDqCols (w % this).
   constexpr int kDqColBlocks = kHeadDim / Cfg::kDqCols;
   constexpr int kDsReady = 1, kDqFull = 2, kDqEmpty = 2 + Cfg::kConsumers;  // named barrier ids
@@ -427,12 +425,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
 #pragma unroll
           for (int c = 0; c < kBlockM / 8; ++c) dd_r[c] = *reinterpret_cast<const float2*>(dsum_s + 8 * c);
           pack_p();
-          if constexpr (kEarlyDv) {
-            issue_dv();       // runs while dS is computed
-            wgmma_wait<1>();  // dP^T
-          } else {
-            wgmma_wait<0>();  // dP^T
-          }
+          wgmma_wait<0>();  // dP^T
           // dS^T = P^T (dP^T - D); masked elements are 0 by a select whatever dP and D hold
           // (a visible probability that underflowed to 0 still carries a NaN dO row's NaN,
           // docs/semantics.md rule 5).
@@ -477,8 +470,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
           }
           pack_p();
         }
-        if constexpr (!kDvAtDsStore) store_ds();
-        if constexpr (kDvAtDsStore) issue_dv();  // runs across the barrier and dQ's issue
+        if constexpr (kDvAtDsStore) {
+          issue_dv();  // runs across the barrier and dQ's issue
+        } else {
+          store_ds();
+        }
         fence_proxy_async_smem();
         // Both halves of dS^T are in shared memory.
         named_barrier_sync(kDsReady, 128 * Cfg::kConsumers);
@@ -493,7 +489,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
                                                 smem_desc_from_lo(kq_lo + ks * 16 * 128 / 16), ks > 0 ? 1 : 0);
         }
         wgmma_commit();
-        if constexpr (!kEarlyDv && !kDvAtDsStore) issue_dv();
+        if constexpr (!kDvAtDsStore) issue_dv();
         // dK_w += dS^T Q.
         wgmma_fence();
 #pragma unroll
@@ -502,7 +498,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_kernel(const __grid_cons
         }
         wgmma_commit();
         // Pending: [dV,] dQ[, dV], dK.
-        if constexpr (kEarlyDv || kDvAtDsStore) {
+        if constexpr (kDvAtDsStore) {
           wgmma_wait<1>();
         } else {
           wgmma_wait<2>();
